@@ -1,0 +1,20 @@
+"""hybrid_ray: a tiered hybrid shuffle for Ray (memory > local disk > remote object store)."""
+
+from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
+from hybrid_ray.config import (
+    GiB, KiB, MiB, Compression, ShuffleConfig, ShuffleMode, Spilling, TierName,
+)
+from hybrid_ray.errors import (
+    ConfigError, CorruptSegmentError, HybridRayError, OutOfSpaceError, RemoteTierError,
+    SegmentNotFoundError, ShuffleFailedError, ShuffleNotFoundError, UnknownTierError,
+)
+from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
+from hybrid_ray.tier_manager import TierManager, build_io_tiers
+
+__all__ = [
+    "Compression", "ConfigError", "CorruptSegmentError", "GiB", "HybridRayError", "KiB", "MiB",
+    "OutOfSpaceError", "ReadClient", "RemoteTierError", "SegmentId", "SegmentMeta",
+    "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMode",
+    "ShuffleNotFoundError", "Spilling", "TierManager", "TierName", "UnknownTierError",
+    "WriteClient", "WriteStats", "build_io_tiers", "decode_segment", "encode_segment",
+]

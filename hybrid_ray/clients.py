@@ -1,0 +1,276 @@
+"""Write client and read client (FLIP-301).
+
+The write client cuts each subpartition's rows into segments, asks the node's tier manager
+for the first tier (memory > disk) that can take each one, writes it there (or to the remote
+tier when no local tier can), and hands the committed segment metadata to a committer (the
+shuffle master on a cluster). The segment size follows the tier the subpartition is on, and
+every new segment asks the higher tiers again, so writing switches back up when room frees.
+
+The read client reads segments in order from whichever tier holds each one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import OutOfSpaceError
+from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
+from hybrid_ray.tier_manager import Placement
+from hybrid_ray.tiers import Grant, Tier
+from hybrid_ray.tiers.disk import read_segment_file
+
+
+class NodeStorage(Protocol):
+    """What a write client needs from its node: a ``TierManager`` or a proxy to its actor."""
+
+    def reserve(self, shuffle_id: str, sizes: Sequence[int],
+                settled: Sequence[tuple[Grant, int | None]] = ()) -> list[Placement]: ...
+
+    def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None: ...
+
+    def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None: ...
+
+
+@dataclasses.dataclass
+class WriteStats:
+    """What one write client did: bytes/segments per tier, tier switches, spills."""
+
+    bytes_per_tier: dict[str, int] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(int))
+    segments_per_tier: dict[str, int] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(int))
+    rows: int = 0
+    tier_switches: int = 0
+    # A spill event: a segment went to a lower tier than the highest this shuffle enables.
+    spill_events: int = 0
+
+    def merge(self, other: "WriteStats") -> None:
+        for k, v in other.bytes_per_tier.items():
+            self.bytes_per_tier[k] += v
+        for k, v in other.segments_per_tier.items():
+            self.segments_per_tier[k] += v
+        self.rows += other.rows
+        self.tier_switches += other.tier_switches
+        self.spill_events += other.spill_events
+
+
+class WriteClient:
+    """Writes one map partition's subpartitions as segments through the tiers.
+
+    Args:
+        shuffle_id, map_partition, num_subpartitions, attempt: identity of the producer.
+        config: the shuffle's configuration (segment sizes, compression, enabled tiers).
+        storage: the node's tier manager (or its actor proxy) that grants space.
+        io_tiers: tier objects for I/O in this process (``build_io_tiers``).
+        node_id: recorded in each segment's metadata, so readers know where it lives.
+        on_commit: called with each batch of finished segments (e.g. the master's commit).
+    """
+
+    def __init__(self, shuffle_id: str, map_partition: int, num_subpartitions: int,
+                 config: ShuffleConfig, storage: NodeStorage, io_tiers: dict[TierName, Tier],
+                 *, attempt: int = 0, node_id: str = "",
+                 on_commit: Callable[[list[SegmentMeta]], None] | None = None) -> None:
+        if num_subpartitions <= 0:
+            raise ValueError(f"num_subpartitions must be >= 1, got {num_subpartitions}")
+        self.shuffle_id = shuffle_id
+        self.map_partition = map_partition
+        self.num_subpartitions = num_subpartitions
+        self.attempt = attempt
+        self.config = config
+        self.storage = storage
+        self.io_tiers = io_tiers
+        self.node_id = node_id
+        self.on_commit = on_commit
+        self.stats = WriteStats()
+        self._top_tier = config.enabled_tiers[0]
+        self._buffers: list[list[pa.Table]] = [[] for _ in range(num_subpartitions)]
+        self._buffered_bytes = [0] * num_subpartitions
+        self._current_tier = [self._top_tier] * num_subpartitions
+        self._next_index = [0] * num_subpartitions
+        self._unsettled: list[tuple[Grant, int | None]] = []
+        self._uncommitted: list[SegmentMeta] = []
+        self.written: list[SegmentMeta] = []
+        self._closed = False
+
+    # ---- public API ----------------------------------------------------------------------------
+    def write(self, subpartition: int, data: pa.Table | pa.RecordBatch) -> None:
+        """Append rows to a subpartition; full segments are written out as they fill."""
+        self._check_open()
+        if not 0 <= subpartition < self.num_subpartitions:
+            raise ValueError(f"subpartition must be in [0, {self.num_subpartitions}), "
+                             f"got {subpartition}")
+        table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+        if table.num_rows == 0:
+            return
+        self._buffers[subpartition].append(table)
+        self._buffered_bytes[subpartition] += table.nbytes
+        if self._buffered_bytes[subpartition] >= self._segment_bytes(subpartition):
+            self._place(self._cut(subpartition, final=False))
+
+    def write_many(self, parts: Iterable[tuple[int, pa.Table]]) -> None:
+        """Append to several subpartitions, placing all segments that filled in one round trip."""
+        self._check_open()
+        ready = []
+        for subpartition, table in parts:
+            if table.num_rows == 0:
+                continue
+            self._buffers[subpartition].append(table)
+            self._buffered_bytes[subpartition] += table.nbytes
+            if self._buffered_bytes[subpartition] >= self._segment_bytes(subpartition):
+                ready.extend(self._cut(subpartition, final=False))
+        self._place(ready)
+
+    def flush(self) -> list[SegmentMeta]:
+        """Commit the segments written so far (they become visible to readers)."""
+        committed, self._uncommitted = self._uncommitted, []
+        if committed and self.on_commit is not None:
+            self.on_commit(committed)
+        return committed
+
+    def close(self) -> list[SegmentMeta]:
+        """Write the partial tail segments, settle space, commit; returns all segments."""
+        self._check_open()
+        tails = []
+        for sub in range(self.num_subpartitions):
+            tails.extend(self._cut(sub, final=True))
+        self._place(tails)
+        if self._unsettled:
+            self.storage.settle(self.shuffle_id, self._unsettled)
+            self._unsettled = []
+        self.flush()
+        self._closed = True
+        return list(self.written)
+
+    def abort(self) -> None:
+        """Delete everything this client wrote and give its space back (failed producer)."""
+        if self._unsettled:
+            self.storage.settle(self.shuffle_id, self._unsettled)
+            self._unsettled = []
+        local = [m for m in self.written if m.tier != TierName.REMOTE]
+        if local:
+            self.storage.free_segments(self.shuffle_id, local)
+        for meta in self.written:
+            if meta.tier == TierName.REMOTE:
+                self.io_tiers[TierName.REMOTE].delete(meta)
+        self.written, self._uncommitted = [], []
+        self._closed = True
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"write client of map {self.map_partition} is closed")
+
+    def _segment_bytes(self, subpartition: int) -> int:
+        return self.config.segment_bytes[self._current_tier[subpartition]]
+
+    def _cut(self, sub: int, final: bool) -> list[tuple[int, pa.Table]]:
+        """Take full segments (and, if ``final``, the tail) out of a subpartition's buffer."""
+        if not self._buffers[sub]:
+            return []
+        table = pa.concat_tables(self._buffers[sub]) if len(self._buffers[sub]) > 1 \
+            else self._buffers[sub][0]
+        nbytes = self._buffered_bytes[sub]
+        target = self._segment_bytes(sub)
+        rows_per_segment = max(1, int(table.num_rows * target / max(nbytes, 1)))
+        pieces = []
+        offset = 0
+        while table.num_rows - offset >= rows_per_segment:
+            pieces.append((sub, table.slice(offset, rows_per_segment)))
+            offset += rows_per_segment
+        rest = table.slice(offset)
+        if final and rest.num_rows:
+            pieces.append((sub, rest))
+            rest = rest.slice(0, 0)
+        self._buffers[sub] = [rest] if rest.num_rows else []
+        self._buffered_bytes[sub] = rest.nbytes if rest.num_rows else 0
+        return pieces
+
+    def _place(self, pieces: list[tuple[int, pa.Table]]) -> None:
+        if not pieces:
+            return
+        payloads = [encode_segment(t, self.config.compression) for _, t in pieces]
+        settled, self._unsettled = self._unsettled, []
+        placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
+        for (sub, table), payload, placement in zip(pieces, payloads, placements):
+            sid = SegmentId(self.shuffle_id, self.map_partition, sub,
+                            self._next_index[sub], self.attempt)
+            meta = self._write_one(sid, payload, placement)
+            self._next_index[sub] += 1
+            self._record(sub, meta, table.num_rows)
+
+    def _write_one(self, sid: SegmentId, payload: bytes, placement: Placement) -> SegmentMeta:
+        refusals = list(placement.refusals)
+        if placement.grant is not None:
+            grant = placement.grant
+            try:
+                meta = self.io_tiers[grant.tier].write(sid, payload, grant, self.node_id)
+                self._unsettled.append((grant, len(payload)))
+                return meta
+            except OutOfSpaceError as exc:  # the disk filled behind our back: fall through
+                self._unsettled.append((grant, None))
+                refusals.append(str(exc))
+        remote = self.io_tiers.get(TierName.REMOTE)
+        if remote is None:
+            raise OutOfSpaceError(
+                f"no tier can take {sid} ({len(payload)} bytes): " + "; ".join(refusals)
+                + ". Configure a remote tier (ShuffleConfig(remote_path='s3://bucket/prefix')), "
+                "add spill_dirs, or free disk space.")
+        return remote.write(sid, payload, None, self.node_id)
+
+    def _record(self, sub: int, meta: SegmentMeta, rows: int) -> None:
+        tier = meta.tier
+        if tier != self._current_tier[sub]:
+            self.stats.tier_switches += 1
+            self._current_tier[sub] = tier
+        if tier != self._top_tier:
+            self.stats.spill_events += 1
+        self.stats.bytes_per_tier[tier.value] += meta.nbytes
+        self.stats.segments_per_tier[tier.value] += 1
+        self.stats.rows += rows
+        self.written.append(meta)
+        self._uncommitted.append(meta)
+
+
+class ReadClient:
+    """Reads segments from whichever tier holds each, verifying every checksum.
+
+    Args:
+        io_tiers: tier objects for I/O in this process (``build_io_tiers``).
+        node_id: this process's node; disk segments of other nodes go through
+            ``fetch_from_node`` (the owning node's tier manager), local ones are read from file.
+    """
+
+    def __init__(self, io_tiers: dict[TierName, Tier], node_id: str = "",
+                 fetch_from_node: Callable[[SegmentMeta], Any] | None = None) -> None:
+        self.io_tiers = io_tiers
+        self.node_id = node_id
+        self.fetch_from_node = fetch_from_node
+        self.bytes_read: dict[str, int] = collections.defaultdict(int)
+
+    def read_bytes(self, meta: SegmentMeta) -> Any:
+        if meta.tier == TierName.DISK:
+            if meta.node_id and meta.node_id != self.node_id and self.fetch_from_node:
+                return self.fetch_from_node(meta)
+            return read_segment_file(meta)
+        tier = self.io_tiers.get(meta.tier)
+        if tier is None:
+            raise ValueError(f"{meta.id} is in the {meta.tier.value} tier, which this read "
+                             "client was not configured with")
+        return tier.read(meta)
+
+    def read(self, meta: SegmentMeta) -> pa.Table:
+        """Read and decode one segment."""
+        data = self.read_bytes(meta)
+        self.bytes_read[meta.tier.value] += meta.nbytes
+        return decode_segment(data, meta.id, meta.tier)
+
+    def read_segments(self, metas: Iterable[SegmentMeta]) -> Iterator[pa.Table]:
+        """Decode segments in the order of their ids (map partition, subpartition, index)."""
+        for meta in sorted(metas, key=lambda m: m.id):
+            yield self.read(meta)

@@ -1,0 +1,268 @@
+"""Configuration: tier names, modes and the frozen, validated ``ShuffleConfig``.
+
+Only the orchestration layer (``hybrid_ray.shuffle``) reads a ``ShuffleConfig``; tiers and
+clients take explicit arguments derived from it, so they stay testable on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+from hybrid_ray.errors import ConfigError, UnknownTierError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+class TierName(str, Enum):
+    """Storage tiers in priority order: the write client tries them top to bottom."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+    REMOTE = "remote"
+
+    @classmethod
+    def parse(cls, value: "str | TierName") -> "TierName":
+        """Return the tier for ``value`` or raise ``UnknownTierError`` listing valid names."""
+        if isinstance(value, TierName):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            valid = ", ".join(t.value for t in cls)
+            raise UnknownTierError(
+                f"unknown tier {value!r}; valid tiers are: {valid}"
+            ) from None
+
+    @property
+    def priority(self) -> int:
+        return list(TierName).index(self)
+
+
+class ShuffleMode(str, Enum):
+    """FLIP-235: ``hybrid`` reducers read while mappers write; ``blocking`` waits for all maps."""
+
+    HYBRID = "hybrid"
+    BLOCKING = "blocking"
+
+
+class Spilling(str, Enum):
+    """FLIP-235 spilling strategy.
+
+    ``selective``: the memory tier is used (data spills to disk/remote only when memory is
+    full). ``full``: the memory tier is off, every segment is persisted on disk or remote, so
+    a reducer can be retried even if the node's object store lost its objects.
+    """
+
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Compression(str, Enum):
+    """Arrow IPC body compression of a segment."""
+
+    NONE = "none"
+    LZ4 = "lz4"
+    ZSTD = "zstd"
+
+
+# Defaults with the reason for each value.
+# FLIP-301 uses 320 KiB memory segments and 4 MiB disk/remote segments. Each segment here
+# costs a Python-level actor round trip (~1 ms), so memory segments are larger; remote
+# segments are larger still because every S3 PUT has ~10-50 ms of latency.
+DEFAULT_SEGMENT_BYTES: dict[TierName, int] = {
+    TierName.MEMORY: 4 * MiB,
+    TierName.DISK: 8 * MiB,
+    TierName.REMOTE: 16 * MiB,
+}
+# FLIP-301's default for taskmanager.network.hybrid-shuffle.local-disk.min-reserve-space-fraction.
+DEFAULT_MIN_RESERVE_FRACTION = 0.05
+# Ray's object store also holds task inputs/outputs; leaving most of it to Ray avoids
+# forcing Ray's own spilling of the data we are shuffling.
+DEFAULT_MEMORY_FRACTION = 0.3
+# Orphaned shuffle data (its driver died without releasing it) is removed after this long.
+DEFAULT_ORPHAN_TTL_S = 6 * 3600.0
+DEFAULT_NAMESPACE = "hybrid_ray"
+
+
+def default_spill_dir() -> str:
+    """The spill directory used when none is configured: a per-user dir under the temp dir."""
+    return os.path.join(tempfile.gettempdir(), f"hybrid_ray_spill_{os.getuid()}")
+
+
+def _require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    ok = lo <= value <= hi if hi_inclusive else lo <= value < hi
+    if not ok:
+        bracket = "]" if hi_inclusive else ")"
+        raise ConfigError(f"{name} must be in [{lo}, {hi}{bracket}, got {value!r}")
+    return float(value)
+
+
+def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            f"{name} must be an integer number of bytes >= {minimum} "
+            f"(use hybrid_ray.MiB/GiB), got {value!r}"
+        )
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleConfig:
+    """How a shuffle stores its segments. Every field is validated on construction.
+
+    Attributes:
+        memory_fraction: share of each node's Ray object store capacity that the memory
+            tier may use, across all concurrent shuffles on the node (0 disables it).
+        memory_capacity_bytes: absolute memory-tier budget per node; overrides
+            ``memory_fraction`` when set.
+        spill_dirs: local directories of the disk tier, on every node. Empty means one
+            directory under the system temp dir.
+        min_reserve_fraction: the disk tier refuses a segment when the filesystem's free
+            space after writing it would drop below this fraction of its size (FLIP-301).
+        disk_capacity_bytes: optional cap on the bytes the disk tier holds per node.
+        remote_path: fsspec URL of the remote tier (``s3://bucket/prefix``,
+            ``file:///path``); ``None`` disables the remote tier.
+        storage_options: passed to fsspec for ``remote_path`` (e.g. ``endpoint_url``,
+            ``key``/``secret``; by default s3fs uses the standard AWS credential chain).
+        compression: Arrow IPC compression of each segment.
+        segment_bytes: target size of a segment per tier; keys are tier names.
+        mode: ``hybrid`` or ``blocking`` (see ``ShuffleMode``).
+        spilling: ``selective`` or ``full`` (see ``Spilling``).
+        memory_weight: this shuffle's weight when concurrent shuffles on a node share the
+            memory-tier budget (FLIP-53 fraction-based quota).
+        job_id: the JobID level of the remote layout HomePath/JobID/ShuffleID/Subpartition/.
+            Defaults to a fresh id per process.
+        orphan_ttl_s: data of a shuffle whose driver stopped heartbeating is removed after
+            this many seconds.
+        namespace: Ray namespace of the shuffle master and tier managers.
+        progress: show a progress bar on shuffles.
+        max_concurrent_reducers: reduce tasks running at once in hybrid mode (None: the
+            cluster's CPU count); reducers wait for data, so this bounds idle workers.
+    """
+
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    memory_capacity_bytes: int | None = None
+    spill_dirs: Sequence[str] = ()
+    min_reserve_fraction: float = DEFAULT_MIN_RESERVE_FRACTION
+    disk_capacity_bytes: int | None = None
+    remote_path: str | None = None
+    storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    compression: Compression | str = Compression.LZ4
+    segment_bytes: Mapping[TierName | str, int] = dataclasses.field(default_factory=dict)
+    mode: ShuffleMode | str = ShuffleMode.HYBRID
+    spilling: Spilling | str = Spilling.SELECTIVE
+    memory_weight: float = 1.0
+    job_id: str | None = None
+    orphan_ttl_s: float = DEFAULT_ORPHAN_TTL_S
+    namespace: str = DEFAULT_NAMESPACE
+    progress: bool = True
+    max_concurrent_reducers: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        _require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, True)
+        _require_number("min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False)
+        _require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), True)
+        _require_number("orphan_ttl_s", self.orphan_ttl_s, 1e-3, float("inf"), True)
+        if self.memory_capacity_bytes is not None:
+            _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes)
+        if self.disk_capacity_bytes is not None:
+            _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes)
+        if self.max_concurrent_reducers is not None:
+            _require_bytes("max_concurrent_reducers", self.max_concurrent_reducers, 1)
+
+        if isinstance(self.spill_dirs, (str, os.PathLike)):
+            raise ConfigError(
+                "spill_dirs must be a list of directories, e.g. spill_dirs=['/mnt/nvme0'], "
+                f"got the single string {self.spill_dirs!r}"
+            )
+        dirs = tuple(os.path.abspath(os.fspath(d)) for d in self.spill_dirs)
+        if any(not d.strip() for d in self.spill_dirs):
+            raise ConfigError("spill_dirs contains an empty path")
+        set_("spill_dirs", dirs or (default_spill_dir(),))
+
+        for name, enum in (("compression", Compression), ("mode", ShuffleMode),
+                           ("spilling", Spilling)):
+            value = getattr(self, name)
+            try:
+                set_(name, enum(value))
+            except ValueError:
+                valid = ", ".join(e.value for e in enum)
+                raise ConfigError(f"{name} must be one of {valid}; got {value!r}") from None
+
+        sizes = dict(DEFAULT_SEGMENT_BYTES)
+        if not isinstance(self.segment_bytes, Mapping):
+            raise ConfigError(
+                "segment_bytes must be a mapping {tier: bytes}, e.g. {'disk': 8 * MiB}"
+            )
+        for tier, size in self.segment_bytes.items():
+            sizes[TierName.parse(tier)] = _require_bytes(f"segment_bytes[{tier!r}]", size, 1)
+        set_("segment_bytes", sizes)
+
+        if not isinstance(self.storage_options, Mapping):
+            raise ConfigError("storage_options must be a mapping of fsspec options")
+        set_("storage_options", dict(self.storage_options))
+        if self.remote_path is not None:
+            set_("remote_path", _validate_remote_path(self.remote_path))
+        if self.job_id is None:
+            set_("job_id", _PROCESS_JOB_ID)
+        elif not self.job_id or "/" in self.job_id:
+            raise ConfigError(f"job_id must be a non-empty name without '/', got {self.job_id!r}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError("namespace must be a non-empty string")
+
+    @property
+    def enabled_tiers(self) -> tuple[TierName, ...]:
+        """The tiers this config writes to, in priority order."""
+        tiers = []
+        memory_on = (self.memory_capacity_bytes if self.memory_capacity_bytes is not None
+                     else self.memory_fraction) > 0
+        if memory_on and self.spilling == Spilling.SELECTIVE:
+            tiers.append(TierName.MEMORY)
+        tiers.append(TierName.DISK)
+        if self.remote_path is not None:
+            tiers.append(TierName.REMOTE)
+        return tuple(tiers)
+
+    def memory_budget(self, object_store_bytes: int) -> int:
+        """The memory-tier byte budget on a node whose object store holds this many bytes."""
+        if self.memory_capacity_bytes is not None:
+            return self.memory_capacity_bytes
+        return int(self.memory_fraction * object_store_bytes)
+
+    def replace(self, **changes: Any) -> "ShuffleConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+_PROCESS_JOB_ID = f"job-{uuid.uuid4().hex[:12]}"
+
+
+def _validate_remote_path(path: Any) -> str:
+    import fsspec
+
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"remote_path must be an fsspec URL such as 's3://bucket/prefix', got {path!r}")
+    protocol = path.split("://", 1)[0] if "://" in path else "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ConfigError(
+            f"remote_path {path!r}: fsspec knows no protocol {protocol!r}; "
+            "use e.g. s3://bucket/prefix or file:///abs/path"
+        ) from None
+    except ImportError as exc:
+        raise ConfigError(
+            f"remote_path {path!r} needs an extra package for {protocol!r}: {exc}"
+        ) from None
+    return path.rstrip("/")

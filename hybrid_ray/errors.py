@@ -1,0 +1,46 @@
+"""The errors hybrid_ray raises.
+
+A short hierarchy rooted in builtins, so callers can catch ``OSError`` or ``ValueError``
+as they would for any storage code. Every message says what happened and what to do.
+"""
+
+from __future__ import annotations
+
+
+class HybridRayError(Exception):
+    """Base class of every error hybrid_ray raises on purpose."""
+
+
+class ConfigError(HybridRayError, ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+class UnknownTierError(ConfigError, KeyError):
+    """A tier name is not one of ``memory``, ``disk``, ``remote``."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptSegmentError(HybridRayError, OSError):
+    """A segment's bytes do not match its checksum or cannot be decoded."""
+
+
+class OutOfSpaceError(HybridRayError, OSError):
+    """No tier can take a segment: disk full (or capped) and no remote tier configured."""
+
+
+class RemoteTierError(HybridRayError, OSError):
+    """The remote tier (``remote_path``) is unreachable or refused an operation."""
+
+
+class SegmentNotFoundError(HybridRayError, LookupError):
+    """A segment the index names is gone from its tier (released, or its node died)."""
+
+
+class ShuffleNotFoundError(HybridRayError, LookupError):
+    """The shuffle master knows no shuffle with this id (never registered, or released)."""
+
+
+class ShuffleFailedError(HybridRayError, RuntimeError):
+    """A shuffle could not complete; its data has been cleaned up."""

@@ -1,0 +1,179 @@
+"""The tiers of one node: space decisions for every writer on the node (FLIP-31's
+ShuffleEnvironment, FLIP-301's tier selection).
+
+``TierManager`` is plain Python: the per-node Ray actor (``hybrid_ray.actors``) wraps it, and
+local use (tests, single process) calls it directly. It owns the accounting of the memory
+and disk tiers so that concurrent writers on the node never overshoot a budget together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.segment import SegmentMeta
+from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
+from hybrid_ray.tiers.disk import read_segment_file
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Answer to a reservation: a grant from a local tier, or None with the reasons why no
+    local tier could take the segment (the writer then uses the remote tier, if any)."""
+
+    grant: Grant | None
+    refusals: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeUsage:
+    node_id: str
+    tiers: tuple[TierUsage, ...]
+    shuffles: tuple[str, ...]
+    quotas: dict[str, int]
+
+
+def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,
+                   check_remote: bool = True) -> dict[TierName, Tier]:
+    """Instantiate the tiers ``config`` enables, for I/O in this process."""
+    tiers: dict[TierName, Tier] = {}
+    seg = config.segment_bytes
+    if TierName.MEMORY in config.enabled_tiers:
+        tiers[TierName.MEMORY] = MemoryTier(seg[TierName.MEMORY], memory_budget, owner)
+    tiers[TierName.DISK] = DiskTier(seg[TierName.DISK], config.spill_dirs,
+                                    config.min_reserve_fraction, config.disk_capacity_bytes)
+    if config.remote_path is not None:
+        tiers[TierName.REMOTE] = RemoteTier(seg[TierName.REMOTE], config.remote_path,
+                                            config.job_id, config.storage_options,
+                                            check_reachable=check_remote)
+    return tiers
+
+
+class TierManager:
+    """Memory and disk tiers of one node, shared by every shuffle that writes on it.
+
+    Memory quotas follow FLIP-53: each active shuffle registers a weight and gets
+    ``weight / sum(weights)`` of the node budget, capped by its own configured budget.
+    """
+
+    def __init__(self, node_id: str, object_store_bytes: int, owner: Any = None) -> None:
+        self.node_id = node_id
+        self.object_store_bytes = object_store_bytes
+        self.owner = owner
+        self.memory = MemoryTier(0, 0, owner)
+        self._disks: dict[tuple, DiskTier] = {}
+        self._remotes: dict[tuple, RemoteTier] = {}
+        self._shuffles: dict[str, dict[str, Any]] = {}
+
+    # ---- registration and quotas -----------------------------------------------------------
+    def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
+        """Register a shuffle writing on this node; returns its memory quota in bytes."""
+        if shuffle_id in self._shuffles:
+            return self.memory.quota(shuffle_id)
+        disk_key = (config.spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
+        if disk_key not in self._disks:
+            self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
+                                             config.spill_dirs, config.min_reserve_fraction,
+                                             config.disk_capacity_bytes)
+        remote_key = None
+        if config.remote_path is not None:
+            remote_key = (config.remote_path, config.job_id,
+                          tuple(sorted((k, repr(v)) for k, v in config.storage_options.items())))
+            if remote_key not in self._remotes:
+                self._remotes[remote_key] = RemoteTier(
+                    config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
+                    config.storage_options, check_reachable=False)
+        uses_memory = TierName.MEMORY in config.enabled_tiers
+        self._shuffles[shuffle_id] = {
+            "disk": disk_key, "remote": remote_key, "memory": uses_memory,
+            "weight": config.memory_weight,
+            "budget": config.memory_budget(self.object_store_bytes) if uses_memory else 0,
+        }
+        self._rebalance_quotas()
+        return self.memory.quota(shuffle_id) if uses_memory else 0
+
+    def _rebalance_quotas(self) -> None:
+        users = {s: info for s, info in self._shuffles.items() if info["memory"]}
+        self.memory.budget_bytes = max((i["budget"] for i in users.values()), default=0)
+        total_weight = sum(i["weight"] for i in users.values())
+        for shuffle_id, info in users.items():
+            share = int(self.memory.budget_bytes * info["weight"] / total_weight)
+            self.memory.set_quota(shuffle_id, min(share, info["budget"]))
+
+    def quota(self, shuffle_id: str) -> int:
+        info = self._shuffles.get(shuffle_id)
+        return self.memory.quota(shuffle_id) if info and info["memory"] else 0
+
+    def _local_tiers(self, shuffle_id: str) -> list[Tier]:
+        info = self._shuffles[shuffle_id]
+        tiers: list[Tier] = [self.memory] if info["memory"] else []
+        tiers.append(self._disks[info["disk"]])
+        return tiers
+
+    def _tier(self, shuffle_id: str, name: TierName) -> Tier:
+        if name == TierName.MEMORY:
+            return self.memory
+        info = self._shuffles[shuffle_id]
+        if name == TierName.DISK:
+            return self._disks[info["disk"]]
+        return self._remotes[info["remote"]]
+
+    # ---- the write path ---------------------------------------------------------------------
+    def reserve(self, shuffle_id: str, sizes: Sequence[int],
+                settled: Sequence[tuple[Grant, int | None]] = ()) -> list[Placement]:
+        """Settle finished grants, then pick for each new segment the first local tier, in
+        priority order, that can take it (FLIP-301: try the higher tiers again every time,
+        so writing switches back up when space frees)."""
+        self.settle(shuffle_id, settled)
+        tiers = self._local_tiers(shuffle_id)
+        placements = []
+        for nbytes in sizes:
+            refusals = []
+            for tier in tiers:
+                grant = tier.try_reserve(shuffle_id, nbytes)
+                if grant is not None:
+                    placements.append(Placement(grant))
+                    break
+                refusals.append(tier.describe_refusal(nbytes))
+            else:
+                placements.append(Placement(None, tuple(refusals)))
+        return placements
+
+    def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None:
+        """Record what became of grants: bytes written, or None for a failed write."""
+        if shuffle_id not in self._shuffles:
+            return
+        for grant, written in settled:
+            self._tier(shuffle_id, grant.tier).settle(shuffle_id, grant, written)
+
+    # ---- deletion ----------------------------------------------------------------------------
+    def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
+        """Delete segments stored on this node (abandoned attempts, consumed data)."""
+        if shuffle_id not in self._shuffles:
+            return
+        for meta in metas:
+            if meta.tier == TierName.REMOTE:
+                continue
+            tier = self._tier(shuffle_id, meta.tier)
+            tier.delete(meta)
+            tier.free(shuffle_id, meta.nbytes)
+
+    def release_shuffle(self, shuffle_id: str) -> None:
+        """Forget a shuffle: give back its quota and remove its files on this node."""
+        info = self._shuffles.pop(shuffle_id, None)
+        self.memory.release_shuffle(shuffle_id)
+        for disk in self._disks.values():
+            disk.release_shuffle(shuffle_id)
+        if info is not None:
+            self._rebalance_quotas()
+
+    def read_disk_segment(self, meta: SegmentMeta) -> bytes:
+        """Serve a disk segment of this node to a reader on another node."""
+        return read_segment_file(meta)
+
+    def usage(self) -> NodeUsage:
+        tiers = [self.memory.usage()] + [d.usage() for d in self._disks.values()]
+        return NodeUsage(self.node_id, tuple(tiers), tuple(self._shuffles),
+                         {s: self.memory.quota(s) for s, i in self._shuffles.items() if i["memory"]})

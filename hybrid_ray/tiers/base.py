@@ -1,0 +1,130 @@
+"""The tier interface: a small core every storage tier implements.
+
+A tier has two halves, because on a Ray cluster they run in different processes:
+
+* space accounting (``try_reserve`` / ``settle`` / ``release_shuffle``): "can this tier start a
+  new segment of about N bytes?". It runs where the node's state lives, the node's tier
+  manager, so concurrent writers on a node never overshoot a budget together.
+* data I/O (``write`` / ``read`` / ``has`` / ``delete`` / ``remove_shuffle_data``): runs in any
+  process on the node (a map task writes its own disk files; a reader on the node reads them).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+from typing import Any, ClassVar
+
+from hybrid_ray.config import TierName
+from hybrid_ray.segment import SegmentId, SegmentMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """A tier's promise to take a segment of ``nbytes``; ``target`` says where (a directory)."""
+
+    tier: TierName
+    nbytes: int
+    target: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TierUsage:
+    """Bytes and segments a tier holds; ``capacity_bytes`` is None when unbounded."""
+
+    tier: TierName
+    used_bytes: int
+    capacity_bytes: int | None
+    shuffles: int
+
+
+class Tier(abc.ABC):
+    """Base class: byte accounting per shuffle; subclasses decide room and do the I/O."""
+
+    name: ClassVar[TierName]
+
+    def __init__(self, segment_bytes: int) -> None:
+        self.segment_bytes = segment_bytes
+        self._used: dict[str, int] = collections.defaultdict(int)
+
+    # ---- space accounting (on the node's tier manager) ----------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._used.values())
+
+    def used_by(self, shuffle_id: str) -> int:
+        return self._used.get(shuffle_id, 0)
+
+    def try_reserve(self, shuffle_id: str, nbytes: int) -> Grant | None:
+        """Reserve room for a new segment of ``nbytes``; None when the tier cannot take it."""
+        target = self._room_for(shuffle_id, nbytes)
+        if target is None:
+            return None
+        self._used[shuffle_id] += nbytes
+        return Grant(self.name, nbytes, target)
+
+    def settle(self, shuffle_id: str, grant: Grant, written_bytes: int | None) -> None:
+        """Report what became of a grant: ``None`` means nothing was written (give it back)."""
+        delta = (written_bytes or 0) - grant.nbytes
+        self._adjust(shuffle_id, delta)
+        self._on_settled(grant, written_bytes)
+
+    def free(self, shuffle_id: str, nbytes: int) -> None:
+        """Return ``nbytes`` of a shuffle's space (segments deleted before release)."""
+        self._adjust(shuffle_id, -nbytes)
+
+    def release_shuffle(self, shuffle_id: str) -> int:
+        """Forget a shuffle's accounting and remove its data; returns the bytes freed."""
+        freed = self._used.pop(shuffle_id, 0)
+        self.remove_shuffle_data(shuffle_id)
+        return freed
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.name, self.used_bytes, self.capacity_bytes,
+                         sum(1 for v in self._used.values() if v > 0))
+
+    def describe_refusal(self, nbytes: int) -> str:
+        """Why the tier refuses ``nbytes`` now; used in out-of-space errors."""
+        return f"{self.name.value} tier is full ({self.used_bytes} bytes used)"
+
+    def _adjust(self, shuffle_id: str, delta: int) -> None:
+        left = self._used.get(shuffle_id, 0) + delta
+        if left > 0:
+            self._used[shuffle_id] = left
+        else:
+            self._used.pop(shuffle_id, None)
+
+    def _on_settled(self, grant: Grant, written_bytes: int | None) -> None:
+        """Hook: a tier tracking in-flight writes updates it here."""
+
+    @property
+    @abc.abstractmethod
+    def capacity_bytes(self) -> int | None:
+        """Byte budget of the tier, or None when unbounded."""
+
+    @abc.abstractmethod
+    def _room_for(self, shuffle_id: str, nbytes: int) -> str | None:
+        """Return the grant target when a segment of ``nbytes`` fits, else None."""
+
+    # ---- data I/O (any process on the node) -----------------------------------------------
+    @abc.abstractmethod
+    def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
+              node_id: str = "") -> SegmentMeta:
+        """Store an encoded segment; it becomes visible to readers only once complete."""
+
+    @abc.abstractmethod
+    def read(self, meta: SegmentMeta) -> Any:
+        """Return the encoded bytes (a buffer-protocol object) of a committed segment."""
+
+    @abc.abstractmethod
+    def has(self, segment: SegmentId) -> bool:
+        """Whether this tier holds the complete segment."""
+
+    @abc.abstractmethod
+    def delete(self, meta: SegmentMeta) -> None:
+        """Remove one segment (e.g. of an abandoned map attempt); missing is not an error."""
+
+    @abc.abstractmethod
+    def remove_shuffle_data(self, shuffle_id: str) -> None:
+        """Remove every segment of a shuffle this tier holds (in this process/node)."""

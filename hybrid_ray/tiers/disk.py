@@ -1,0 +1,164 @@
+"""Disk tier: segment files in the node's local spill directories.
+
+Before granting a segment it checks the real filesystem (``statvfs``): free space after the
+segment, minus what other writers were granted but have not written yet, must stay above
+``min_reserve_fraction`` of the filesystem (FLIP-301's reserve), and the optional byte cap
+must hold. Files are written under a temporary name and renamed when complete, so a reader
+never sees half a segment. Directories are 0700 and files 0600: shuffle data is private.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import shutil
+from collections.abc import Sequence
+
+from hybrid_ray.config import TierName
+from hybrid_ray.errors import OutOfSpaceError, SegmentNotFoundError
+from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
+from hybrid_ray.tiers.base import Grant, Tier
+
+# All of hybrid_ray's files live under this subdirectory of a spill dir, so cleanup never
+# touches anything else a user keeps there.
+DATA_DIR_NAME = "hybrid_ray"
+
+
+def shuffle_dir(spill_dir: str, shuffle_id: str) -> str:
+    return os.path.join(spill_dir, DATA_DIR_NAME, shuffle_id)
+
+
+def segment_path(spill_dir: str, segment: SegmentId) -> str:
+    return os.path.join(shuffle_dir(spill_dir, segment.shuffle_id),
+                        f"sub-{segment.subpartition:05d}", segment.file_name)
+
+
+class DiskTier(Tier):
+    """Local spill directories with a statvfs-checked reserve and an optional byte cap."""
+
+    name = TierName.DISK
+
+    def __init__(self, segment_bytes: int, spill_dirs: Sequence[str],
+                 min_reserve_fraction: float = 0.05, capacity_bytes: int | None = None) -> None:
+        super().__init__(segment_bytes)
+        if not spill_dirs:
+            raise ValueError("spill_dirs must name at least one directory")
+        self.spill_dirs = tuple(spill_dirs)
+        self.min_reserve_fraction = min_reserve_fraction
+        self._capacity = capacity_bytes
+        # Bytes granted but not yet written, per directory: statvfs cannot see them yet.
+        self._in_flight = {d: 0 for d in self.spill_dirs}
+        self._next_dir = itertools.cycle(range(len(self.spill_dirs)))
+        for d in self.spill_dirs:
+            _make_private_dir(os.path.join(d, DATA_DIR_NAME))
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self._capacity
+
+    def _free_after(self, spill_dir: str, nbytes: int) -> tuple[int, int, int]:
+        st = os.statvfs(spill_dir)
+        free = st.f_bavail * st.f_frsize
+        total = st.f_blocks * st.f_frsize
+        reserve = int(self.min_reserve_fraction * total)
+        return free - self._in_flight[spill_dir] - nbytes, reserve, free
+
+    def _room_for(self, shuffle_id: str, nbytes: int) -> str | None:
+        if self._capacity is not None and self.used_bytes + nbytes > self._capacity:
+            return None
+        # Round-robin over the directories that can take the segment.
+        start = next(self._next_dir)
+        n = len(self.spill_dirs)
+        for i in range(n):
+            spill_dir = self.spill_dirs[(start + i) % n]
+            free_after, reserve, _ = self._free_after(spill_dir, nbytes)
+            if free_after >= reserve:
+                self._in_flight[spill_dir] += nbytes
+                return spill_dir
+        return None
+
+    def _on_settled(self, grant: Grant, written_bytes: int | None) -> None:
+        if grant.target in self._in_flight:
+            self._in_flight[grant.target] = max(0, self._in_flight[grant.target] - grant.nbytes)
+
+    def describe_refusal(self, nbytes: int) -> str:
+        if self._capacity is not None and self.used_bytes + nbytes > self._capacity:
+            return (f"disk tier cap reached: {self.used_bytes} of disk_capacity_bytes="
+                    f"{self._capacity} used, segment needs {nbytes} bytes")
+        parts = []
+        for d in self.spill_dirs:
+            _, reserve, free = self._free_after(d, nbytes)
+            parts.append(f"{d}: {free} bytes free, reserve {reserve} bytes "
+                         f"(min_reserve_fraction={self.min_reserve_fraction})")
+        return "disk tier full: " + "; ".join(parts) + f"; segment needs {nbytes} bytes"
+
+    # ---- I/O ------------------------------------------------------------------------------
+    def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
+              node_id: str = "") -> SegmentMeta:
+        spill_dir = grant.target if grant is not None and grant.target else self.spill_dirs[0]
+        path = segment_path(spill_dir, segment)
+        _make_private_dir(os.path.dirname(path))
+        tmp = f"{path}.{os.getpid()}.inprogress"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OutOfSpaceError(
+                    f"no space left in spill dir {spill_dir} while writing {segment} "
+                    f"({len(payload)} bytes)") from exc
+            raise
+        return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
+                           node_id=node_id, location=path)
+
+    def read(self, meta: SegmentMeta) -> bytes:
+        return read_segment_file(meta)
+
+    def has(self, segment: SegmentId) -> bool:
+        return any(os.path.exists(segment_path(d, segment)) for d in self.spill_dirs)
+
+    def delete(self, meta: SegmentMeta) -> None:
+        _unlink_quietly(meta.location)
+
+    def remove_shuffle_data(self, shuffle_id: str) -> None:
+        for d in self.spill_dirs:
+            shutil.rmtree(shuffle_dir(d, shuffle_id), ignore_errors=True)
+
+
+def read_segment_file(meta: SegmentMeta) -> bytes:
+    """Read a disk-tier segment file (any process on its node may do this)."""
+    try:
+        with open(meta.location, "rb") as f:
+            return f.read()
+    except FileNotFoundError as exc:
+        raise SegmentNotFoundError(
+            f"{meta.id} is gone from the disk tier ({meta.location}): released or "
+            "removed by cleanup") from exc
+
+
+def _make_private_dir(path: str) -> None:
+    """Create ``path`` and any missing parents as 0700 (``os.makedirs`` only sets the leaf)."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        _make_private_dir(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

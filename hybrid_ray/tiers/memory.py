@@ -1,0 +1,104 @@
+"""Memory tier: segments as objects in the node's Ray object store (plasma).
+
+Objects must outlive the map task that wrote them, so they are owned by the node's
+long-lived tier-manager actor (``owner``), which puts them itself (see ``put_owned_by``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import ray
+
+from hybrid_ray.config import TierName
+from hybrid_ray.errors import SegmentNotFoundError
+from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
+from hybrid_ray.tiers.base import Grant, Tier
+
+
+class MemoryTier(Tier):
+    """Ray object store tier with a node budget and per-shuffle quotas (FLIP-53).
+
+    ``budget_bytes`` bounds the sum over all shuffles; ``set_quota`` bounds one shuffle.
+    """
+
+    name = TierName.MEMORY
+
+    def __init__(self, segment_bytes: int, budget_bytes: int, owner: Any = None) -> None:
+        super().__init__(segment_bytes)
+        self.budget_bytes = budget_bytes
+        self.owner = owner
+        self._quotas: dict[str, int] = {}
+        # Refs of segments written through this instance, keyed by id: they keep the objects
+        # alive in local use; on a cluster the shuffle master holds the committed refs.
+        self._refs: dict[SegmentId, ray.ObjectRef] = {}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.budget_bytes
+
+    def set_quota(self, shuffle_id: str, quota_bytes: int | None) -> None:
+        if quota_bytes is None:
+            self._quotas.pop(shuffle_id, None)
+        else:
+            self._quotas[shuffle_id] = quota_bytes
+
+    def quota(self, shuffle_id: str) -> int:
+        return self._quotas.get(shuffle_id, self.budget_bytes)
+
+    def _room_for(self, shuffle_id: str, nbytes: int) -> str | None:
+        if self.used_bytes + nbytes > self.budget_bytes:
+            return None
+        if self.used_by(shuffle_id) + nbytes > self.quota(shuffle_id):
+            return None
+        return "plasma"
+
+    def describe_refusal(self, nbytes: int) -> str:
+        return (f"memory tier budget exhausted: {self.used_bytes} of {self.budget_bytes} "
+                f"bytes used, segment needs {nbytes}")
+
+    def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
+              node_id: str = "") -> SegmentMeta:
+        # A numpy array is stored out-of-band, so readers on the node get a zero-copy view.
+        array = np.frombuffer(payload, dtype=np.uint8)
+        ref = put_owned_by(self.owner, array)
+        self._refs[segment] = ref
+        return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
+                           node_id=node_id, object_ref=[ref])
+
+    def read(self, meta: SegmentMeta) -> Any:
+        if not meta.object_ref:
+            raise SegmentNotFoundError(f"{meta.id} has no object reference in the memory tier")
+        try:
+            return ray.get(meta.object_ref[0])
+        except ray.exceptions.ObjectLostError as exc:
+            raise SegmentNotFoundError(
+                f"{meta.id} was lost from the memory tier of node {meta.node_id} "
+                "(its tier manager or node died); use spilling='full' to make segments "
+                "survive node loss") from exc
+
+    def has(self, segment: SegmentId) -> bool:
+        return segment in self._refs
+
+    def delete(self, meta: SegmentMeta) -> None:
+        self._refs.pop(meta.id, None)
+
+    def remove_shuffle_data(self, shuffle_id: str) -> None:
+        for sid in [s for s in self._refs if s.shuffle_id == shuffle_id]:
+            del self._refs[sid]
+        self._quotas.pop(shuffle_id, None)
+
+
+def put_owned_by(owner: Any, value: Any) -> ray.ObjectRef:
+    """Store ``value`` in the object store as an object owned by actor ``owner``.
+
+    ``owner`` must have a ``put_object(value) -> [ref]`` method. ``ray.put(..., _owner=...)``
+    would save a copy, but Ray 2.56 removed it ("The experimental `_owner` argument to
+    `ray.put` has been removed"), so the owner puts the object itself: the argument reaches
+    it zero-copy from the object store and its ``ray.put`` makes the one long-lived copy.
+    With ``owner=None`` this process owns the object.
+    """
+    if owner is None:
+        return ray.put(value)
+    return ray.get(owner.put_object.remote(value))[0]

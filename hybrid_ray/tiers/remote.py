@@ -1,0 +1,121 @@
+"""Remote tier: one object per segment in any fsspec filesystem (S3 through s3fs, local files).
+
+Layout (FLIP-301): ``HomePath/JobID/ShuffleID/SubpartitionID/segment``. A segment is visible
+only once complete: object stores publish a single PUT atomically; on filesystems with
+partial writes (local files) the segment is written under a temporary name and moved.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+
+from hybrid_ray.config import TierName
+from hybrid_ray.errors import RemoteTierError, SegmentNotFoundError
+from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
+from hybrid_ray.tiers.base import Grant, Tier
+
+# Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
+_ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
+
+
+class RemoteTier(Tier):
+    """Unbounded tier backed by an fsspec URL; checked for reachability on construction."""
+
+    name = TierName.REMOTE
+
+    def __init__(self, segment_bytes: int, remote_path: str, job_id: str,
+                 storage_options: Mapping[str, Any] | None = None,
+                 check_reachable: bool = True) -> None:
+        super().__init__(segment_bytes)
+        self.remote_path = remote_path
+        self.job_id = job_id
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(remote_path, **dict(storage_options or {}))
+        except Exception as exc:  # fsspec raises many types for bad options
+            raise RemoteTierError(
+                f"cannot open remote_path {remote_path!r}: {exc}; check the URL and "
+                "storage_options") from exc
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._atomic_put = bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
+        if check_reachable:
+            self.check_reachable()
+
+    def check_reachable(self) -> None:
+        """Fail now, with the fix, if the remote path cannot be written."""
+        probe = posixpath.join(self.root, self.job_id, ".hybrid_ray_probe")
+        try:
+            if not self._atomic_put:
+                self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
+            self.fs.pipe_file(probe, b"ok")
+            self.fs.rm_file(probe)
+        except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
+            raise RemoteTierError(
+                f"remote tier {self.remote_path!r} is not writable: {type(exc).__name__}: "
+                f"{exc}. Check that the bucket/directory exists, the endpoint is reachable "
+                "(storage_options={'endpoint_url': ...}) and credentials are set "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or an instance role)."
+            ) from exc
+
+    @property
+    def capacity_bytes(self) -> None:
+        return None
+
+    def _room_for(self, shuffle_id: str, nbytes: int) -> str:
+        return self.remote_path
+
+    def shuffle_path(self, shuffle_id: str) -> str:
+        return posixpath.join(self.root, self.job_id, shuffle_id)
+
+    def segment_path(self, segment: SegmentId) -> str:
+        return posixpath.join(self.shuffle_path(segment.shuffle_id),
+                              f"sub-{segment.subpartition:05d}", segment.file_name)
+
+    def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
+              node_id: str = "") -> SegmentMeta:
+        path = self.segment_path(segment)
+        try:
+            if self._atomic_put:
+                self.fs.pipe_file(path, payload)
+            else:
+                tmp = path + ".inprogress"
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                self.fs.pipe_file(tmp, payload)
+                self.fs.mv(tmp, path)
+        except Exception as exc:
+            raise RemoteTierError(
+                f"writing {segment} to the remote tier at {path} failed: "
+                f"{type(exc).__name__}: {exc}") from exc
+        return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
+                           node_id=node_id, location=path)
+
+    def read(self, meta: SegmentMeta) -> bytes:
+        try:
+            return self.fs.cat_file(meta.location)
+        except FileNotFoundError as exc:
+            raise SegmentNotFoundError(
+                f"{meta.id} is gone from the remote tier ({meta.location})") from exc
+        except Exception as exc:
+            raise RemoteTierError(
+                f"reading {meta.id} from the remote tier at {meta.location} failed: "
+                f"{type(exc).__name__}: {exc}") from exc
+
+    def has(self, segment: SegmentId) -> bool:
+        return bool(self.fs.exists(self.segment_path(segment)))
+
+    def delete(self, meta: SegmentMeta) -> None:
+        try:
+            self.fs.rm_file(meta.location)
+        except FileNotFoundError:
+            pass
+
+    def remove_shuffle_data(self, shuffle_id: str) -> None:
+        path = self.shuffle_path(shuffle_id)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache()

@@ -1,0 +1,255 @@
+"""Conformance suite: every tier passes the same scenarios (fsspec-style mix-in fixtures)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from conftest import files_under
+from hybrid_ray import (
+    CorruptSegmentError, MiB, RemoteTierError, SegmentId,
+    decode_segment, encode_segment,
+)
+from hybrid_ray.tiers import DiskTier, MemoryTier, RemoteTier
+
+
+def _payload(seed: int, rows: int = 5000) -> tuple[pa.Table, bytes]:
+    rng = np.random.default_rng(seed)
+    table = pa.table({"k": rng.integers(0, 1 << 40, rows), "v": rng.random(rows)})
+    return table, encode_segment(table, "lz4")
+
+
+class TierConformance:
+    """Scenarios every tier must pass; subclasses provide ``tier`` and ``corrupt``."""
+
+    def corrupt(self, tier, meta, payload: bytes):
+        raise NotImplementedError
+
+    def test_write_read_exact_bytes(self, tier):
+        shuffle = f"shf-{uuid.uuid4().hex[:6]}"
+        written = []
+        for i in range(3):
+            table, payload = _payload(i)
+            sid = SegmentId(shuffle, 0, 1, i)
+            grant = tier.try_reserve(shuffle, len(payload))
+            assert grant is not None and grant.tier == tier.name
+            meta = tier.write(sid, payload, grant)
+            tier.settle(shuffle, grant, len(payload))
+            assert meta.tier == tier.name and meta.nbytes == len(payload)
+            assert meta.num_rows == table.num_rows
+            written.append((meta, table, payload))
+        for meta, table, payload in written:
+            assert bytes(tier.read(meta)) == payload
+            assert decode_segment(tier.read(meta), meta.id, tier.name).equals(table)
+        tier.release_shuffle(shuffle)
+
+    def test_has_and_missing(self, tier):
+        shuffle = f"shf-{uuid.uuid4().hex[:6]}"
+        _, payload = _payload(1)
+        sid = SegmentId(shuffle, 2, 0, 0)
+        assert not tier.has(sid)
+        tier.write(sid, payload, tier.try_reserve(shuffle, len(payload)))
+        assert tier.has(sid)
+        assert not tier.has(SegmentId(shuffle, 2, 0, 1))
+        assert not tier.has(SegmentId(shuffle, 3, 0, 0))
+        tier.release_shuffle(shuffle)
+
+    def test_release_removes_everything_of_that_shuffle_only(self, tier):
+        a, b = f"a-{uuid.uuid4().hex[:6]}", f"b-{uuid.uuid4().hex[:6]}"
+        _, payload = _payload(2)
+        metas = {}
+        for shuffle in (a, b):
+            for sub in range(3):
+                sid = SegmentId(shuffle, 0, sub, 0)
+                grant = tier.try_reserve(shuffle, len(payload))
+                metas[sid] = tier.write(sid, payload, grant)
+                tier.settle(shuffle, grant, len(payload))
+        assert tier.used_by(a) == 3 * len(payload)
+        tier.release_shuffle(a)
+        assert tier.used_by(a) == 0 and tier.used_by(b) == 3 * len(payload)
+        for sid in metas:
+            assert tier.has(sid) == (sid.shuffle_id == b)
+        self.assert_no_data(tier, a)
+        tier.release_shuffle(b)
+        self.assert_no_data(tier, b)
+
+    def test_corrupt_segment_detected(self, tier):
+        shuffle = f"c-{uuid.uuid4().hex[:6]}"
+        _, payload = _payload(3)
+        sid = SegmentId(shuffle, 0, 0, 0)
+        meta = tier.write(sid, payload, tier.try_reserve(shuffle, len(payload)))
+        meta = self.corrupt(tier, meta, payload)
+        with pytest.raises(CorruptSegmentError, match=f"{tier.name.value} tier"):
+            decode_segment(tier.read(meta), meta.id, meta.tier)
+        tier.release_shuffle(shuffle)
+
+    def test_delete_one_segment(self, tier):
+        shuffle = f"d-{uuid.uuid4().hex[:6]}"
+        _, payload = _payload(4)
+        m0 = tier.write(SegmentId(shuffle, 0, 0, 0), payload, tier.try_reserve(shuffle, 10))
+        m1 = tier.write(SegmentId(shuffle, 0, 0, 1), payload, tier.try_reserve(shuffle, 10))
+        tier.delete(m0)
+        tier.delete(m0)  # idempotent
+        assert not tier.has(m0.id) and tier.has(m1.id)
+        tier.release_shuffle(shuffle)
+
+    def assert_no_data(self, tier, shuffle_id):
+        pass
+
+
+class TestMemoryTier(TierConformance):
+    @pytest.fixture
+    def tier(self, ray_local):
+        return MemoryTier(MiB, budget_bytes=64 * MiB)
+
+    def corrupt(self, tier, meta, payload):
+        bad = bytearray(payload)
+        bad[-5] ^= 0x55
+        return tier.write(meta.id, bytes(bad))
+
+    def test_budget_and_quota_never_exceeded(self, tier):
+        tier.budget_bytes = 10 * MiB
+        tier.set_quota("q", 4 * MiB)
+        assert tier.try_reserve("q", 3 * MiB) is not None
+        assert tier.try_reserve("q", 2 * MiB) is None  # quota
+        assert tier.try_reserve("other", 7 * MiB) is not None
+        assert tier.try_reserve("other", 1) is None  # node budget
+        assert tier.used_bytes == 10 * MiB
+        tier.release_shuffle("q")
+        assert tier.try_reserve("other", 3 * MiB) is not None
+
+    def test_objects_outlive_writer_when_owned_by_actor(self, ray_local):
+        ray = ray_local
+
+        @ray.remote
+        class Owner:
+            def ping(self):
+                return 1
+
+            def put_object(self, value):
+                return [ray.put(value)]
+
+        owner = Owner.remote()
+        ray.get(owner.ping.remote())
+
+        @ray.remote
+        def writer(owner):
+            tier = MemoryTier(MiB, 64 * MiB, owner=owner)
+            _, payload = _payload(9)
+            return tier.write(SegmentId("own", 0, 0, 0), payload), payload
+
+        meta, payload = ray.get(writer.remote(owner))
+        assert bytes(MemoryTier(MiB, 0).read(meta)) == payload
+        # The writer task and its worker's reference are gone; the owner keeps it alive.
+        ray.get(writer.remote(owner))
+        assert bytes(MemoryTier(MiB, 0).read(meta)) == payload
+
+
+class TestDiskTier(TierConformance):
+    @pytest.fixture
+    def tier(self, tmp_path):
+        return DiskTier(MiB, [str(tmp_path / "d0"), str(tmp_path / "d1")])
+
+    def corrupt(self, tier, meta, payload):
+        with open(meta.location, "r+b") as f:
+            f.seek(len(payload) // 2)
+            byte = f.read(1)
+            f.seek(len(payload) // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        return meta
+
+    def assert_no_data(self, tier, shuffle_id):
+        for d in tier.spill_dirs:
+            assert [f for f in files_under(d) if shuffle_id in f] == []
+
+    def test_private_permissions_and_round_robin(self, tier):
+        _, payload = _payload(5)
+        metas = []
+        for i in range(4):
+            grant = tier.try_reserve("perm", len(payload))
+            metas.append(tier.write(SegmentId("perm", 0, 0, i), payload, grant))
+        used_dirs = {m.location.split("/hybrid_ray/")[0] for m in metas}
+        assert used_dirs == set(tier.spill_dirs)
+        for m in metas:
+            assert stat.S_IMODE(os.stat(m.location).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(os.path.dirname(m.location)).st_mode) == 0o700
+        tier.release_shuffle("perm")
+
+    def test_byte_cap(self, tmp_path):
+        tier = DiskTier(MiB, [str(tmp_path)], capacity_bytes=3 * MiB)
+        assert tier.try_reserve("s", 2 * MiB) is not None
+        assert tier.try_reserve("s", 2 * MiB) is None
+        assert "disk_capacity_bytes" in tier.describe_refusal(2 * MiB)
+
+    def test_reserve_fraction_checked_against_real_filesystem(self, small_disk):
+        # 64 MiB tmpfs, reserve 50% => about 32 MiB usable.
+        tier = DiskTier(MiB, [small_disk], min_reserve_fraction=0.5)
+        granted = 0
+        for i in range(64):
+            grant = tier.try_reserve("fill", MiB)
+            if grant is None:
+                break
+            tier.write(SegmentId("fill", 0, 0, i), b"\0" * MiB, grant)
+            tier.settle("fill", grant, MiB)
+            granted += 1
+        st = os.statvfs(small_disk)
+        assert st.f_bavail * st.f_frsize >= 0.5 * st.f_blocks * st.f_frsize
+        assert 28 <= granted <= 33
+        msg = tier.describe_refusal(MiB)
+        assert small_disk in msg and "min_reserve_fraction=0.5" in msg
+        tier.release_shuffle("fill")
+        assert files_under(small_disk) == []
+
+
+class TestRemoteTierS3(TierConformance):
+    @pytest.fixture
+    def tier(self, s3_bucket):
+        path, options = s3_bucket
+        return RemoteTier(MiB, path, "job-1", options)
+
+    def corrupt(self, tier, meta, payload):
+        bad = bytearray(payload)
+        bad[len(bad) // 3] ^= 0x01
+        tier.fs.pipe_file(meta.location, bytes(bad))
+        return meta
+
+    def assert_no_data(self, tier, shuffle_id):
+        tier.fs.invalidate_cache()
+        assert not tier.fs.exists(tier.shuffle_path(shuffle_id))
+
+    def test_layout_is_home_job_shuffle_subpartition(self, tier):
+        _, payload = _payload(6)
+        meta = tier.write(SegmentId("lay", 4, 7, 2, attempt=1), payload)
+        assert meta.location.endswith("/shuffle/job-1/lay/sub-00007/m000004-a001-s000002.seg")
+        tier.release_shuffle("lay")
+
+    def test_unreachable_endpoint_is_explained(self):
+        with pytest.raises(RemoteTierError, match="endpoint_url"):
+            RemoteTier(MiB, "s3://nobucket/x", "j", {
+                "endpoint_url": "http://127.0.0.1:9", "key": "a", "secret": "b",
+                "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
+
+    def test_missing_bucket_is_explained(self, s3_bucket):
+        _, options = s3_bucket
+        with pytest.raises(RemoteTierError, match="bucket/directory exists"):
+            RemoteTier(MiB, "s3://no-such-bucket-xyz/p", "j", options)
+
+
+class TestRemoteTierLocalFiles(TierConformance):
+    @pytest.fixture
+    def tier(self, tmp_path):
+        return RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1")
+
+    corrupt = TestRemoteTierS3.corrupt
+    assert_no_data = TestRemoteTierS3.assert_no_data
+
+    def test_no_partial_file_visible(self, tier, tmp_path):
+        _, payload = _payload(7)
+        meta = tier.write(SegmentId("vis", 0, 0, 0), payload)
+        assert not [f for f in files_under(str(tmp_path)) if f.endswith(".inprogress")]
+        assert os.path.getsize(meta.location) == len(payload)
