@@ -1,0 +1,176 @@
+"""Write client / read client over real tiers: placement, tier switching, disk full."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from conftest import files_under
+from hybrid_ray import (
+    MiB, OutOfSpaceError, ReadClient, SegmentId, ShuffleConfig, TierManager, TierName, WriteClient,
+    build_io_tiers,
+)
+from hybrid_ray.tiers import DiskTier
+
+
+def random_table(rows: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table({"k": rng.integers(0, 1 << 62, rows), "a": rng.integers(0, 1 << 62, rows),
+                     "b": rng.random(rows)})
+
+
+def checksum(tables) -> tuple[int, int]:
+    """Order-independent row multiset fingerprint: (row count, sum of row hashes)."""
+    import pandas as pd
+
+    total, rows = 0, 0
+    for t in tables:
+        if t.num_rows:
+            h = pd.util.hash_pandas_object(t.to_pandas(), index=False).to_numpy()
+            total = (total + int(h.astype(np.uint64).sum(dtype=np.uint64))) % (1 << 64)
+            rows += t.num_rows
+    return rows, total
+
+
+def make_client(cfg, tm, shuffle_id, map_partition=0, subs=1):
+    tm.register_shuffle(shuffle_id, cfg)
+    io = build_io_tiers(cfg)
+    return WriteClient(shuffle_id, map_partition, subs, cfg, tm, io), io
+
+
+def test_roundtrip_many_maps_and_subpartitions_exact(ray_local, tmp_path):
+    cfg = ShuffleConfig(memory_capacity_bytes=2 * MiB, spill_dirs=[str(tmp_path / "spill")],
+                        segment_bytes={"memory": 256 * 1024, "disk": 512 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"rt-{uuid.uuid4().hex[:6]}"
+    tm.register_shuffle(shuffle, cfg)
+    io = build_io_tiers(cfg)
+    inputs, metas = [], []
+    for m in range(3):
+        client = WriteClient(shuffle, m, 4, cfg, tm, io)
+        t = random_table(60_000, seed=m)
+        inputs.append(t)
+        parts = np.asarray(t["k"]) % 4
+        client.write_many((s, t.filter(pa.array(parts == s))) for s in range(4))
+        metas += client.close()
+    tiers = {m.tier for m in metas}
+    assert tiers == {TierName.MEMORY, TierName.DISK}  # ~4 MiB of rows, 2 MiB memory budget
+    reader = ReadClient(io)
+    out = list(reader.read_segments(metas))
+    assert checksum(out) == checksum(inputs)
+    for s in range(4):  # every row of subpartition s really belongs there
+        sub = [reader.read(m) for m in metas if m.id.subpartition == s]
+        assert all((np.asarray(t["k"]) % 4 == s).all() for t in sub)
+    tm.release_shuffle(shuffle)
+    assert files_under(str(tmp_path / "spill")) == []
+    assert tm.memory.used_bytes == 0
+
+
+def test_spills_memory_then_disk_then_remote_and_switches_back(ray_local, small_disk,
+                                                              s3_bucket):
+    remote_path, options = s3_bucket
+    cfg = ShuffleConfig(memory_capacity_bytes=3 * MiB, spill_dirs=[small_disk],
+                        min_reserve_fraction=0.5, remote_path=remote_path,
+                        storage_options=options, compression="none",
+                        segment_bytes={"memory": MiB, "disk": 2 * MiB, "remote": 4 * MiB})
+    tm = TierManager("node-a", 0)
+    blocker = f"blk-{uuid.uuid4().hex[:6]}"
+    shuffle = f"sw-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle)
+    data = [random_table(40_000, seed=i) for i in range(20)]  # ~0.9 MiB each, ~19 MiB
+    for t in data[:12]:
+        client.write(0, t)
+    client.flush()
+    # Fill the tmpfs with another shuffle so the disk tier refuses from now on.
+    tm.register_shuffle(blocker, cfg)
+    index = 0
+    while (p := tm.reserve(blocker, [MiB])[0]).grant is not None:
+        if p.grant.tier == TierName.DISK:
+            io[TierName.DISK].write(SegmentId(blocker, 0, 0, index), b"\0" * MiB, p.grant)
+            tm.settle(blocker, [(p.grant, MiB)])
+            index += 1
+    for t in data[12:16]:
+        client.write(0, t)
+    client.flush()
+    first_phase = list(client.written)
+    order = [m.tier.priority for m in first_phase]
+    assert order == sorted(order), "tiers must be used in priority order while filling"
+    assert {m.tier for m in first_phase} == {TierName.MEMORY, TierName.DISK, TierName.REMOTE}
+    mem_bytes = sum(m.nbytes for m in first_phase if m.tier == TierName.MEMORY)
+    assert mem_bytes <= 3 * MiB and tm.memory.used_bytes <= 3 * MiB
+    # Free the memory tier and the disk: the next segments go back up to memory.
+    tm.free_segments(shuffle, [m for m in first_phase if m.tier == TierName.MEMORY])
+    tm.release_shuffle(blocker)
+    for t in data[16:]:
+        client.write(0, t)
+    metas = client.close()
+    later = metas[len(first_phase):]
+    # The first segment was cut at the remote tier's 4 MiB size, too big for the 3 MiB memory
+    # budget, so it lands on disk; from then on segments are cut smaller and reach memory.
+    assert later[0].tier == TierName.DISK
+    assert TierName.MEMORY in {m.tier for m in later}
+    assert TierName.REMOTE not in {m.tier for m in later}
+    assert client.stats.tier_switches >= 3
+    # Everything that was not deliberately freed reads back exactly.
+    kept = [m for m in metas if m not in first_phase or m.tier != TierName.MEMORY]
+    reader = ReadClient(io)
+    got = pa.concat_tables(reader.read_segments(kept))
+    freed_rows = sum(m.num_rows for m in first_phase if m.tier == TierName.MEMORY)
+    expected = pa.concat_tables(data).slice(freed_rows)
+    assert got.equals(expected)
+    tm.release_shuffle(shuffle)
+    io[TierName.REMOTE].release_shuffle(shuffle)
+    assert files_under(small_disk) == []
+    assert not io[TierName.REMOTE].fs.exists(io[TierName.REMOTE].shuffle_path(shuffle))
+
+
+def test_disk_full_without_remote_is_a_clear_error_and_abort_cleans(ray_local, tmp_path):
+    spill = str(tmp_path / "spill")
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[spill],
+                        disk_capacity_bytes=2 * MiB, compression="none",
+                        segment_bytes={"disk": MiB})
+    tm = TierManager("node-a", 0)
+    shuffle = f"full-{uuid.uuid4().hex[:6]}"
+    client, _ = make_client(cfg, tm, shuffle)
+    with pytest.raises(OutOfSpaceError) as info:
+        for i in range(10):
+            client.write(0, random_table(40_000, seed=i))
+    msg = str(info.value)
+    assert "disk_capacity_bytes=2097152" in msg and "remote_path" in msg
+    assert not [f for f in files_under(spill) if f.endswith(".inprogress")]
+    client.abort()
+    assert files_under(spill) == []
+    assert tm.usage().tiers[1].used_bytes == 0
+
+
+def test_real_enospc_falls_back_to_remote_and_leaves_no_partial_file(ray_local, small_disk,
+                                                                    tmp_path):
+    class OptimisticDisk(DiskTier):
+        """Believes the disk is empty, so the grant is given and the write hits ENOSPC."""
+
+        def _free_after(self, spill_dir, nbytes):
+            return 1 << 40, 0, 1 << 40
+
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[small_disk],
+                        remote_path=f"file://{tmp_path}/remote", compression="none",
+                        segment_bytes={"disk": 8 * MiB, "remote": 8 * MiB})
+    tm = TierManager("node-a", 0)
+    shuffle = f"nospc-{uuid.uuid4().hex[:6]}"
+    tm.register_shuffle(shuffle, cfg)
+    key = next(iter(tm._disks))
+    tm._disks[key] = OptimisticDisk(8 * MiB, [small_disk], 0.0)
+    io = build_io_tiers(cfg)
+    client = WriteClient(shuffle, 0, 1, cfg, tm, io)
+    data = [random_table(100_000, seed=i) for i in range(40)]  # ~92 MiB > 64 MiB tmpfs
+    for t in data:
+        client.write(0, t)
+    metas = client.close()
+    assert {m.tier for m in metas} == {TierName.DISK, TierName.REMOTE}
+    assert not [f for f in files_under(small_disk) if f.endswith(".inprogress")]
+    got = pa.concat_tables(ReadClient(io).read_segments(metas))
+    assert got.equals(pa.concat_tables(data))
+    tm.release_shuffle(shuffle)
+    assert files_under(small_disk) == []
