@@ -18,3 +18,16 @@ __all__ = [
     "ShuffleNotFoundError", "Spilling", "TierManager", "TierName", "UnknownTierError",
     "WriteClient", "WriteStats", "build_io_tiers", "decode_segment", "encode_segment",
 ]
+
+from hybrid_ray.partitioning import (  # noqa: E402
+    HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner,
+)
+from hybrid_ray.report import ShuffleReport  # noqa: E402
+from hybrid_ray.shuffle import (  # noqa: E402
+    ShuffleResult, last_report, random_shuffle, repartition, run_shuffle, sort,
+)
+
+__all__ += [
+    "HashPartitioner", "Partitioner", "RandomPartitioner", "RangePartitioner", "ShuffleReport",
+    "ShuffleResult", "last_report", "random_shuffle", "repartition", "run_shuffle", "sort",
+]

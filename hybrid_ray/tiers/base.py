@@ -68,7 +68,7 @@ class Tier(abc.ABC):
         """Report what became of a grant: ``None`` means nothing was written (give it back)."""
         delta = (written_bytes or 0) - grant.nbytes
         self._adjust(shuffle_id, delta)
-        self._on_settled(grant, written_bytes)
+        self._on_settled(shuffle_id, grant, written_bytes)
 
     def free(self, shuffle_id: str, nbytes: int) -> None:
         """Return ``nbytes`` of a shuffle's space (segments deleted before release)."""
@@ -95,7 +95,7 @@ class Tier(abc.ABC):
         else:
             self._used.pop(shuffle_id, None)
 
-    def _on_settled(self, grant: Grant, written_bytes: int | None) -> None:
+    def _on_settled(self, shuffle_id: str, grant: Grant, written_bytes: int | None) -> None:
         """Hook: a tier tracking in-flight writes updates it here."""
 
     @property

@@ -47,8 +47,9 @@ class DiskTier(Tier):
         self.spill_dirs = tuple(spill_dirs)
         self.min_reserve_fraction = min_reserve_fraction
         self._capacity = capacity_bytes
-        # Bytes granted but not yet written, per directory: statvfs cannot see them yet.
-        self._in_flight = {d: 0 for d in self.spill_dirs}
+        # Bytes granted but not yet written, per (directory, shuffle): statvfs cannot see
+        # them yet. Per shuffle so a dead writer's grants are dropped with its shuffle.
+        self._in_flight: dict[tuple[str, str], int] = {}
         self._next_dir = itertools.cycle(range(len(self.spill_dirs)))
         for d in self.spill_dirs:
             _make_private_dir(os.path.join(d, DATA_DIR_NAME))
@@ -62,7 +63,8 @@ class DiskTier(Tier):
         free = st.f_bavail * st.f_frsize
         total = st.f_blocks * st.f_frsize
         reserve = int(self.min_reserve_fraction * total)
-        return free - self._in_flight[spill_dir] - nbytes, reserve, free
+        in_flight = sum(v for (d, _), v in self._in_flight.items() if d == spill_dir)
+        return free - in_flight - nbytes, reserve, free
 
     def _room_for(self, shuffle_id: str, nbytes: int) -> str | None:
         if self._capacity is not None and self.used_bytes + nbytes > self._capacity:
@@ -74,13 +76,18 @@ class DiskTier(Tier):
             spill_dir = self.spill_dirs[(start + i) % n]
             free_after, reserve, _ = self._free_after(spill_dir, nbytes)
             if free_after >= reserve:
-                self._in_flight[spill_dir] += nbytes
+                key = (spill_dir, shuffle_id)
+                self._in_flight[key] = self._in_flight.get(key, 0) + nbytes
                 return spill_dir
         return None
 
-    def _on_settled(self, grant: Grant, written_bytes: int | None) -> None:
-        if grant.target in self._in_flight:
-            self._in_flight[grant.target] = max(0, self._in_flight[grant.target] - grant.nbytes)
+    def _on_settled(self, shuffle_id: str, grant: Grant, written_bytes: int | None) -> None:
+        key = (grant.target, shuffle_id)
+        left = self._in_flight.get(key, 0) - grant.nbytes
+        if left > 0:
+            self._in_flight[key] = left
+        else:
+            self._in_flight.pop(key, None)
 
     def describe_refusal(self, nbytes: int) -> str:
         if self._capacity is not None and self.used_bytes + nbytes > self._capacity:
@@ -129,6 +136,8 @@ class DiskTier(Tier):
         _unlink_quietly(meta.location)
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
+        for key in [k for k in self._in_flight if k[1] == shuffle_id]:
+            del self._in_flight[key]
         for d in self.spill_dirs:
             shutil.rmtree(shuffle_dir(d, shuffle_id), ignore_errors=True)
 

@@ -1,0 +1,234 @@
+"""The Ray actors: a per-node tier manager and the namespace's shuffle master.
+
+Both are thin shells over plain classes (``TierManager``, ``ShuffleRegistry``), so the logic
+is tested without a cluster. Both are named and detached: a tier manager must outlive the
+map tasks whose memory-tier objects it owns, and the master must outlive a crashed driver to
+remove that driver's orphaned data after the TTL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.master import PollResult, ShuffleRegistry, ShuffleState, metas_by_node
+from hybrid_ray.segment import SegmentMeta
+from hybrid_ray.tier_manager import NodeUsage, Placement, TierManager
+from hybrid_ray.tiers import Grant, RemoteTier
+
+MASTER_NAME = "hybrid_ray_shuffle_master"
+TIER_MANAGER_PREFIX = "hybrid_ray_tier_manager_"
+# How often the master looks for shuffles whose driver stopped heartbeating.
+EXPIRY_CHECK_INTERVAL_S = 30.0
+
+
+def _node_object_store_bytes(node_id: str) -> int:
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return int(node.get("Resources", {}).get("object_store_memory", 0))
+    return 0
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class TierManagerActor:
+    """Owns one node's memory-tier objects and disk-tier accounting; serves its disk
+    segments to readers on other nodes."""
+
+    def __init__(self, node_id: str) -> None:
+        self.tm = TierManager(node_id, _node_object_store_bytes(node_id))
+
+    def put_object(self, value: Any) -> list[ray.ObjectRef]:
+        # The ObjectRef is returned inside a list so Ray hands back the ref, not the value.
+        return [ray.put(value)]
+
+    def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
+        return self.tm.register_shuffle(shuffle_id, config)
+
+    def reserve(self, shuffle_id: str, sizes: Sequence[int],
+                settled: Sequence[tuple[Grant, int | None]] = ()) -> list[Placement]:
+        return self.tm.reserve(shuffle_id, sizes, settled)
+
+    def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None:
+        self.tm.settle(shuffle_id, settled)
+
+    def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
+        self.tm.free_segments(shuffle_id, metas)
+
+    def release_shuffle(self, shuffle_id: str) -> None:
+        self.tm.release_shuffle(shuffle_id)
+
+    def read_disk_segment(self, meta: SegmentMeta) -> bytes:
+        return self.tm.read_disk_segment(meta)
+
+    def usage(self) -> NodeUsage:
+        return self.tm.usage()
+
+
+class ActorNodeStorage:
+    """``NodeStorage`` for a write client: forwards space decisions to a tier-manager actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def reserve(self, shuffle_id, sizes, settled=()):
+        return ray.get(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled)))
+
+    def settle(self, shuffle_id, settled):
+        ray.get(self.actor.settle.remote(shuffle_id, list(settled)))
+
+    def free_segments(self, shuffle_id, metas):
+        ray.get(self.actor.free_segments.remote(shuffle_id, list(metas)))
+
+
+def get_tier_manager(node_id: str, namespace: str) -> Any:
+    """The tier manager of ``node_id``, started (pinned to that node) if not running yet."""
+    name = TIER_MANAGER_PREFIX + node_id
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        pass
+    return TierManagerActor.options(
+        name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(node_id)
+
+
+def existing_tier_manager(node_id: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(TIER_MANAGER_PREFIX + node_id, namespace=namespace)
+    except ValueError:
+        return None
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)
+class ShuffleMasterActor:
+    """One per namespace. Calls are serialised by a lock (a thread also expires orphans)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._lock = threading.RLock()
+        self.registry = ShuffleRegistry(self._delete_segments, self._release_data)
+        threading.Thread(target=self._expiry_loop, daemon=True).start()
+
+    # ---- deletion I/O ----------------------------------------------------------------------
+    def _delete_segments(self, state: ShuffleState, metas: Sequence[SegmentMeta]) -> None:
+        for node_id, local in metas_by_node(metas).items():
+            tm = existing_tier_manager(node_id, self.namespace)
+            if tm is not None:
+                tm.free_segments.remote(state.shuffle_id, local)
+        remote = [m for m in metas if m.tier == TierName.REMOTE]
+        if remote:
+            tier = self._remote_tier(state.config)
+            for meta in remote:
+                tier.delete(meta)
+
+    def _release_data(self, state: ShuffleState) -> None:
+        waits = []
+        for node_id in state.nodes:
+            tm = existing_tier_manager(node_id, self.namespace)
+            if tm is not None:
+                waits.append(tm.release_shuffle.remote(state.shuffle_id))
+        if state.config.remote_path:
+            self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
+        ray.wait(waits, num_returns=len(waits), timeout=60)
+
+    def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:
+        return RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path,
+                          config.job_id, config.storage_options, check_reachable=False)
+
+    def _expiry_loop(self) -> None:
+        while True:
+            time.sleep(EXPIRY_CHECK_INTERVAL_S)
+            with self._lock:
+                self.registry.expire()
+
+    # ---- the API (each a locked call into the registry) --------------------------------------
+    def register(self, shuffle_id: str, num_maps: int, num_subpartitions: int,
+                 config: ShuffleConfig) -> None:
+        with self._lock:
+            self.registry.expire()
+            self.registry.register(shuffle_id, num_maps, num_subpartitions, config)
+
+    def heartbeat(self, shuffle_id: str) -> None:
+        with self._lock:
+            self.registry.heartbeat(shuffle_id)
+
+    def begin_map(self, shuffle_id: str, map_index: int, node_id: str, pid: int) -> int | None:
+        with self._lock:
+            return self.registry.begin_map(shuffle_id, map_index, node_id, pid)
+
+    def commit(self, shuffle_id: str, map_index: int, attempt: int,
+               metas: list[SegmentMeta]) -> bool:
+        with self._lock:
+            return self.registry.commit(shuffle_id, map_index, attempt, metas)
+
+    def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any) -> bool:
+        with self._lock:
+            return self.registry.finish_map(shuffle_id, map_index, attempt, stats)
+
+    def poll(self, shuffle_id: str, subpartition: int, cursors: dict, pid: int) -> PollResult:
+        with self._lock:
+            return self.registry.poll(shuffle_id, subpartition, cursors, pid)
+
+    def consumed(self, shuffle_id: str, subpartition: int) -> bool:
+        with self._lock:
+            return self.registry.consumed(shuffle_id, subpartition)
+
+    def release(self, shuffle_id: str) -> bool:
+        with self._lock:
+            return self.registry.release(shuffle_id)
+
+    def expire(self) -> list[str]:
+        with self._lock:
+            return self.registry.expire()
+
+    def summary(self, shuffle_id: str) -> dict[str, Any]:
+        with self._lock:
+            return self.registry.summary(shuffle_id)
+
+    def segments(self, shuffle_id: str) -> list[SegmentMeta]:
+        with self._lock:
+            return self.registry.segments(shuffle_id)
+
+    def progress(self, shuffle_id: str) -> dict[str, Any]:
+        """Producers and readers of a shuffle (pids, segments): for status and fault tests."""
+        with self._lock:
+            state = self.registry.state(shuffle_id)
+            return {
+                "maps": [{"attempt": m.current_attempt, "finished": m.finished_attempt,
+                          "pid": m.pid, "node_id": m.node_id,
+                          "segments": sum(len(v) for v in m.segments.get(m.current_attempt, {}).values())}
+                         for m in state.maps],
+                "readers": {s: dataclasses.asdict(r) for s, r in state.readers.items()},
+            }
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            shuffles = [self.registry.summary(s) for s in self.registry.shuffle_ids()]
+            nodes = {n for s in self.registry.shuffle_ids() for n in self.registry.state(s).nodes}
+        usage = []
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            tm = existing_tier_manager(node["NodeID"], self.namespace)
+            if tm is not None:
+                usage.append(ray.get(tm.usage.remote(), timeout=30))
+        return {"shuffles": shuffles, "nodes": usage, "active_nodes": sorted(nodes)}
+
+
+def get_master(namespace: str) -> Any:
+    """The namespace's shuffle master, started on first use."""
+    try:
+        return ray.get_actor(MASTER_NAME, namespace=namespace)
+    except ValueError:
+        pass
+    return ShuffleMasterActor.options(
+        name=MASTER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
+    ).remote(namespace)

@@ -1,0 +1,266 @@
+"""Shuffle master (FLIP-31): the registry of shuffles, map attempts and committed segments.
+
+``ShuffleRegistry`` is plain Python; ``actors.ShuffleMasterActor`` wraps it as one named actor
+per Ray namespace. It decides which map attempt's segments count (exactly once: the first
+attempt to finish wins; a newer attempt supersedes an unfinished older one, whose segments
+are deleted), tells readers what is available, and releases shuffles: on request, when all
+subpartitions were consumed, or when the driver stops heartbeating for ``orphan_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import ShuffleNotFoundError
+from hybrid_ray.segment import SegmentMeta
+
+
+@dataclasses.dataclass
+class MapState:
+    current_attempt: int = -1
+    finished_attempt: int | None = None
+    pid: int = 0
+    node_id: str = ""
+    started: float = 0.0
+    finished: float = 0.0
+    # attempt -> subpartition -> segments ordered by index
+    segments: dict[int, dict[int, list[SegmentMeta]]] = dataclasses.field(default_factory=dict)
+    stats: Any = None
+
+
+@dataclasses.dataclass
+class ReaderState:
+    pid: int = 0
+    delivered: int = 0
+    first_delivery: float | None = None
+    done: bool = False
+
+
+@dataclasses.dataclass
+class ShuffleState:
+    shuffle_id: str
+    num_maps: int
+    num_subpartitions: int
+    config: ShuffleConfig
+    created: float
+    last_heartbeat: float
+    maps: list[MapState]
+    readers: dict[int, ReaderState] = dataclasses.field(default_factory=dict)
+    nodes: set[str] = dataclasses.field(default_factory=set)
+    consumed: set[int] = dataclasses.field(default_factory=set)
+    superseded_attempts: int = 0
+
+    @property
+    def all_maps_finished(self) -> bool:
+        return all(m.finished_attempt is not None for m in self.maps)
+
+
+@dataclasses.dataclass(frozen=True)
+class PollResult:
+    """New segments for a reader: per map, (attempt, reset, metas); ``done`` when complete."""
+
+    updates: list[tuple[int, int, bool, list[SegmentMeta]]]
+    done: bool
+
+
+# Deletes the data of segments (callback to the tier managers / remote tier).
+Deleter = Callable[[ShuffleState, Sequence[SegmentMeta]], None]
+Releaser = Callable[[ShuffleState], None]
+
+
+class ShuffleRegistry:
+    """All shuffles of a namespace. ``delete_segments`` and ``release_data`` perform the I/O
+    of deleting, so this class is testable without a cluster."""
+
+    def __init__(self, delete_segments: Deleter, release_data: Releaser,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._shuffles: dict[str, ShuffleState] = {}
+        self._delete_segments = delete_segments
+        self._release_data = release_data
+        self._clock = clock
+        self.released: collections.deque[str] = collections.deque(maxlen=1000)
+
+    def _get(self, shuffle_id: str) -> ShuffleState:
+        try:
+            return self._shuffles[shuffle_id]
+        except KeyError:
+            hint = (" (it was released: its data is gone; re-run the shuffle)"
+                    if shuffle_id in self.released else "")
+            raise ShuffleNotFoundError(f"unknown shuffle {shuffle_id!r}{hint}") from None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def register(self, shuffle_id: str, num_maps: int, num_subpartitions: int,
+                 config: ShuffleConfig) -> None:
+        if shuffle_id in self._shuffles:
+            raise ValueError(f"shuffle {shuffle_id!r} is already registered")
+        now = self._clock()
+        self._shuffles[shuffle_id] = ShuffleState(
+            shuffle_id, num_maps, num_subpartitions, config, now, now,
+            [MapState() for _ in range(num_maps)])
+
+    def heartbeat(self, shuffle_id: str) -> None:
+        self._get(shuffle_id).last_heartbeat = self._clock()
+
+    def begin_map(self, shuffle_id: str, map_index: int, node_id: str, pid: int = 0) -> int | None:
+        """Start an attempt of a map partition; None if the partition is already finished.
+
+        Ray retries a task only after its attempt died, so an unfinished older attempt is dead:
+        its segments are deleted and readers that followed it start over on the new attempt.
+        """
+        state = self._get(shuffle_id)
+        m = state.maps[map_index]
+        if m.finished_attempt is not None:
+            return None
+        if m.current_attempt >= 0:
+            self._drop_attempt(state, m, m.current_attempt)
+            state.superseded_attempts += 1
+        m.current_attempt += 1
+        m.segments[m.current_attempt] = collections.defaultdict(list)
+        m.pid, m.node_id, m.started = pid, node_id, self._clock()
+        state.nodes.add(node_id)
+        return m.current_attempt
+
+    def commit(self, shuffle_id: str, map_index: int, attempt: int,
+               metas: Sequence[SegmentMeta]) -> bool:
+        """Publish finished segments of an attempt; False (and deleted) if it was superseded."""
+        state = self._get(shuffle_id)
+        m = state.maps[map_index]
+        if attempt != m.current_attempt or m.finished_attempt is not None:
+            self._delete_segments(state, metas)
+            return False
+        subs = m.segments[attempt]
+        for meta in metas:
+            subs[meta.id.subpartition].append(meta)
+            state.nodes.add(meta.node_id)
+        return True
+
+    def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any = None) -> bool:
+        """Mark an attempt complete. The first attempt to finish wins."""
+        state = self._get(shuffle_id)
+        m = state.maps[map_index]
+        if m.finished_attempt is not None or attempt != m.current_attempt:
+            return False
+        m.finished_attempt, m.finished, m.stats = attempt, self._clock(), stats
+        return True
+
+    # ---- the read side -------------------------------------------------------------------------
+    def poll(self, shuffle_id: str, subpartition: int,
+             cursors: dict[int, tuple[int, int]], pid: int = 0) -> PollResult:
+        """Segments of ``subpartition`` a reader has not seen, given its per-map cursors
+        ``{map: (attempt, next_index)}``. A reset tells it to drop what it read of that map."""
+        state = self._get(shuffle_id)
+        reader = state.readers.setdefault(subpartition, ReaderState())
+        reader.pid = pid or reader.pid
+        updates = []
+        complete = True
+        for map_index, m in enumerate(state.maps):
+            attempt = m.current_attempt
+            if attempt < 0:
+                complete = False
+                continue
+            segs = m.segments[attempt].get(subpartition, [])
+            seen_attempt, next_index = cursors.get(map_index, (attempt, 0))
+            reset = seen_attempt != attempt
+            start = 0 if reset else next_index
+            if reset or start < len(segs):
+                updates.append((map_index, attempt, reset, segs[start:]))
+            if m.finished_attempt is None:
+                complete = False
+        if updates and any(u[3] for u in updates):
+            reader.delivered += sum(len(u[3]) for u in updates)
+            if reader.first_delivery is None:
+                reader.first_delivery = self._clock()
+        reader.done = complete
+        return PollResult(updates, complete)
+
+    def consumed(self, shuffle_id: str, subpartition: int) -> bool:
+        """A reducer finished its subpartition; the shuffle is released once all are consumed.
+        Returns True if this released the shuffle."""
+        state = self._shuffles.get(shuffle_id)
+        if state is None:
+            return False
+        state.consumed.add(subpartition)
+        if len(state.consumed) == state.num_subpartitions:
+            self.release(shuffle_id)
+            return True
+        return False
+
+    # ---- release --------------------------------------------------------------------------------
+    def release(self, shuffle_id: str) -> bool:
+        """Delete all data of a shuffle on every node and the remote tier."""
+        state = self._shuffles.pop(shuffle_id, None)
+        if state is None:
+            return False
+        self.released.append(shuffle_id)
+        self._release_data(state)
+        return True
+
+    def expire(self) -> list[str]:
+        """Release shuffles whose driver stopped heartbeating more than ``orphan_ttl_s`` ago."""
+        now = self._clock()
+        expired = [s.shuffle_id for s in self._shuffles.values()
+                   if now - s.last_heartbeat > s.config.orphan_ttl_s]
+        for shuffle_id in expired:
+            self.release(shuffle_id)
+        return expired
+
+    def _drop_attempt(self, state: ShuffleState, m: MapState, attempt: int) -> None:
+        dropped = [meta for metas in m.segments.pop(attempt, {}).values() for meta in metas]
+        if dropped:
+            self._delete_segments(state, dropped)
+
+    # ---- introspection --------------------------------------------------------------------------
+    def shuffle_ids(self) -> list[str]:
+        return list(self._shuffles)
+
+    def state(self, shuffle_id: str) -> ShuffleState:
+        return self._get(shuffle_id)
+
+    def segments(self, shuffle_id: str) -> list[SegmentMeta]:
+        """Committed segments of the winning (or current) attempt of every map."""
+        state = self._get(shuffle_id)
+        out = []
+        for m in state.maps:
+            attempt = m.finished_attempt if m.finished_attempt is not None else m.current_attempt
+            for metas in m.segments.get(attempt, {}).values():
+                out.extend(metas)
+        return out
+
+    def summary(self, shuffle_id: str) -> dict[str, Any]:
+        state = self._get(shuffle_id)
+        per_node_tier: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+        for meta in self.segments(shuffle_id):
+            entry = per_node_tier[(meta.node_id, meta.tier.value)]
+            entry[0] += meta.nbytes
+            entry[1] += 1
+        finishes = [m.finished for m in state.maps if m.finished]
+        deliveries = [r.first_delivery for r in state.readers.values() if r.first_delivery]
+        return {
+            "shuffle_id": shuffle_id,
+            "num_maps": state.num_maps,
+            "num_subpartitions": state.num_subpartitions,
+            "maps_finished": sum(m.finished_attempt is not None for m in state.maps),
+            "per_node_tier": {f"{n}|{t}": v for (n, t), v in per_node_tier.items()},
+            "map_stats": [m.stats for m in state.maps],
+            "superseded_attempts": state.superseded_attempts,
+            "first_delivery": min(deliveries) if deliveries else None,
+            "last_map_finish": max(finishes) if len(finishes) == state.num_maps else None,
+            "age_s": self._clock() - state.created,
+            "mode": state.config.mode.value,
+        }
+
+    def remote_tier_configs(self) -> list[ShuffleConfig]:
+        return [s.config for s in self._shuffles.values() if s.config.remote_path]
+
+
+def metas_by_node(metas: Sequence[SegmentMeta]) -> dict[str, list[SegmentMeta]]:
+    out: dict[str, list[SegmentMeta]] = collections.defaultdict(list)
+    for meta in metas:
+        if meta.tier != TierName.REMOTE:
+            out[meta.node_id].append(meta)
+    return out

@@ -1,0 +1,142 @@
+"""How map tasks assign rows to subpartitions, and how reducers finish their partition.
+
+A ``Partitioner`` is plain, picklable Python: ``assign`` maps every row of a table to a
+subpartition in ``[0, num_partitions)``; ``finalize`` runs once on a reducer's whole
+partition (sort it, shuffle it, or leave it). Subclass it for custom shuffles.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+# splitmix64 constants: a cheap, well-mixing 64-bit hash for integer keys.
+_MIX1, _MIX2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), \
+    np.uint64(0x9E3779B97F4A7C15)
+
+
+class Partitioner(abc.ABC):
+    """Assigns rows to subpartitions (map side) and finishes a partition (reduce side)."""
+
+    @abc.abstractmethod
+    def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
+        """Subpartition of every row of ``table`` (an integer array of ``len(table)``)."""
+
+    def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
+        """Transform a reducer's complete partition; the default keeps it as read."""
+        return table
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + _GOLDEN) * np.uint64(1)
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        return x ^ (x >> np.uint64(31))
+
+
+def hash_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A deterministic uint64 hash per value (the same in every process and run)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    t = column.type
+    if pa.types.is_integer(t) or pa.types.is_temporal(t) or pa.types.is_boolean(t):
+        if not pa.types.is_integer(t):
+            column = column.cast(pa.int64(), safe=False)
+        values = pc.fill_null(column, 0).to_numpy(zero_copy_only=False)
+        out = _mix64(values.astype(np.uint64, copy=False))
+    elif pa.types.is_fixed_size_binary(t) and column.null_count == 0:
+        width = t.byte_width
+        raw = np.frombuffer(column.buffers()[1], dtype=np.uint8,
+                            count=(len(column) + column.offset) * width)
+        rows = raw.reshape(-1, width)[column.offset:]
+        out = np.zeros(len(column), dtype=np.uint64)
+        for start in range(0, width, 8):  # fold the key 8 bytes at a time
+            chunk = np.zeros((len(column), 8), dtype=np.uint8)
+            part = rows[:, start:start + 8]
+            chunk[:, :part.shape[1]] = part
+            out = _mix64(out ^ chunk.view(np.uint64).ravel())
+    else:
+        values = column.to_numpy(zero_copy_only=False)
+        out = pd.util.hash_array(values, categorize=False).astype(np.uint64, copy=False)
+    if column.null_count:
+        out = np.where(column.is_null().to_numpy(zero_copy_only=False), np.uint64(0), out)
+    return out
+
+
+class HashPartitioner(Partitioner):
+    """Rows with equal key values go to the same subpartition."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = list(keys)
+
+    def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
+        h = np.zeros(table.num_rows, dtype=np.uint64)
+        for key in self.keys:
+            h = _mix64(h ^ hash_column(table.column(key)))
+        return (h % np.uint64(num_partitions)).astype(np.int64)
+
+
+class RangePartitioner(Partitioner):
+    """Subpartition i holds keys between sampled boundaries i-1 and i; reducers sort.
+
+    Concatenating the output partitions in order gives a globally sorted table.
+    """
+
+    def __init__(self, key: str, boundaries: Sequence, descending: bool = False) -> None:
+        self.key = key
+        self.boundaries = np.asarray(boundaries)
+        self.descending = descending
+
+    def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
+        keys = table.column(self.key).to_numpy()
+        idx = np.searchsorted(self.boundaries, keys, side="right")
+        return (num_partitions - 1 - idx) if self.descending else idx
+
+    def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
+        order = "descending" if self.descending else "ascending"
+        return table.sort_by([(self.key, order)])
+
+
+class RandomPartitioner(Partitioner):
+    """Seeded random assignment; reducers also permute rows, seeded, so the result is a
+    reproducible random shuffle."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, map_index])
+        return rng.integers(0, num_partitions, table.num_rows)
+
+    def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
+        rng = np.random.default_rng([self.seed, 1 << 30, subpartition])
+        return table.take(rng.permutation(table.num_rows))
+
+
+def range_boundaries(samples: np.ndarray, num_partitions: int) -> np.ndarray:
+    """``num_partitions - 1`` quantile boundaries of sorted key samples."""
+    if len(samples) == 0 or num_partitions == 1:
+        return samples[:0]
+    samples = np.sort(samples)
+    picks = (np.arange(1, num_partitions) * len(samples)) // num_partitions
+    return samples[np.minimum(picks, len(samples) - 1)]
+
+
+def split_by_partition(table: pa.Table, parts: np.ndarray,
+                       num_partitions: int) -> list[tuple[int, pa.Table]]:
+    """Group rows by subpartition: one ``take`` then zero-copy slices."""
+    order = np.argsort(parts, kind="stable")
+    grouped = table.take(pa.array(order))
+    counts = np.bincount(parts, minlength=num_partitions)
+    out, offset = [], 0
+    for sub, count in enumerate(counts):
+        if count:
+            out.append((sub, grouped.slice(offset, int(count))))
+        offset += int(count)
+    return out

@@ -1,0 +1,117 @@
+"""The report every shuffle produces, and a small progress bar for long shuffles."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+from hybrid_ray.config import TierName
+
+
+@dataclasses.dataclass
+class ShuffleReport:
+    """What a shuffle did: where its bytes went, how it switched tiers, how fast it ran.
+
+    ``per_node_tier`` maps node id -> tier -> (bytes, segments) of the segments that counted
+    (the winning attempt of every map). ``hybrid_overlap`` is True when a reducer received a
+    segment before the last mapper finished.
+    """
+
+    shuffle_id: str
+    operation: str
+    mode: str
+    spilling: str
+    num_maps: int
+    num_partitions: int
+    rows: int
+    input_bytes: int
+    wall_time_s: float
+    per_node_tier: dict[str, dict[str, tuple[int, int]]]
+    tier_switches: int
+    spill_events: int
+    superseded_attempts: int
+    hybrid_overlap: bool
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.input_bytes / 1e6 / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        out = {t.value: 0 for t in TierName}
+        for tiers in self.per_node_tier.values():
+            for tier, (nbytes, _) in tiers.items():
+                out[tier] += nbytes
+        return out
+
+    def segments_per_tier(self) -> dict[str, int]:
+        out = {t.value: 0 for t in TierName}
+        for tiers in self.per_node_tier.values():
+            for tier, (_, count) in tiers.items():
+                out[tier] += count
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["throughput_mb_s"] = self.throughput_mb_s
+        return d
+
+    def table(self) -> str:
+        """The report as a printable table."""
+        lines = [
+            f"shuffle {self.shuffle_id} ({self.operation}, mode={self.mode}, "
+            f"spilling={self.spilling}): {self.num_maps} maps -> {self.num_partitions} partitions",
+            f"  rows {self.rows:,}  input {self.input_bytes / 1e6:,.1f} MB  "
+            f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
+            f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "
+            f"retried map attempts {self.superseded_attempts}  "
+            f"reducers overlapped mappers: {'yes' if self.hybrid_overlap else 'no'}",
+            f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}",
+        ]
+        for node, tiers in sorted(self.per_node_tier.items()):
+            for tier in TierName:
+                if tier.value in tiers:
+                    nbytes, count = tiers[tier.value]
+                    lines.append(f"  {node[:16]:<16} {tier.value:<8} {count:>9} "
+                                 f"{nbytes / 1e6:>10.2f}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, redrawn at most every ``interval`` seconds."""
+
+    def __init__(self, title: str, enabled: bool, interval: float = 0.5) -> None:
+        self.title = title
+        self.enabled = enabled
+        # On a terminal the line is redrawn in place; in a log, a line every few seconds.
+        self.tty = sys.stderr.isatty()
+        self.interval = interval if self.tty else 5.0
+        self._last = 0.0
+        self._start = time.monotonic()
+
+    def update(self, maps_done: int, maps: int, reduces_done: int, reduces: int,
+               force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        total = maps + reduces
+        done = maps_done + reduces_done
+        width = 30
+        filled = int(width * done / total) if total else width
+        bar = "#" * filled + "-" * (width - filled)
+        line = (f"{self.title} [{bar}] map {maps_done}/{maps} "
+                f"reduce {reduces_done}/{reduces} {now - self._start:5.1f}s")
+        sys.stderr.write("\r" + line if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()

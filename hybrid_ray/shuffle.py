@@ -1,0 +1,357 @@
+"""Distributed hybrid shuffle on Ray: map tasks write through the tiers of their node,
+reduce tasks read their subpartition, the shuffle master keeps the books.
+
+Public operations (``repartition``, ``sort``, ``random_shuffle``) take and return a
+``ray.data.Dataset``; output block i is subpartition i. ``run_shuffle`` is the general entry
+point for custom partitioners over lists of Arrow block references.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from hybrid_ray.actors import ActorNodeStorage, get_master, get_tier_manager
+from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
+from hybrid_ray.config import MiB, ShuffleConfig, ShuffleMode
+from hybrid_ray.errors import ConfigError, SegmentNotFoundError, ShuffleFailedError
+from hybrid_ray.partitioning import (
+    HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
+    split_by_partition,
+)
+from hybrid_ray.report import ProgressBar, ShuffleReport
+
+# Map tasks partition their block in chunks of about this many bytes and commit after each,
+# so reducers in hybrid mode see data while the block is still being written.
+MAP_CHUNK_BYTES = 32 * MiB
+# Reducers poll the master with exponential backoff between these bounds while waiting.
+POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
+# The driver heartbeats the master this often; the master expires a silent shuffle after
+# its config's orphan_ttl_s.
+HEARTBEAT_S = 5.0
+SAMPLES_PER_BLOCK = 256
+MAX_TASK_RETRIES = 3
+
+_last_report: ShuffleReport | None = None
+
+
+def last_report() -> ShuffleReport | None:
+    """The report of the most recent shuffle run by this process."""
+    return _last_report
+
+
+# ---- tasks -----------------------------------------------------------------------------------
+@ray.remote(max_retries=MAX_TASK_RETRIES)
+def _map_task(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,
+              partitioner: Partitioner, config: ShuffleConfig, master: Any) -> dict:
+    node_id = ray.get_runtime_context().get_node_id()
+    attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, os.getpid()))
+    if attempt is None:  # an earlier attempt already finished this partition
+        return {"rows": 0, "skipped": True}
+    tm = get_tier_manager(node_id, config.namespace)
+    ray.get(tm.register_shuffle.remote(shuffle_id, config))
+    superseded = []
+
+    def commit(metas):
+        if not ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas)):
+            superseded.append(True)
+
+    client = WriteClient(shuffle_id, map_index, num_partitions, config, ActorNodeStorage(tm),
+                         _io_tiers_cached(config, node_id), attempt=attempt, node_id=node_id,
+                         on_commit=commit)
+    try:
+        rows_per_chunk = max(1, int(block.num_rows * MAP_CHUNK_BYTES / max(block.nbytes, 1)))
+        for start in range(0, block.num_rows, rows_per_chunk):
+            chunk = block.slice(start, rows_per_chunk)
+            parts = partitioner.assign(chunk, map_index, num_partitions)
+            client.write_many(split_by_partition(chunk, np.asarray(parts), num_partitions))
+            client.flush()
+            if superseded:
+                raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded")
+        client.close()
+    except BaseException:
+        client.abort()
+        raise
+    ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
+    return {"rows": client.stats.rows, "skipped": False}
+
+
+def _io_tiers_cached(config: ShuffleConfig, node_id: str) -> dict:
+    # ShuffleConfig holds dicts (unhashable); cache on its repr, which is deterministic.
+    key = (repr(config), node_id)
+    cached = _IO_CACHE.get(key)
+    if cached is None:
+        from hybrid_ray.tier_manager import build_io_tiers
+
+        owner = get_tier_manager(node_id, config.namespace)
+        cached = _IO_CACHE[key] = build_io_tiers(config, owner=owner, check_remote=False)
+    return cached
+
+
+_IO_CACHE: dict[tuple[str, str], dict] = {}
+
+
+@ray.remote(max_retries=MAX_TASK_RETRIES)
+def _reduce_task(shuffle_id: str, subpartition: int, schema: pa.Schema,
+                 partitioner: Partitioner, config: ShuffleConfig, master: Any) -> pa.Table:
+    node_id = ray.get_runtime_context().get_node_id()
+
+    def fetch_from_node(meta):
+        return ray.get(get_tier_manager(meta.node_id, config.namespace)
+                       .read_disk_segment.remote(meta))
+
+    reader = ReadClient(_io_tiers_cached(config, node_id), node_id, fetch_from_node)
+    cursors: dict[int, tuple[int, int]] = {}
+    per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
+    delay = POLL_MIN_S
+    missing_retry = False
+    while True:
+        result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors, os.getpid()))
+        got = False
+        try:
+            for map_index, attempt, reset, metas in result.updates:
+                if reset:
+                    per_map[map_index] = []
+                    cursors[map_index] = (attempt, 0)
+                for meta in metas:
+                    per_map[map_index].append(reader.read(meta))
+                    _, nxt = cursors.get(map_index, (attempt, 0))
+                    cursors[map_index] = (attempt, nxt + 1)
+                    got = True
+            missing_retry = False
+        except SegmentNotFoundError:
+            # The segment's attempt may just have been superseded (its data deleted): poll
+            # again, which resets that map to the new attempt. Twice in a row is real loss.
+            if missing_retry:
+                raise
+            missing_retry = True
+            continue
+        if result.done and not got:
+            break
+        delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
+        if not got:
+            time.sleep(delay)
+    tables = [t for m in sorted(per_map) for t in per_map[m]]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    return partitioner.finalize(table, subpartition)
+
+
+@ray.remote
+def _sample_task(block: pa.Table, key: str, k: int) -> np.ndarray:
+    if block.num_rows == 0:
+        return np.asarray([])
+    idx = np.random.default_rng(0).choice(block.num_rows, min(k, block.num_rows), replace=False)
+    return block.column(key).take(pa.array(idx)).to_numpy(zero_copy_only=False)
+
+
+@ray.remote(num_cpus=0)
+def _block_meta(block: pa.Table) -> tuple[int, int]:
+    return block.num_rows, block.nbytes
+
+
+# ---- the driver --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ShuffleResult:
+    """Reducer outputs (one Arrow table ref per partition) and the shuffle's report."""
+
+    refs: list[ray.ObjectRef]
+    report: ShuffleReport
+
+
+def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitioner: Partitioner,
+                schema: pa.Schema, config: ShuffleConfig | None = None,
+                operation: str = "custom") -> ShuffleResult:
+    """Shuffle Arrow blocks into ``num_partitions`` partitions with ``partitioner``.
+
+    Raises ``ShuffleFailedError`` (after removing all of the shuffle's data) if a map or
+    reduce task fails beyond its retries.
+    """
+    global _last_report
+    config = config or ShuffleConfig()
+    _check_partitions(num_partitions)
+    if not ray.is_initialized():
+        ray.init()
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    started = time.monotonic()
+    ray.get(master.register.remote(shuffle_id, len(blocks), num_partitions, config))
+    progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
+    map_refs: list[ray.ObjectRef] = []
+    reduce_refs: list[ray.ObjectRef] = []
+    try:
+        map_refs = [_map_task.remote(shuffle_id, i, b, num_partitions, partitioner, config,
+                                     master) for i, b in enumerate(blocks)]
+        hybrid = config.mode == ShuffleMode.HYBRID
+        window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
+                                                               .get("CPU", 1)))
+        # Hybrid reducers mostly wait for data; holding no CPU they cannot starve mappers.
+        reduce_opts = {"num_cpus": 0} if hybrid else {"num_cpus": 1}
+        pending_maps = list(map_refs)
+        next_reducer = 0
+        last_beat = 0.0
+        while True:
+            if pending_maps:
+                _, pending_maps = ray.wait(pending_maps, num_returns=len(pending_maps),
+                                           timeout=0)
+            maps_done = not pending_maps
+            if hybrid or maps_done:
+                if maps_done:
+                    ray.get(map_refs)  # surface a map failure before reducers run on
+                running = sum(1 for r in reduce_refs if not _is_ready(r))
+                limit = window if hybrid else num_partitions
+                while next_reducer < num_partitions and running < limit:
+                    reduce_refs.append(_reduce_task.options(**reduce_opts).remote(
+                        shuffle_id, next_reducer, schema, partitioner, config, master))
+                    next_reducer += 1
+                    running += 1
+            reduces_done = sum(1 for r in reduce_refs if _is_ready(r))
+            progress.update(len(map_refs) - len(pending_maps), len(map_refs),
+                            reduces_done, num_partitions)
+            if maps_done and reduces_done == num_partitions:
+                break
+            if time.monotonic() - last_beat > HEARTBEAT_S:
+                master.heartbeat.remote(shuffle_id)
+                last_beat = time.monotonic()
+            waiting = pending_maps + [r for r in reduce_refs if not _is_ready(r)]
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=0.5)
+            for ref in ready:
+                ray.get(ref)  # raise a failed task's error now
+        ray.get(map_refs)
+        summary = ray.get(master.summary.remote(shuffle_id))
+    except BaseException as exc:
+        for ref in map_refs + reduce_refs:
+            ray.cancel(ref, force=True)
+        ray.get(master.release.remote(shuffle_id))
+        progress.close()
+        if isinstance(exc, (KeyboardInterrupt, ShuffleFailedError)):
+            raise
+        raise ShuffleFailedError(
+            f"{operation} shuffle {shuffle_id} failed and its data was removed: {exc}") from exc
+    ray.get(master.release.remote(shuffle_id))
+    progress.update(len(map_refs), len(map_refs), num_partitions, num_partitions, force=True)
+    progress.close()
+    report = _make_report(summary, operation, config, time.monotonic() - started)
+    _last_report = report
+    return ShuffleResult(reduce_refs, report)
+
+
+def _is_ready(ref: ray.ObjectRef) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+def _make_report(summary: dict, operation: str, config: ShuffleConfig,
+                 wall: float) -> ShuffleReport:
+    stats = WriteStats()
+    for s in summary["map_stats"]:
+        if s is not None:
+            stats.merge(s)
+    per_node: dict[str, dict[str, tuple[int, int]]] = collections.defaultdict(dict)
+    for key, (nbytes, count) in summary["per_node_tier"].items():
+        node, tier = key.split("|")
+        per_node[node][tier] = (nbytes, count)
+    first, last = summary["first_delivery"], summary["last_map_finish"]
+    return ShuffleReport(
+        shuffle_id=summary["shuffle_id"], operation=operation, mode=config.mode.value,
+        spilling=config.spilling.value, num_maps=summary["num_maps"],
+        num_partitions=summary["num_subpartitions"], rows=stats.rows,
+        input_bytes=0, wall_time_s=wall, per_node_tier=dict(per_node),
+        tier_switches=stats.tier_switches, spill_events=stats.spill_events,
+        superseded_attempts=summary["superseded_attempts"],
+        hybrid_overlap=bool(first is not None and last is not None and first < last),
+    )
+
+
+# ---- public Dataset API ---------------------------------------------------------------------------
+def _check_partitions(num_partitions: Any) -> None:
+    if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
+            or num_partitions <= 0:
+        raise ConfigError(f"num_partitions must be a positive integer, got {num_partitions!r}")
+
+
+def _dataset_blocks(ds: Any) -> tuple[list[ray.ObjectRef], pa.Schema, int]:
+    if not isinstance(ds, ray.data.Dataset):
+        raise TypeError(f"expected a ray.data.Dataset, got {type(ds).__name__}; "
+                        "wrap Arrow tables with ray.data.from_arrow(...)")
+    refs = ds.to_arrow_refs()
+    schema = ds.schema()
+    arrow_schema = schema.base_schema if hasattr(schema, "base_schema") else schema
+    if not isinstance(arrow_schema, pa.Schema):
+        arrow_schema = ray.get(refs[0]).schema if refs else pa.schema([])
+    input_bytes = sum(nbytes for _, nbytes in ray.get([_block_meta.remote(r) for r in refs]))
+    return refs, arrow_schema, input_bytes
+
+
+def _check_columns(schema: pa.Schema, columns: Sequence[str], what: str) -> None:
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise ConfigError(f"{what}: unknown column(s) {missing}; the dataset has columns "
+                          f"{schema.names}")
+
+
+def _to_dataset(result: ShuffleResult, input_bytes: int) -> ray.data.Dataset:
+    global _last_report
+    result.report.input_bytes = input_bytes
+    _last_report = result.report
+    return ray.data.from_arrow_refs(result.refs)
+
+
+def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
+                config: ShuffleConfig | None = None) -> ray.data.Dataset:
+    """Hash-partition ``ds`` by ``keys`` into ``num_partitions`` blocks through the tiers.
+
+    Rows with equal keys land in the same output block; every row appears exactly once.
+    The shuffle's report is available from ``hybrid_ray.last_report()``.
+    """
+    _check_partitions(num_partitions)
+    if isinstance(keys, str):
+        keys = [keys]
+    if not keys:
+        raise ConfigError("keys must name at least one column to partition by")
+    refs, schema, nbytes = _dataset_blocks(ds)
+    _check_columns(schema, keys, "repartition keys")
+    result = run_shuffle(refs, num_partitions, HashPartitioner(keys), schema, config,
+                         "repartition")
+    return _to_dataset(result, nbytes)
+
+
+def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
+         config: ShuffleConfig | None = None, num_partitions: int | None = None
+         ) -> ray.data.Dataset:
+    """Globally sort ``ds`` by ``key``: range partitions from sampled boundaries, each
+    sorted by its reducer, so the blocks in order form the sorted dataset."""
+    refs, schema, nbytes = _dataset_blocks(ds)
+    if not isinstance(key, str):
+        raise ConfigError(f"sort key must be a column name, got {key!r}")
+    _check_columns(schema, [key], "sort key")
+    n = num_partitions or max(1, len(refs))
+    _check_partitions(n)
+    samples = ray.get([_sample_task.remote(r, key, SAMPLES_PER_BLOCK) for r in refs])
+    non_empty = [s for s in samples if len(s)]
+    boundaries = range_boundaries(np.concatenate(non_empty) if non_empty else np.asarray([]), n)
+    result = run_shuffle(refs, n, RangePartitioner(key, boundaries, descending), schema,
+                         config, "sort")
+    return _to_dataset(result, nbytes)
+
+
+def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
+                   config: ShuffleConfig | None = None, num_partitions: int | None = None
+                   ) -> ray.data.Dataset:
+    """Randomly permute the rows of ``ds``; the same ``seed`` gives the same result."""
+    refs, schema, nbytes = _dataset_blocks(ds)
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer or None, got {seed!r}")
+    n = num_partitions or max(1, len(refs))
+    result = run_shuffle(refs, n, RandomPartitioner(seed), schema, config, "random_shuffle")
+    return _to_dataset(result, nbytes)
