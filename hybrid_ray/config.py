@@ -126,7 +126,8 @@ class ShuffleConfig:
         memory_capacity_bytes: absolute memory-tier budget per node; overrides
             ``memory_fraction`` when set.
         spill_dirs: local directories of the disk tier, on every node. Empty means one
-            directory under the system temp dir.
+            directory under the system temp dir. ``{node_id}`` in a path is replaced by the
+            Ray node id (separate directories for nodes sharing a filesystem).
         min_reserve_fraction: the disk tier refuses a segment when the filesystem's free
             space after writing it would drop below this fraction of its size (FLIP-301).
         disk_capacity_bytes: optional cap on the bytes the disk tier holds per node.
@@ -148,6 +149,8 @@ class ShuffleConfig:
         progress: show a progress bar on shuffles.
         max_concurrent_reducers: reduce tasks running at once in hybrid mode (None: the
             cluster's CPU count); reducers wait for data, so this bounds idle workers.
+        map_chunk_bytes: a map task partitions and commits its block in chunks of about
+            this size; smaller chunks make data visible to hybrid readers sooner.
     """
 
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
@@ -167,6 +170,7 @@ class ShuffleConfig:
     namespace: str = DEFAULT_NAMESPACE
     progress: bool = True
     max_concurrent_reducers: int | None = None
+    map_chunk_bytes: int = 32 * MiB
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -178,6 +182,7 @@ class ShuffleConfig:
             _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes)
         if self.disk_capacity_bytes is not None:
             _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes)
+        _require_bytes("map_chunk_bytes", self.map_chunk_bytes, 1)
         if self.max_concurrent_reducers is not None:
             _require_bytes("max_concurrent_reducers", self.max_concurrent_reducers, 1)
 
@@ -239,6 +244,10 @@ class ShuffleConfig:
         if self.memory_capacity_bytes is not None:
             return self.memory_capacity_bytes
         return int(self.memory_fraction * object_store_bytes)
+
+    def spill_dirs_for(self, node_id: str) -> tuple[str, ...]:
+        """The spill directories on node ``node_id`` (``{node_id}`` expanded)."""
+        return tuple(d.replace("{node_id}", node_id) for d in self.spill_dirs)
 
     def replace(self, **changes: Any) -> "ShuffleConfig":
         """A copy with ``changes`` applied (validated again)."""

@@ -22,7 +22,8 @@ import ray
 
 from hybrid_ray.actors import ActorNodeStorage, get_master, get_tier_manager
 from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
-from hybrid_ray.config import MiB, ShuffleConfig, ShuffleMode
+from hybrid_ray.config import ShuffleConfig, ShuffleMode, TierName
+from hybrid_ray.tiers import RemoteTier
 from hybrid_ray.errors import ConfigError, SegmentNotFoundError, ShuffleFailedError
 from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
@@ -30,9 +31,6 @@ from hybrid_ray.partitioning import (
 )
 from hybrid_ray.report import ProgressBar, ShuffleReport
 
-# Map tasks partition their block in chunks of about this many bytes and commit after each,
-# so reducers in hybrid mode see data while the block is still being written.
-MAP_CHUNK_BYTES = 32 * MiB
 # Reducers poll the master with exponential backoff between these bounds while waiting.
 POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
 # The driver heartbeats the master this often; the master expires a silent shuffle after
@@ -69,7 +67,10 @@ def _map_task(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: 
                          _io_tiers_cached(config, node_id), attempt=attempt, node_id=node_id,
                          on_commit=commit)
     try:
-        rows_per_chunk = max(1, int(block.num_rows * MAP_CHUNK_BYTES / max(block.nbytes, 1)))
+        # Partition and commit chunk by chunk: hybrid readers see data while the block is
+        # still being written.
+        rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes
+                                    / max(block.nbytes, 1)))
         for start in range(0, block.num_rows, rows_per_chunk):
             chunk = block.slice(start, rows_per_chunk)
             parts = partitioner.assign(chunk, map_index, num_partitions)
@@ -93,7 +94,8 @@ def _io_tiers_cached(config: ShuffleConfig, node_id: str) -> dict:
         from hybrid_ray.tier_manager import build_io_tiers
 
         owner = get_tier_manager(node_id, config.namespace)
-        cached = _IO_CACHE[key] = build_io_tiers(config, owner=owner, check_remote=False)
+        cached = _IO_CACHE[key] = build_io_tiers(config, owner=owner, check_remote=False,
+                                                 node_id=node_id)
     return cached
 
 
@@ -180,6 +182,9 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     _check_partitions(num_partitions)
     if not ray.is_initialized():
         ray.init()
+    if config.remote_path is not None:  # fail fast, with the fix, before any task runs
+        RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
+                   config.storage_options).check_reachable()
     master = get_master(config.namespace)
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()

@@ -36,13 +36,13 @@ class NodeUsage:
 
 
 def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,
-                   check_remote: bool = True) -> dict[TierName, Tier]:
-    """Instantiate the tiers ``config`` enables, for I/O in this process."""
+                   check_remote: bool = True, node_id: str = "") -> dict[TierName, Tier]:
+    """Instantiate the tiers ``config`` enables, for I/O in this process on ``node_id``."""
     tiers: dict[TierName, Tier] = {}
     seg = config.segment_bytes
     if TierName.MEMORY in config.enabled_tiers:
         tiers[TierName.MEMORY] = MemoryTier(seg[TierName.MEMORY], memory_budget, owner)
-    tiers[TierName.DISK] = DiskTier(seg[TierName.DISK], config.spill_dirs,
+    tiers[TierName.DISK] = DiskTier(seg[TierName.DISK], config.spill_dirs_for(node_id),
                                     config.min_reserve_fraction, config.disk_capacity_bytes)
     if config.remote_path is not None:
         tiers[TierName.REMOTE] = RemoteTier(seg[TierName.REMOTE], config.remote_path,
@@ -72,10 +72,11 @@ class TierManager:
         """Register a shuffle writing on this node; returns its memory quota in bytes."""
         if shuffle_id in self._shuffles:
             return self.memory.quota(shuffle_id)
-        disk_key = (config.spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
+        spill_dirs = config.spill_dirs_for(self.node_id)
+        disk_key = (spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
         if disk_key not in self._disks:
             self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
-                                             config.spill_dirs, config.min_reserve_fraction,
+                                             spill_dirs, config.min_reserve_fraction,
                                              config.disk_capacity_bytes)
         remote_key = None
         if config.remote_path is not None:

@@ -19,9 +19,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_local():
-    """A local single-node Ray shared by the session (start-up costs ~5 s)."""
+    """A local single-node Ray shared by the session (start-up costs ~5 s); started again
+    only if a multi-node module shut it down."""
     import ray
 
     if not ray.is_initialized():
@@ -30,8 +31,7 @@ def ray_local():
         ray.init(num_cpus=2, object_store_memory=2 * 1024**3, include_dashboard=False,
                  log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
-    yield ray
-    # Left running for other modules; Ray shuts down at interpreter exit.
+    return ray  # left running for later tests; Ray shuts down at interpreter exit
 
 
 @pytest.fixture(scope="session")
@@ -86,3 +86,17 @@ def files_under(path: str) -> list[str]:
     for root, _dirs, files in os.walk(path):
         out.extend(os.path.join(root, f) for f in files)
     return out
+
+
+def row_fingerprint(tables) -> tuple[int, int]:
+    """Order-independent fingerprint of a row multiset: (rows, sum of 64-bit row hashes)."""
+    import numpy as np
+    import pandas as pd
+
+    rows, total = 0, 0
+    for t in tables:
+        if t.num_rows:
+            h = pd.util.hash_pandas_object(t.to_pandas(), index=False).to_numpy()
+            total = (total + int(h.astype(np.uint64).sum(dtype=np.uint64))) % (1 << 64)
+            rows += t.num_rows
+    return rows, total

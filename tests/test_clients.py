@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import files_under
+from conftest import files_under, row_fingerprint
 from hybrid_ray import (
     MiB, OutOfSpaceError, ReadClient, SegmentId, ShuffleConfig, TierManager, TierName, WriteClient,
     build_io_tiers,
@@ -20,19 +20,6 @@ def random_table(rows: int, seed: int) -> pa.Table:
     rng = np.random.default_rng(seed)
     return pa.table({"k": rng.integers(0, 1 << 62, rows), "a": rng.integers(0, 1 << 62, rows),
                      "b": rng.random(rows)})
-
-
-def checksum(tables) -> tuple[int, int]:
-    """Order-independent row multiset fingerprint: (row count, sum of row hashes)."""
-    import pandas as pd
-
-    total, rows = 0, 0
-    for t in tables:
-        if t.num_rows:
-            h = pd.util.hash_pandas_object(t.to_pandas(), index=False).to_numpy()
-            total = (total + int(h.astype(np.uint64).sum(dtype=np.uint64))) % (1 << 64)
-            rows += t.num_rows
-    return rows, total
 
 
 def make_client(cfg, tm, shuffle_id, map_partition=0, subs=1):
@@ -60,7 +47,7 @@ def test_roundtrip_many_maps_and_subpartitions_exact(ray_local, tmp_path):
     assert tiers == {TierName.MEMORY, TierName.DISK}  # ~4 MiB of rows, 2 MiB memory budget
     reader = ReadClient(io)
     out = list(reader.read_segments(metas))
-    assert checksum(out) == checksum(inputs)
+    assert row_fingerprint(out) == row_fingerprint(inputs)
     for s in range(4):  # every row of subpartition s really belongs there
         sub = [reader.read(m) for m in metas if m.id.subpartition == s]
         assert all((np.asarray(t["k"]) % 4 == s).all() for t in sub)

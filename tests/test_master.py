@@ -1,0 +1,102 @@
+"""Shuffle master logic without a cluster: attempts, exactly-once, polling, TTL."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_ray import SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, TierName
+from hybrid_ray.master import ShuffleRegistry
+from hybrid_ray.tier_manager import TierManager
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def meta(shuffle, m, sub, i, attempt):
+    return SegmentMeta(SegmentId(shuffle, m, sub, i, attempt), TierName.DISK, 10, 1, "n1",
+                       f"/x/{m}-{sub}-{i}-{attempt}")
+
+
+@pytest.fixture
+def registry():
+    deleted, released = [], []
+    clock = Clock()
+    reg = ShuffleRegistry(lambda state, metas: deleted.extend(metas),
+                          lambda state: released.append(state.shuffle_id), clock)
+    reg.deleted, reg.released_ids, reg.clock = deleted, released, clock
+    reg.register("s", num_maps=2, num_subpartitions=2, config=ShuffleConfig(orphan_ttl_s=60))
+    return reg
+
+
+def test_reader_sees_segments_as_committed_then_done(registry):
+    a = registry.begin_map("s", 0, "n1")
+    registry.commit("s", 0, a, [meta("s", 0, 0, 0, a), meta("s", 0, 1, 0, a)])
+    res = registry.poll("s", 0, {})
+    assert [(m, len(x)) for m, _, _, x in res.updates] == [(0, 1)] and not res.done
+    assert registry.poll("s", 0, {0: (a, 1)}).updates == [] or \
+        all(not x for *_, x in registry.poll("s", 0, {0: (a, 1)}).updates)
+    registry.finish_map("s", 0, a)
+    b = registry.begin_map("s", 1, "n1")
+    registry.finish_map("s", 1, b)
+    assert registry.poll("s", 0, {0: (a, 1)}).done
+
+
+def test_retried_map_supersedes_and_reader_resets(registry):
+    a0 = registry.begin_map("s", 0, "n1")
+    registry.commit("s", 0, a0, [meta("s", 0, 0, 0, a0)])
+    registry.poll("s", 0, {})  # reader consumed attempt 0's first segment
+    a1 = registry.begin_map("s", 0, "n1")  # the worker died; Ray retried the task
+    assert a1 == a0 + 1
+    assert [m.id.attempt for m in registry.deleted] == [a0]  # old attempt's data deleted
+    # A late commit of the dead attempt is refused and deleted.
+    assert not registry.commit("s", 0, a0, [meta("s", 0, 0, 1, a0)])
+    registry.commit("s", 0, a1, [meta("s", 0, 0, 0, a1)])
+    res = registry.poll("s", 0, {0: (a0, 1)})
+    (m, attempt, reset, metas), = res.updates
+    assert (m, attempt, reset) == (0, a1, True) and [x.id.attempt for x in metas] == [a1]
+
+
+def test_first_finished_attempt_wins(registry):
+    a = registry.begin_map("s", 0, "n1")
+    assert registry.finish_map("s", 0, a)
+    assert registry.begin_map("s", 0, "n1") is None  # a re-executed task does nothing
+    assert not registry.finish_map("s", 0, a)
+
+
+def test_release_on_consumption_and_unknown_shuffle(registry):
+    assert not registry.consumed("s", 0)
+    assert registry.consumed("s", 1)
+    assert registry.released_ids == ["s"]
+    with pytest.raises(ShuffleNotFoundError, match="released"):
+        registry.poll("s", 0, {})
+
+
+def test_orphans_expire_after_ttl_without_heartbeat(registry):
+    registry.clock.now += 30
+    registry.heartbeat("s")
+    registry.clock.now += 59
+    assert registry.expire() == []
+    registry.clock.now += 2
+    assert registry.expire() == ["s"]
+    assert registry.released_ids == ["s"]
+
+
+def test_memory_quotas_by_weight_never_exceed_budget(ray_local, tmp_path):
+    tm = TierManager("n1", object_store_bytes=1000)
+    base = ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)])
+    assert tm.register_shuffle("a", base) == 500
+    tm.register_shuffle("b", base.replace(memory_weight=3.0))
+    assert (tm.quota("a"), tm.quota("b")) == (125, 375)
+    assert tm.reserve("a", [125])[0].grant.tier == TierName.MEMORY
+    assert tm.reserve("a", [1])[0].grant.tier == TierName.DISK  # over its quota
+    assert tm.reserve("b", [376])[0].grant.tier == TierName.DISK
+    tm.release_shuffle("b")
+    assert tm.quota("a") == 500  # quota returns when a shuffle ends
+    assert tm.memory.used_bytes == 125
+    tm.release_shuffle("a")
+    assert tm.memory.used_bytes == 0
