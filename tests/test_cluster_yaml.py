@@ -1,0 +1,28 @@
+"""cluster.yaml passes Ray's own cluster-config validation and keeps credentials out."""
+
+import os
+
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load():
+    with open(os.path.join(ROOT, "cluster.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def test_cluster_yaml_is_valid_for_ray_up():
+    config = load()
+    # What `ray up` does before launching: fill in defaults, then validate the schema.
+    validate_config(prepare_config(config))
+    assert config["provider"]["type"] == "aws"
+    assert set(config["available_node_types"]) == {"head", "worker"}
+
+
+def test_cluster_yaml_has_no_keys_and_uses_an_instance_profile():
+    text = open(os.path.join(ROOT, "cluster.yaml")).read()
+    assert "aws_access_key_id" not in text.lower() and "aws_secret" not in text.lower()
+    for node in load()["available_node_types"].values():
+        assert "IamInstanceProfile" in node["node_config"]
