@@ -87,17 +87,22 @@ class ActorNodeStorage:
         ray.get(self.actor.free_segments.remote(shuffle_id, list(metas)))
 
 
-def get_tier_manager(node_id: str, namespace: str) -> Any:
-    """The tier manager of ``node_id``, started (pinned to that node) if not running yet."""
-    name = TIER_MANAGER_PREFIX + node_id
+def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,
+                  **options: Any) -> Any:
+    """The named actor, started (detached) if it is not running yet."""
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
         pass
-    return TierManagerActor.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id)
+    return actor_class.options(name=name, namespace=namespace, lifetime="detached",
+                               get_if_exists=True, **options).remote(*args)
+
+
+def get_tier_manager(node_id: str, namespace: str) -> Any:
+    """The tier manager of ``node_id``, started (pinned to that node) if not running yet."""
+    return _get_or_start(
+        TierManagerActor, TIER_MANAGER_PREFIX + node_id, namespace, node_id,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
 def existing_tier_manager(node_id: str, namespace: str) -> Any | None:
@@ -225,10 +230,4 @@ class ShuffleMasterActor:
 
 def get_master(namespace: str) -> Any:
     """The namespace's shuffle master, started on first use."""
-    try:
-        return ray.get_actor(MASTER_NAME, namespace=namespace)
-    except ValueError:
-        pass
-    return ShuffleMasterActor.options(
-        name=MASTER_NAME, namespace=namespace, lifetime="detached", get_if_exists=True,
-    ).remote(namespace)
+    return _get_or_start(ShuffleMasterActor, MASTER_NAME, namespace, namespace)

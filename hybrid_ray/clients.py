@@ -101,23 +101,17 @@ class WriteClient:
     # ---- public API ----------------------------------------------------------------------------
     def write(self, subpartition: int, data: pa.Table | pa.RecordBatch) -> None:
         """Append rows to a subpartition; full segments are written out as they fill."""
-        self._check_open()
-        if not 0 <= subpartition < self.num_subpartitions:
-            raise ValueError(f"subpartition must be in [0, {self.num_subpartitions}), "
-                             f"got {subpartition}")
-        table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
-        if table.num_rows == 0:
-            return
-        self._buffers[subpartition].append(table)
-        self._buffered_bytes[subpartition] += table.nbytes
-        if self._buffered_bytes[subpartition] >= self._segment_bytes(subpartition):
-            self._place(self._cut(subpartition, final=False))
+        self.write_many([(subpartition, data)])
 
-    def write_many(self, parts: Iterable[tuple[int, pa.Table]]) -> None:
+    def write_many(self, parts: Iterable[tuple[int, pa.Table | pa.RecordBatch]]) -> None:
         """Append to several subpartitions, placing all segments that filled in one round trip."""
         self._check_open()
         ready = []
-        for subpartition, table in parts:
+        for subpartition, data in parts:
+            if not 0 <= subpartition < self.num_subpartitions:
+                raise ValueError(f"subpartition must be in [0, {self.num_subpartitions}), "
+                                 f"got {subpartition}")
+            table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
             if table.num_rows == 0:
                 continue
             self._buffers[subpartition].append(table)

@@ -38,19 +38,18 @@ class ShuffleReport:
     def throughput_mb_s(self) -> float:
         return self.input_bytes / 1e6 / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
-    def bytes_per_tier(self) -> dict[str, int]:
+    def _sum_per_tier(self, field: int) -> dict[str, int]:
         out = {t.value: 0 for t in TierName}
         for tiers in self.per_node_tier.values():
-            for tier, (nbytes, _) in tiers.items():
-                out[tier] += nbytes
+            for tier, pair in tiers.items():
+                out[tier] += pair[field]
         return out
 
+    def bytes_per_tier(self) -> dict[str, int]:
+        return self._sum_per_tier(0)
+
     def segments_per_tier(self) -> dict[str, int]:
-        out = {t.value: 0 for t in TierName}
-        for tiers in self.per_node_tier.values():
-            for tier, (_, count) in tiers.items():
-                out[tier] += count
-        return out
+        return self._sum_per_tier(1)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

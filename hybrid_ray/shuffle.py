@@ -37,6 +37,7 @@ POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
 # its config's orphan_ttl_s.
 HEARTBEAT_S = 5.0
 SAMPLES_PER_BLOCK = 256
+MISSING_SEGMENT_WAIT_S = 60.0
 MAX_TASK_RETRIES = 3
 
 _last_report: ShuffleReport | None = None
@@ -115,7 +116,10 @@ def _reduce_task(shuffle_id: str, subpartition: int, schema: pa.Schema,
     cursors: dict[int, tuple[int, int]] = {}
     per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
     delay = POLL_MIN_S
-    missing_retry = False
+    # A segment that vanished while its map was being retried (the dead attempt's data is
+    # deleted) is expected: wait for the master to reset that map to the new attempt.
+    # Still missing after MISSING_SEGMENT_WAIT_S without a reset is real loss: fail loudly.
+    missing_since: float | None = None
     while True:
         result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors, os.getpid()))
         got = False
@@ -129,13 +133,13 @@ def _reduce_task(shuffle_id: str, subpartition: int, schema: pa.Schema,
                     _, nxt = cursors.get(map_index, (attempt, 0))
                     cursors[map_index] = (attempt, nxt + 1)
                     got = True
-            missing_retry = False
+            missing_since = None
         except SegmentNotFoundError:
-            # The segment's attempt may just have been superseded (its data deleted): poll
-            # again, which resets that map to the new attempt. Twice in a row is real loss.
-            if missing_retry:
+            now = time.monotonic()
+            missing_since = missing_since or now
+            if now - missing_since > MISSING_SEGMENT_WAIT_S:
                 raise
-            missing_retry = True
+            time.sleep(POLL_MAX_S)
             continue
         if result.done and not got:
             break
@@ -233,8 +237,9 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         ray.get(map_refs)
         summary = ray.get(master.summary.remote(shuffle_id))
     except BaseException as exc:
-        for ref in map_refs + reduce_refs:
-            ray.cancel(ref, force=True)
+        # No ray.cancel(force=True): force-killing workers here was seen to take the driver
+        # down with it. Released, the shuffle is unknown to the master, so tasks still
+        # running fail at their next commit or poll, and a map deletes what it wrote.
         ray.get(master.release.remote(shuffle_id))
         progress.close()
         if isinstance(exc, (KeyboardInterrupt, ShuffleFailedError)):

@@ -15,7 +15,7 @@ from typing import Any
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
-from hybrid_ray.tiers.disk import read_segment_file
+from hybrid_ray.tiers.disk import unlink_quietly, read_segment_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,15 +151,18 @@ class TierManager:
 
     # ---- deletion ----------------------------------------------------------------------------
     def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
-        """Delete segments stored on this node (abandoned attempts, consumed data)."""
-        if shuffle_id not in self._shuffles:
-            return
+        """Delete segments stored on this node (abandoned attempts, consumed data). Data is
+        deleted even if the shuffle was already released here (a late writer's files)."""
+        registered = shuffle_id in self._shuffles
         for meta in metas:
             if meta.tier == TierName.REMOTE:
                 continue
-            tier = self._tier(shuffle_id, meta.tier)
-            tier.delete(meta)
-            tier.free(shuffle_id, meta.nbytes)
+            if meta.tier == TierName.DISK:
+                unlink_quietly(meta.location)
+            if registered:
+                tier = self._tier(shuffle_id, meta.tier)
+                tier.delete(meta)
+                tier.free(shuffle_id, meta.nbytes)
 
     def release_shuffle(self, shuffle_id: str) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node."""

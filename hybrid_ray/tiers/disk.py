@@ -117,7 +117,7 @@ class DiskTier(Tier):
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise OutOfSpaceError(
                     f"no space left in spill dir {spill_dir} while writing {segment} "
@@ -133,7 +133,7 @@ class DiskTier(Tier):
         return any(os.path.exists(segment_path(d, segment)) for d in self.spill_dirs)
 
     def delete(self, meta: SegmentMeta) -> None:
-        _unlink_quietly(meta.location)
+        unlink_quietly(meta.location)
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
         for key in [k for k in self._in_flight if k[1] == shuffle_id]:
@@ -166,7 +166,7 @@ def _make_private_dir(path: str) -> None:
         pass
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
