@@ -155,11 +155,15 @@ class ShuffleMasterActor:
                 self.registry.expire()
 
     # ---- the API (each a locked call into the registry) --------------------------------------
-    def register(self, shuffle_id: str, num_maps: int, num_subpartitions: int,
+    def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
                  config: ShuffleConfig) -> None:
         with self._lock:
             self.registry.expire()
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config)
+
+    def seal(self, shuffle_id: str, num_maps: int) -> None:
+        with self._lock:
+            self.registry.seal(shuffle_id, num_maps)
 
     def heartbeat(self, shuffle_id: str) -> None:
         with self._lock:

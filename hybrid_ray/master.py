@@ -54,10 +54,13 @@ class ShuffleState:
     nodes: set[str] = dataclasses.field(default_factory=set)
     consumed: set[int] = dataclasses.field(default_factory=set)
     superseded_attempts: int = 0
+    # False while the number of maps is still open (Spark decides it when the job runs):
+    # begin_map may then add maps, and readers never see the shuffle as complete.
+    sealed: bool = True
 
     @property
     def all_maps_finished(self) -> bool:
-        return all(m.finished_attempt is not None for m in self.maps)
+        return self.sealed and all(m.finished_attempt is not None for m in self.maps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +97,28 @@ class ShuffleRegistry:
             raise ShuffleNotFoundError(f"unknown shuffle {shuffle_id!r}{hint}") from None
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def register(self, shuffle_id: str, num_maps: int, num_subpartitions: int,
+    def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
                  config: ShuffleConfig) -> None:
+        """Register a shuffle. ``num_maps=None`` leaves the map count open until ``seal``."""
         if shuffle_id in self._shuffles:
             raise ValueError(f"shuffle {shuffle_id!r} is already registered")
         now = self._clock()
         self._shuffles[shuffle_id] = ShuffleState(
-            shuffle_id, num_maps, num_subpartitions, config, now, now,
-            [MapState() for _ in range(num_maps)])
+            shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
+            [MapState() for _ in range(num_maps or 0)], sealed=num_maps is not None)
+
+    def seal(self, shuffle_id: str, num_maps: int) -> None:
+        """Fix the map count of an open shuffle once its map stage ran; every map in
+        ``[0, num_maps)`` must have finished and no other map may have written."""
+        state = self._get(shuffle_id)
+        extra = [i for i, m in enumerate(state.maps[num_maps:], num_maps) if m.current_attempt >= 0]
+        missing = [i for i in range(num_maps)
+                   if i >= len(state.maps) or state.maps[i].finished_attempt is None]
+        if extra or missing:
+            raise ValueError(f"cannot seal shuffle {shuffle_id!r} at {num_maps} maps: maps "
+                             f"{missing} did not finish, maps {extra} are beyond the count")
+        del state.maps[num_maps:]
+        state.num_maps, state.sealed = num_maps, True
 
     def heartbeat(self, shuffle_id: str) -> None:
         self._get(shuffle_id).last_heartbeat = self._clock()
@@ -113,6 +130,12 @@ class ShuffleRegistry:
         its segments are deleted and readers that followed it start over on the new attempt.
         """
         state = self._get(shuffle_id)
+        if map_index >= len(state.maps) and not state.sealed:
+            state.maps.extend(MapState() for _ in range(map_index + 1 - len(state.maps)))
+            state.num_maps = len(state.maps)
+        if not 0 <= map_index < len(state.maps):
+            raise ValueError(f"map index {map_index} is outside [0, {len(state.maps)}) of "
+                             f"shuffle {shuffle_id!r}")
         m = state.maps[map_index]
         if m.finished_attempt is not None:
             return None
@@ -171,6 +194,7 @@ class ShuffleRegistry:
                 updates.append((map_index, attempt, reset, segs[start:]))
             if m.finished_attempt is None:
                 complete = False
+        complete = complete and state.sealed
         if updates and any(u[3] for u in updates):
             reader.delivered += sum(len(u[3]) for u in updates)
             if reader.first_delivery is None:
@@ -238,7 +262,7 @@ class ShuffleRegistry:
             entry = per_node_tier[(meta.node_id, meta.tier.value)]
             entry[0] += meta.nbytes
             entry[1] += 1
-        finishes = [m.finished for m in state.maps if m.finished]
+        finishes = [m.finished for m in state.maps if m.finished] if state.sealed else []
         deliveries = [r.first_delivery for r in state.readers.values() if r.first_delivery]
         return {
             "shuffle_id": shuffle_id,

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,13 +49,20 @@ def last_report() -> ShuffleReport | None:
 
 
 # ---- tasks -----------------------------------------------------------------------------------
-@ray.remote(max_retries=MAX_TASK_RETRIES)
-def _map_task(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,
-              partitioner: Partitioner, config: ShuffleConfig, master: Any) -> dict:
+def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Table],
+                        num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
+                        master: Any) -> WriteStats | None:
+    """Write one map partition through this node's tiers, committing chunk by chunk.
+
+    Runs in any process connected to the Ray cluster (a Ray task, or a Spark executor's
+    Python worker). Returns the write statistics, or None if an earlier attempt of this map
+    partition already finished (the master decides; this attempt then writes nothing).
+    On any error the attempt's segments are deleted before the error propagates.
+    """
     node_id = ray.get_runtime_context().get_node_id()
     attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, os.getpid()))
-    if attempt is None:  # an earlier attempt already finished this partition
-        return {"rows": 0, "skipped": True}
+    if attempt is None:
+        return None
     tm = get_tier_manager(node_id, config.namespace)
     ray.get(tm.register_shuffle.remote(shuffle_id, config))
     superseded = []
@@ -68,23 +75,34 @@ def _map_task(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: 
                          _io_tiers_cached(config, node_id), attempt=attempt, node_id=node_id,
                          on_commit=commit)
     try:
-        # Partition and commit chunk by chunk: hybrid readers see data while the block is
-        # still being written.
-        rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes
-                                    / max(block.nbytes, 1)))
-        for start in range(0, block.num_rows, rows_per_chunk):
-            chunk = block.slice(start, rows_per_chunk)
+        # Commit chunk by chunk: hybrid readers see data while the partition is being written.
+        for chunk in chunks:
+            if chunk.num_rows == 0:
+                continue
             parts = partitioner.assign(chunk, map_index, num_partitions)
             client.write_many(split_by_partition(chunk, np.asarray(parts), num_partitions))
             client.flush()
             if superseded:
                 raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded")
         client.close()
+        if superseded:
+            raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded")
     except BaseException:
         client.abort()
         raise
     ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
-    return {"rows": client.stats.rows, "skipped": False}
+    return client.stats
+
+
+@ray.remote(max_retries=MAX_TASK_RETRIES)
+def _map_task(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,
+              partitioner: Partitioner, config: ShuffleConfig, master: Any) -> dict:
+    rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes / max(block.nbytes, 1)))
+    chunks = (block.slice(start, rows_per_chunk)
+              for start in range(0, block.num_rows, rows_per_chunk))
+    stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
+                                config, master)
+    return {"rows": stats.rows if stats else 0, "skipped": stats is None}
 
 
 def _io_tiers_cached(config: ShuffleConfig, node_id: str) -> dict:
@@ -103,9 +121,14 @@ def _io_tiers_cached(config: ShuffleConfig, node_id: str) -> dict:
 _IO_CACHE: dict[tuple[str, str], dict] = {}
 
 
-@ray.remote(max_retries=MAX_TASK_RETRIES)
-def _reduce_task(shuffle_id: str, subpartition: int, schema: pa.Schema,
-                 partitioner: Partitioner, config: ShuffleConfig, master: Any) -> pa.Table:
+def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
+                      master: Any) -> list[pa.Table]:
+    """All rows of one subpartition, in map order, once every map has finished.
+
+    Follows the maps while they write (hybrid): polls the master for new segments and reads
+    each from whichever tier holds it. If a map attempt is superseded, what was read of it is
+    dropped and the new attempt is read instead, so the result is exact.
+    """
     node_id = ray.get_runtime_context().get_node_id()
 
     def fetch_from_node(meta):
@@ -146,7 +169,13 @@ def _reduce_task(shuffle_id: str, subpartition: int, schema: pa.Schema,
         delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
         if not got:
             time.sleep(delay)
-    tables = [t for m in sorted(per_map) for t in per_map[m]]
+    return [t for m in sorted(per_map) for t in per_map[m]]
+
+
+@ray.remote(max_retries=MAX_TASK_RETRIES)
+def _reduce_task(shuffle_id: str, subpartition: int, schema: pa.Schema,
+                 partitioner: Partitioner, config: ShuffleConfig, master: Any) -> pa.Table:
+    tables = read_subpartition(shuffle_id, subpartition, config, master)
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     return partitioner.finalize(table, subpartition)
 

@@ -100,3 +100,21 @@ def test_memory_quotas_by_weight_never_exceed_budget(ray_local, tmp_path):
     assert tm.memory.used_bytes == 125
     tm.release_shuffle("a")
     assert tm.memory.used_bytes == 0
+
+
+def test_open_map_count_grows_until_sealed(registry):
+    """Spark decides its map count when the job runs: the shuffle stays incomplete until the
+    driver seals it at the count of map tasks that finished."""
+    registry.register("open", num_maps=None, num_subpartitions=1, config=ShuffleConfig())
+    for m in (2, 0, 1):  # any order, indices beyond the current count grow it
+        a = registry.begin_map("open", m, "n1")
+        registry.commit("open", m, a, [meta("open", m, 0, 0, a)])
+        registry.finish_map("open", m, a)
+    assert not registry.poll("open", 0, {}).done  # all finished, but not sealed
+    with pytest.raises(ValueError, match=r"maps \[3\] did not finish"):
+        registry.seal("open", 4)
+    registry.seal("open", 3)
+    res = registry.poll("open", 0, {})
+    assert res.done and sorted(m for m, _, _, _ in res.updates) == [0, 1, 2]
+    with pytest.raises(ValueError, match="outside"):
+        registry.begin_map("open", 3, "n1")  # sealed: no more maps

@@ -1,0 +1,317 @@
+"""The data path between Spark and hybrid_ray: no row passes through RayDP's converters.
+
+Map side: ``df.mapInArrow`` runs in the executors' Python workers. Each worker connects to
+the Ray cluster once (workers are reused) and writes its partition's Arrow batches through
+hybrid_ray's write client on its own node: memory tier (objects owned by the node's tier
+manager, so they outlive the worker), local disk, remote store. Spark's task partition id is
+the map index; a retried or speculative Spark task is a new map attempt and the shuffle
+master keeps exactly one attempt per map.
+
+Reduce side: ``spark.range(n, numPartitions=n).mapInArrow(...)`` gives Spark task i the
+subpartition i, which it reads through the read client and hands back to the JVM as Arrow.
+The map stage runs eagerly (one Spark job) so the report is ready when the call returns; the
+reduce stage is an ordinary lazy DataFrame that Spark may recompute, so the shuffle's data
+stays until ``release(df)``, ``release_all()``, ``stop_spark()`` or, if this driver dies,
+the shuffle master's orphan TTL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from hybrid_ray.actors import get_master
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleNotFoundError
+from hybrid_ray.partitioning import Partitioner
+from hybrid_ray.report import ShuffleReport
+from hybrid_ray.shuffle import HEARTBEAT_S, _make_report, read_subpartition, write_map_partition
+from hybrid_ray.tiers import RemoteTier
+
+MAP_RESULT_SCHEMA = "map_index int, skipped boolean, rows long, bytes long"
+# Batches handed back to the JVM are cut to this many rows: Spark converts each batch to
+# rows in one go, and very large batches only raise its peak memory.
+MAX_ROWS_PER_OUTPUT_BATCH = 1 << 17
+
+# A chunk transform runs on each map-side chunk before partitioning (projection, partial
+# aggregation); a reducer turns the tables of its subpartition (one list per input shuffle)
+# into output tables.
+ChunkTransform = Callable[[pa.Table], pa.Table]
+Reducer = Callable[[list[list[pa.Table]], int], Iterator[pa.Table]]
+
+
+# ---- in the executors' Python workers ---------------------------------------------------------
+def connect_ray(address: str) -> None:
+    """Join the driver's Ray cluster from a Spark Python worker (once per reused worker).
+
+    The address is passed explicitly: "auto" could find another cluster on a shared machine.
+    """
+    if not ray.is_initialized():
+        # Keep Ray's C++ INFO lines out of every Spark task's stderr.
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "warning")
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+
+
+def _arrow_chunks(batches: Iterator[pa.RecordBatch], target_bytes: int,
+                  transform: ChunkTransform | None) -> Iterator[pa.Table]:
+    """Group Spark's small Arrow batches (10k rows by default) into ~target_bytes tables:
+    partitioning per tiny batch would cut tiny segments and cost a commit each."""
+    pending: list[pa.RecordBatch] = []
+    size = 0
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        pending.append(batch)
+        size += batch.nbytes
+        if size >= target_bytes:
+            table = pa.Table.from_batches(pending)
+            yield transform(table) if transform else table
+            pending, size = [], 0
+    if pending:
+        table = pa.Table.from_batches(pending)
+        yield transform(table) if transform else table
+
+
+def make_map_function(address: str, shuffle_id: str, num_partitions: int,
+                      partitioner: Partitioner, config: ShuffleConfig,
+                      transform: ChunkTransform | None = None
+                      ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The ``mapInArrow`` function of the map stage: writes the partition, yields one row."""
+
+    def map_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        connect_ray(address)
+        map_index = TaskContext.get().partitionId()
+        input_bytes = 0
+
+        def counted() -> Iterator[pa.RecordBatch]:
+            nonlocal input_bytes
+            for batch in batches:
+                input_bytes += batch.nbytes
+                yield batch
+
+        master = get_master(config.namespace)
+        stats = write_map_partition(
+            shuffle_id, map_index, _arrow_chunks(counted(), config.map_chunk_bytes, transform),
+            num_partitions, partitioner, config, master)
+        yield pa.RecordBatch.from_pydict(
+            {"map_index": [map_index], "skipped": [stats is None],
+             "rows": [stats.rows if stats else 0], "bytes": [input_bytes]},
+            schema=pa.schema([("map_index", pa.int32()), ("skipped", pa.bool_()),
+                              ("rows", pa.int64()), ("bytes", pa.int64())]))
+
+    return map_partition
+
+
+def _cut(table: pa.Table, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    if table.schema != schema:
+        table = table.select(schema.names).cast(schema)
+    yield from table.to_batches(max_chunksize=MAX_ROWS_PER_OUTPUT_BATCH)
+
+
+def make_reduce_function(address: str, shuffles: Sequence[BridgeShuffle], reducer: Reducer,
+                         out_schema: pa.Schema
+                         ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The ``mapInArrow`` function of the reduce stage over ``spark.range(n)``: each input
+    id is a subpartition to read from every shuffle and reduce."""
+    handles = [(s.shuffle_id, s.config) for s in shuffles]
+
+    def reduce_partitions(ids: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        connect_ray(address)
+        for batch in ids:
+            for subpartition in batch.column(0).to_pylist():
+                inputs = []
+                for shuffle_id, config in handles:
+                    try:
+                        inputs.append(read_subpartition(shuffle_id, subpartition, config,
+                                                        get_master(config.namespace)))
+                    except ShuffleNotFoundError as exc:
+                        raise ShuffleNotFoundError(
+                            f"{exc}. The hybrid_ray shuffle behind this DataFrame was released "
+                            "(spark_bridge.release/stop_spark, or its driver stopped "
+                            "heartbeating); run the spark_bridge operation again") from None
+                for table in reducer(inputs, subpartition):
+                    yield from _cut(table, out_schema)
+
+    return reduce_partitions
+
+
+def concat_or_empty(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+# ---- on the driver ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BridgeShuffle:
+    """A hybrid_ray shuffle written by a Spark map stage and held for its reduce stage."""
+
+    shuffle_id: str
+    num_partitions: int
+    config: ShuffleConfig
+    schema: pa.Schema  # the Arrow schema of the rows that were shuffled
+    report: ShuffleReport
+
+
+class _LiveShuffles:
+    """Shuffles the bridge holds, kept alive by heartbeats from a daemon thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shuffles: dict[str, ShuffleConfig] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, shuffle_id: str, config: ShuffleConfig) -> None:
+        with self._lock:
+            self._shuffles[shuffle_id] = config
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._beat, daemon=True,
+                                                name="hybrid_ray-bridge-heartbeat")
+                self._thread.start()
+
+    def remove(self, shuffle_id: str) -> ShuffleConfig | None:
+        with self._lock:
+            return self._shuffles.pop(shuffle_id, None)
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._shuffles)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            with self._lock:
+                live = list(self._shuffles.items())
+            if not live:
+                continue
+            try:
+                for shuffle_id, config in live:
+                    get_master(config.namespace).heartbeat.remote(shuffle_id)
+            except Exception:  # Ray shut down or the master restarting: try again later
+                pass
+
+
+_live = _LiveShuffles()
+_last_report: ShuffleReport | None = None
+
+
+def last_report() -> ShuffleReport | None:
+    """The report of the most recent exchange the bridge ran in this process."""
+    return _last_report
+
+
+def release(shuffle_id: str) -> bool:
+    """Delete a held shuffle's data on every node and the remote tier."""
+    config = _live.remove(shuffle_id)
+    if config is None or not ray.is_initialized():
+        return False
+    return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id)))
+
+
+def release_all() -> int:
+    """Release every shuffle this process's bridge holds; returns how many."""
+    return sum(release(s) for s in _live.ids())
+
+
+def held_shuffles() -> list[str]:
+    return _live.ids()
+
+
+def _explain_spark_failure(exc: BaseException) -> str:
+    """The line of a Spark job failure that says what went wrong in our code, if any."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "hybrid_ray.errors." in line or "Error:" in line and "hybrid_ray" in line:
+            return line.strip()
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:1000]
+    return type(exc).__name__
+
+
+def check_config(config: Any) -> ShuffleConfig:
+    if config is None:
+        return ShuffleConfig()
+    if not isinstance(config, ShuffleConfig):
+        raise ConfigError(f"config must be a hybrid_ray.ShuffleConfig, got "
+                          f"{type(config).__name__}")
+    return config
+
+
+def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
+                  config: ShuffleConfig, operation: str,
+                  transform: ChunkTransform | None = None,
+                  shuffled_schema: pa.Schema | None = None) -> BridgeShuffle:
+    """Shuffle ``df``'s rows (after ``transform``) into ``num_partitions`` subpartitions:
+    one Spark job whose tasks write through hybrid_ray. Raises ``ShuffleFailedError`` (with
+    the data removed) if the job fails."""
+    global _last_report
+    if not ray.is_initialized():
+        raise ShuffleFailedError("Ray is not running in this process: start Spark with "
+                                 "spark_bridge.init_spark(...) first")
+    if config.remote_path is not None:  # fail fast, with the fix, before Spark runs a task
+        RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
+                   config.storage_options).check_reachable()
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    address = ray.get_runtime_context().gcs_address
+    master = get_master(config.namespace)
+    shuffle_id = f"spk-{uuid.uuid4().hex[:12]}"
+    started = time.monotonic()
+    ray.get(master.register.remote(shuffle_id, None, num_partitions, config))
+    _live.add(shuffle_id, config)
+    fn = make_map_function(address, shuffle_id, num_partitions, partitioner, config, transform)
+    try:
+        rows = df.mapInArrow(fn, MAP_RESULT_SCHEMA).collect()
+        num_maps = len(rows)
+        if sorted(r.map_index for r in rows) != list(range(num_maps)):
+            raise ShuffleFailedError(f"map stage of {shuffle_id} returned map indices "
+                                     f"{sorted(r.map_index for r in rows)}")
+        ray.get(master.seal.remote(shuffle_id, num_maps))
+        summary = ray.get(master.summary.remote(shuffle_id))
+    except BaseException as exc:
+        release(shuffle_id)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise ShuffleFailedError(f"spark_bridge {operation}: the map stage of hybrid_ray "
+                                 f"shuffle {shuffle_id} failed and its data was removed: "
+                                 f"{_explain_spark_failure(exc)}") from exc
+    report = _make_report(summary, f"spark_{operation}", config, time.monotonic() - started)
+    report.input_bytes = sum(r.bytes for r in rows)
+    _last_report = report
+    schema = shuffled_schema or to_arrow_schema(df.schema)
+    return BridgeShuffle(shuffle_id, num_partitions, config, schema, report)
+
+
+def reduce_frame(spark: Any, shuffles: Sequence[BridgeShuffle], reducer: Reducer,
+                 out_spark_schema: Any) -> Any:
+    """A DataFrame with one partition per subpartition, produced by ``reducer``."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    address = ray.get_runtime_context().gcs_address
+    n = shuffles[0].num_partitions
+    fn = make_reduce_function(address, shuffles, reducer, to_arrow_schema(out_spark_schema))
+    out = spark.range(0, n, 1, n).mapInArrow(fn, out_spark_schema)
+    out._hybrid_ray_shuffles = [s.shuffle_id for s in shuffles]  # for release(df)
+    return out
+
+
+def ipc_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def read_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(io.BytesIO(data)).read_all()
+

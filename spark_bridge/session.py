@@ -1,0 +1,164 @@
+"""A RayDP Spark session that works out of the box on this stack (Java 17, PySpark 3.5).
+
+RayDP runs Spark's driver-side app master and executors as Ray actors. On Java 17 those
+JVMs need ``--add-opens`` flags (Ray's serializer reflects into java.base), the executors'
+Python workers must run the interpreter that has hybrid_ray installed, and Spark's defaults
+(200 shuffle partitions, a console progress bar) are wrong for a small machine.
+``init_spark`` sets all of that and explains a missing Java or a wrong PySpark version
+instead of dumping a JVM trace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from hybrid_ray.errors import ConfigError, HybridRayError
+
+# Packages of java.base that Spark, Arrow and Ray's Java serializer reflect into.
+JAVA_OPEN_PACKAGES = (
+    "java.lang", "java.lang.invoke", "java.lang.reflect", "java.io", "java.net", "java.nio",
+    "java.math", "java.text", "java.time", "java.util", "java.util.concurrent",
+    "java.util.concurrent.atomic", "java.util.concurrent.locks", "java.util.regex",
+    "java.security", "sun.nio.ch", "sun.nio.cs", "sun.security.action", "sun.util.calendar",
+    "jdk.internal.misc", "jdk.internal.ref",
+)
+ADD_OPENS = " ".join(f"--add-opens=java.base/{p}=ALL-UNNAMED" for p in JAVA_OPEN_PACKAGES)
+# The three JVM kinds RayDP starts: the app master (and its py4j gateway), the driver, the
+# executors. Spark's own defaults cover only the last two, and not enough for Ray.
+JAVA_OPTION_KEYS = ("spark.ray.raydp_app_master.extraJavaOptions",
+                    "spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions")
+SUPPORTED_JAVA = (8, 11, 17, 21)
+SUPPORTED_PYSPARK = "3.5."
+
+
+class SparkSetupError(HybridRayError, RuntimeError):
+    """Spark on Ray could not start; the message says what is missing and how to fix it."""
+
+
+def java_major_version(java: str) -> int:
+    """Major version of a ``java`` executable (8 for "1.8.0_392", 17 for "17.0.9")."""
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if not match:
+        raise SparkSetupError(f"cannot tell the version of {java} from `java -version`: "
+                              f"{(out.stderr or out.stdout).strip()[:200]}")
+    major = int(match.group(1))
+    return int(match.group(2)) if major == 1 and match.group(2) else major
+
+
+def find_java() -> str:
+    """The java executable Spark will use (JAVA_HOME first, as spark-submit does)."""
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        java = os.path.join(java_home, "bin", "java")
+        if not os.access(java, os.X_OK):
+            raise SparkSetupError(f"JAVA_HOME={java_home} has no executable bin/java; point "
+                                  "JAVA_HOME at a JDK/JRE 17 or unset it")
+        return java
+    java = shutil.which("java")
+    if java is None:
+        raise SparkSetupError(
+            "Java was not found: Spark needs a Java 17 runtime. Install one (Debian/Ubuntu: "
+            "`apt-get install -y openjdk-17-jre-headless`) or set JAVA_HOME")
+    return java
+
+
+def check_environment() -> None:
+    """Fail early, with the fix, if Java or PySpark cannot run RayDP here."""
+    major = java_major_version(find_java())
+    if major not in SUPPORTED_JAVA:
+        raise SparkSetupError(f"Java {major} is not supported by Spark 3.5; install Java 17 "
+                              "and point JAVA_HOME at it")
+    try:
+        import pyspark
+    except ImportError as exc:
+        raise SparkSetupError("PySpark is not installed: pip install 'pyspark==3.5.7'") from exc
+    if not pyspark.__version__.startswith(SUPPORTED_PYSPARK):
+        raise SparkSetupError(
+            f"PySpark {pyspark.__version__} is installed, but RayDP 1.6 runs on PySpark 3.5 "
+            "only: pip install 'pyspark==3.5.7'")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def spark_configs(num_executors: int, executor_cores: int,
+                  configs: Mapping[str, str] | None) -> dict[str, str]:
+    """Spark configs for RayDP: our defaults, the caller's configs over them, and the
+    ``--add-opens`` flags appended to whatever Java options the caller gave."""
+    merged = {
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # 200 partitions of a few MB each cost more in task overhead than they save.
+        "spark.sql.shuffle.partitions": str(max(4, 4 * num_executors * executor_cores)),
+    }
+    for key, value in (configs or {}).items():
+        if not isinstance(key, str):
+            raise ConfigError(f"Spark config keys must be strings, got {key!r}")
+        merged[key] = str(value)
+    for key in JAVA_OPTION_KEYS:
+        merged[key] = f"{merged.get(key, '')} {ADD_OPENS}".strip()
+    return merged
+
+
+def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_cores: int = 1,
+               executor_memory: str | int = "2GB", configs: Mapping[str, str] | None = None,
+               *, ray_address: str | None = None) -> Any:
+    """Start Spark on the Ray cluster through RayDP and return its ``SparkSession``.
+
+    Connects to (or starts) Ray first: ``ray_address`` or ``RAY_ADDRESS``, else a local Ray.
+    On this 2-core machine the defaults (2 executors x 1 core) use every CPU, which is why
+    hybrid_ray's own actors take no CPU. ``configs`` are Spark configs; Java options given
+    there are kept and the required ``--add-opens`` flags appended.
+    """
+    if not isinstance(app_name, str) or not app_name.strip():
+        raise ConfigError(f"app_name must be a non-empty string, got {app_name!r}")
+    _check_positive_int("num_executors", num_executors)
+    _check_positive_int("executor_cores", executor_cores)
+    if isinstance(executor_memory, bool) or not (
+            (isinstance(executor_memory, int) and executor_memory > 0)
+            or (isinstance(executor_memory, str)
+                and re.fullmatch(r"\d+\s*[kKmMgGtT]?[bB]?", executor_memory.strip()))):
+        raise ConfigError(f"executor_memory must be bytes (int) or a size like '2GB', "
+                          f"got {executor_memory!r}")
+    if configs is not None and not isinstance(configs, Mapping):
+        raise ConfigError(f"configs must be a dict of Spark configs, got {type(configs).__name__}")
+    check_environment()
+    # Executors' Python workers (mapInArrow) must import hybrid_ray: use this interpreter.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+    import ray
+    import raydp
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    try:
+        return raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
+                                configs=spark_configs(num_executors, executor_cores, configs))
+    except Exception as exc:  # RayDP raises bare Exceptions and Py4J errors
+        text = str(exc)
+        if "has inited" in text:
+            raise SparkSetupError("a Spark session is already running on this Ray cluster; "
+                                  "call spark_bridge.stop_spark() before starting another") from exc
+        raise SparkSetupError(f"RayDP could not start Spark: {text.strip().splitlines()[0][:500]}"
+                              " (check the executor settings against the cluster's free CPUs "
+                              "and memory: `ray status`)") from exc
+
+
+def stop_spark() -> None:
+    """Release every hybrid_ray shuffle the bridge still holds, then stop RayDP's Spark."""
+    import raydp
+
+    from spark_bridge.exchange import release_all
+
+    release_all()
+    raydp.stop_spark(cleanup_data=True)

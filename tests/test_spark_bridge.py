@@ -1,0 +1,277 @@
+"""spark_bridge on real RayDP Spark (executors as Ray actors) on a local Ray: exact rows
+against Spark's own shuffle, tiers (moto S3 over HTTP for the remote tier), retries,
+cleanup and bad input. One Spark session for the module: starting it costs ~40 s."""
+
+from __future__ import annotations
+
+import sys
+
+import pyarrow as pa
+import pytest
+
+import hybrid_ray
+import spark_bridge
+from conftest import files_under
+from hybrid_ray import (
+    ConfigError, HashPartitioner, MiB, RemoteTierError, ShuffleConfig, ShuffleFailedError,
+)
+from hybrid_ray.actors import get_tier_manager
+
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
+
+
+@pytest.fixture(scope="module")
+def spark(request):
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, object_store_memory=2 * 1024**3, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+    session = spark_bridge.init_spark("hybrid_ray-tests", num_executors=2, executor_cores=1,
+                                      executor_memory="1GB",
+                                      configs={"spark.sql.shuffle.partitions": "4"})
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    spark_bridge.stop_spark()
+    assert spark_bridge.held_shuffles() == []
+
+
+@pytest.fixture(scope="module")
+def orders(spark):
+    """400k rows with string and nullable keys, over 4 input partitions."""
+    return spark.range(0, 400_000, numPartitions=4).selectExpr(
+        "id",
+        "cast(id % 997 as int) as customer_id",
+        "if(id % 13 = 0, null, concat('sku-', cast(id % 101 as string))) as sku",
+        "cast((id * 7919) % 100000 as long) as amount",
+        "repeat('x', 40) as note")
+
+
+def config(tmp_path, **kw) -> ShuffleConfig:
+    kw.setdefault("spill_dirs", [str(tmp_path / "spill")])
+    kw.setdefault("progress", False)
+    kw.setdefault("segment_bytes", {"memory": 256 * 1024, "disk": 512 * 1024,
+                                    "remote": 1 * MiB})
+    return ShuffleConfig(**kw)
+
+
+def assert_released(cfg: ShuffleConfig) -> None:
+    import ray
+
+    for d in cfg.spill_dirs:
+        assert files_under(d) == [], f"files left in {d}"
+    tm = get_tier_manager(ray.get_runtime_context().get_node_id(), cfg.namespace)
+    assert all(t.used_bytes == 0 for t in ray.get(tm.usage.remote()).tiers)
+
+
+def test_repartition_matches_spark_and_partitions_by_key(spark, orders, tmp_path):
+    from pyspark.sql import functions as F
+
+    cfg = config(tmp_path, memory_capacity_bytes=4 * MiB)
+    out = spark_bridge.repartition(orders, 6, "sku", config=cfg)
+    assert out.schema == orders.schema
+    assert out.rdd.getNumPartitions() == 6
+    assert sorted(out.collect()) == sorted(orders.repartition(6, "sku").collect())
+    # Rows with equal keys (nulls included) share a partition.
+    per_key = (out.withColumn("pid", F.spark_partition_id()).groupBy("sku")
+               .agg(F.countDistinct("pid").alias("n")).where("n > 1").count())
+    assert per_key == 0
+    report = spark_bridge.last_report()
+    tiers = report.bytes_per_tier()
+    assert report.rows == 400_000 and report.num_maps == 4 and report.num_partitions == 6
+    assert 0 < tiers["memory"] <= 4 * MiB and tiers["disk"] > 0, tiers
+    assert spark_bridge.release(out) == 1
+    assert_released(cfg)
+    with pytest.raises(Exception, match="released"):
+        out.collect()
+
+
+def test_sort_matches_orderby_with_nulls_and_mixed_directions(spark, orders, tmp_path):
+    from pyspark.sql import functions as F
+
+    cfg = config(tmp_path)
+    out = spark_bridge.sort(orders, "sku", "amount", "id", ascending=[False, True, True],
+                            num_partitions=5, config=cfg)
+    expected = orders.orderBy(F.desc("sku"), "amount", "id").collect()
+    assert out.collect() == expected
+    assert out.rdd.getNumPartitions() == 5
+    asc = spark_bridge.sort(orders, "sku", "id", num_partitions=3, config=cfg)
+    assert asc.collect() == orders.orderBy("sku", "id").collect()  # nulls first
+    spark_bridge.release(out), spark_bridge.release(asc)
+    assert_released(cfg)
+
+
+def test_pipeline_parquet_csv_join_aggregate_matches_spark(spark, tmp_path):
+    """What a Spark user writes: read parquet and CSV, join, group and aggregate, write
+    parquet; every exchange through hybrid_ray, compared row for row with Spark's own."""
+    from pyspark.sql import functions as F
+
+    spark.range(0, 300_000, numPartitions=3).selectExpr(
+        "id as order_id", "cast(id % 5003 as long) as customer_id",
+        "cast((id * 31) % 10007 as long) as cents", "cast(id % 17 as double) / 4 as weight",
+    ).write.parquet(str(tmp_path / "orders"))
+    spark.range(0, 5000, numPartitions=2).selectExpr(
+        "id as customer_id", "concat('country-', cast(id % 23 as string)) as country",
+    ).write.option("header", True).csv(str(tmp_path / "customers"))
+    orders = spark.read.parquet(str(tmp_path / "orders"))
+    customers = spark.read.option("header", True).schema(
+        "customer_id long, country string").csv(str(tmp_path / "customers"))
+    cfg = config(tmp_path, memory_capacity_bytes=2 * MiB)
+
+    joined = spark_bridge.join(orders, customers, "customer_id", num_partitions=4, config=cfg)
+    summary = spark_bridge.aggregate(
+        joined, "country", {"orders": ("*", "count"), "revenue": ("cents", "sum"),
+                            "max_weight": ("weight", "max"), "mean_cents": ("cents", "mean"),
+                            "customers": ("customer_id", "count_distinct")},
+        num_partitions=3, config=cfg)
+    summary.write.parquet(str(tmp_path / "out_bridge"))
+
+    expected = (orders.join(customers, "customer_id").groupBy("country").agg(
+        F.count("*").alias("orders"), F.sum("cents").alias("revenue"),
+        F.max("weight").alias("max_weight"), F.mean("cents").alias("mean_cents"),
+        F.countDistinct("customer_id").alias("customers")))
+    expected.write.parquet(str(tmp_path / "out_spark"))
+
+    got = sorted(spark.read.parquet(str(tmp_path / "out_bridge")).collect())
+    want = sorted(spark.read.parquet(str(tmp_path / "out_spark")).collect())
+    assert len(got) == 23 and [r.asDict() for r in got] == [r.asDict() for r in want]
+    # Customers 5000..5002 have orders but no row in the CSV: the inner join drops them.
+    assert sum(r.orders for r in got) == orders.join(customers, "customer_id").count()
+    assert spark_bridge.release(joined) == 2 and spark_bridge.release(summary) == 1
+    assert_released(cfg)
+
+
+@pytest.mark.parametrize("how", ["left", "full", "left_anti"])
+def test_outer_and_anti_joins_match_spark(spark, tmp_path, how):
+    left = spark.range(0, 20_000, numPartitions=2).selectExpr(
+        "if(id % 50 = 0, null, id % 3000) as k", "id as a")
+    right = spark.range(0, 5000, numPartitions=2).selectExpr("id * 2 as k", "id as b")
+    out = spark_bridge.join(left, right, "k", how, num_partitions=3, config=config(tmp_path))
+    want = left.join(right, "k", how)
+    assert out.columns == want.columns
+    assert sorted(out.collect(), key=repr) == sorted(want.collect(), key=repr)
+    spark_bridge.release(out)
+
+
+def test_aggregate_without_combine_matches_spark_on_sums_and_means(spark, orders, tmp_path):
+    from pyspark.sql import functions as F
+
+    out = spark_bridge.aggregate(orders, ["customer_id", "sku"],
+                                 {"n": ("amount", "count"), "lo": ("amount", "min"),
+                                  "avg": ("amount", "avg")}, config=config(tmp_path))
+    want = orders.groupBy("customer_id", "sku").agg(
+        F.count("amount").alias("n"), F.min("amount").alias("lo"),
+        F.avg("amount").alias("avg"))
+    got, exp = sorted(out.collect(), key=repr), sorted(want.collect(), key=repr)
+    assert [r[:4] for r in got] == [r[:4] for r in exp]
+    assert all(abs(a.avg - b.avg) < 1e-9 * max(1.0, abs(b.avg)) for a, b in zip(got, exp))
+    spark_bridge.release(out)
+
+
+def test_disk_capped_below_data_overflows_to_s3_and_stays_exact(spark, orders, tmp_path,
+                                                                 s3_bucket):
+    import s3fs
+
+    remote, options = s3_bucket
+    cfg = config(tmp_path, memory_capacity_bytes=1 * MiB, disk_capacity_bytes=2 * MiB,
+                 remote_path=remote, storage_options=options, compression="none")
+    out = spark_bridge.repartition(orders, 4, "customer_id", config=cfg)
+    tiers = spark_bridge.last_report().bytes_per_tier()
+    assert tiers["disk"] <= 2 * MiB and tiers["remote"] > tiers["disk"], tiers
+    assert sorted(out.collect()) == sorted(orders.collect())
+    fs = s3fs.S3FileSystem(**options)
+    assert fs.find(remote)  # segments really are objects in the (moto) bucket
+    spark_bridge.release(out)
+    fs.invalidate_cache()
+    assert fs.find(remote) == []
+    assert_released(cfg)
+
+
+class FailFirstAttempt(HashPartitioner):
+    """Fails map task 1's first attempt after it committed a chunk, as a crash would."""
+
+    def __init__(self, keys):
+        super().__init__(keys)
+        self.calls = 0
+
+    def assign(self, table, map_index, num_partitions):
+        from pyspark import TaskContext
+
+        self.calls += 1
+        ctx = TaskContext.get()
+        if map_index == 1 and ctx.attemptNumber() == 0 and self.calls > 1:
+            raise RuntimeError("injected failure after a committed chunk")
+        return super().assign(table, map_index, num_partitions)
+
+
+def test_retried_spark_task_leaves_output_exact(spark, orders, tmp_path):
+    from pyspark import cloudpickle
+
+    from spark_bridge import exchange
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = config(tmp_path, map_chunk_bytes=1 * MiB)
+    shuffle = exchange.run_map_stage(orders, 3, FailFirstAttempt(["id"]), cfg, "retry-test")
+    assert shuffle.report.superseded_attempts >= 1
+    assert shuffle.report.rows == 400_000  # the dead attempt's rows do not count
+
+    def passthrough(inputs, _sub):
+        yield from inputs[0]
+    out = exchange.reduce_frame(spark, [shuffle], passthrough, orders.schema)
+    assert sorted(out.collect()) == sorted(orders.collect())
+    spark_bridge.release(out)
+    assert_released(cfg)
+
+
+def test_full_disk_without_remote_fails_loudly_and_cleans_up(spark, orders, tmp_path):
+    cfg = config(tmp_path, memory_fraction=0.0, disk_capacity_bytes=1 * MiB)
+    with pytest.raises(ShuffleFailedError, match="OutOfSpaceError.*remote_path"):
+        spark_bridge.repartition(orders, 4, "id", config=cfg)
+    assert spark_bridge.held_shuffles() == []
+    assert_released(cfg)
+
+
+def test_bad_input_is_explained(spark, orders, tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown column\(s\) \['nope'\]"):
+        spark_bridge.repartition(orders, 4, "nope")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="num_partitions must be a positive integer"):
+            spark_bridge.repartition(orders, bad, "id")
+    with pytest.raises(ConfigError, match="at least one column"):
+        spark_bridge.repartition(orders, 4)
+    with pytest.raises(ConfigError, match="unknown column"):
+        spark_bridge.sort(orders, "id", "missing")
+    with pytest.raises(ConfigError, match="one bool per sort column"):
+        spark_bridge.sort(orders, "id", ascending=[True, False])
+    with pytest.raises(ConfigError, match="unknown function 'median'"):
+        spark_bridge.aggregate(orders, "sku", {"m": ("amount", "median")})
+    with pytest.raises(ConfigError, match="unknown join type 'sideways'"):
+        spark_bridge.join(orders, orders, "id", "sideways")
+    with pytest.raises(ConfigError, match="exist on both sides"):
+        spark_bridge.join(orders, orders, "id")
+    with pytest.raises(ConfigError, match="ShuffleConfig"):
+        spark_bridge.repartition(orders, 4, "id", config={"memory_fraction": 0.5})
+    with pytest.raises(TypeError, match="pyspark.sql.DataFrame"):
+        spark_bridge.repartition(pa.table({"a": [1]}), 4, "a")
+    unreachable = config(tmp_path, remote_path="s3://bucket/x",
+                         storage_options={"endpoint_url": "http://127.0.0.1:9",
+                                          "key": "k", "secret": "s"})
+    with pytest.raises(RemoteTierError):
+        spark_bridge.repartition(orders, 4, "id", config=unreachable)
+    assert spark_bridge.held_shuffles() == []
+
+
+def test_init_spark_validates_and_explains(spark, monkeypatch):
+    with pytest.raises(ConfigError, match="num_executors"):
+        spark_bridge.init_spark("x", num_executors=0)
+    with pytest.raises(ConfigError, match="executor_memory"):
+        spark_bridge.init_spark("x", executor_memory="lots")
+    with pytest.raises(spark_bridge.SparkSetupError, match="already running"):
+        spark_bridge.init_spark("again")
+    monkeypatch.setenv("JAVA_HOME", "/nonexistent-jdk")
+    with pytest.raises(spark_bridge.SparkSetupError, match="JAVA_HOME"):
+        spark_bridge.init_spark("x")
+    monkeypatch.delenv("JAVA_HOME")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(spark_bridge.SparkSetupError, match="apt-get install"):
+        spark_bridge.init_spark("x")
