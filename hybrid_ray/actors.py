@@ -48,6 +48,10 @@ class TierManagerActor:
         # The ObjectRef is returned inside a list so Ray hands back the ref, not the value.
         return [ray.put(value)]
 
+    def put_objects(self, values: list[Any]) -> list[ray.ObjectRef]:
+        """Many ``put_object``s in one call; the refs come back inside a list."""
+        return [ray.put(v) for v in values]
+
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
         return self.tm.register_shuffle(shuffle_id, config)
 

@@ -191,11 +191,25 @@ class WriteClient:
         payloads = [encode_segment(t, self.config.compression) for _, t in pieces]
         settled, self._unsettled = self._unsettled, []
         placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
-        for (sub, table), payload, placement in zip(pieces, payloads, placements):
-            sid = SegmentId(self.shuffle_id, self.map_partition, sub,
-                            self._next_index[sub], self.attempt)
-            meta = self._write_one(sid, payload, placement)
+        sids = []
+        for sub, _ in pieces:
+            sids.append(SegmentId(self.shuffle_id, self.map_partition, sub,
+                                  self._next_index[sub], self.attempt))
             self._next_index[sub] += 1
+        # Memory-tier segments go to the node's object store in one round trip.
+        metas: dict[int, SegmentMeta] = {}
+        in_memory = [i for i, p in enumerate(placements)
+                     if p.grant is not None and p.grant.tier == TierName.MEMORY]
+        memory = self.io_tiers.get(TierName.MEMORY)
+        if in_memory and hasattr(memory, "write_many"):
+            written = memory.write_many([(sids[i], payloads[i]) for i in in_memory],
+                                        self.node_id)
+            for i, meta in zip(in_memory, written):
+                self._unsettled.append((placements[i].grant, len(payloads[i])))
+                metas[i] = meta
+        for i, ((sub, table), payload, placement) in enumerate(zip(pieces, payloads,
+                                                                   placements)):
+            meta = metas.get(i) or self._write_one(sids[i], payload, placement)
             self._record(sub, meta, table.num_rows)
 
     def _write_one(self, sid: SegmentId, payload: bytes, placement: Placement) -> SegmentMeta:

@@ -134,6 +134,9 @@ class TestMemoryTier(TierConformance):
             def put_object(self, value):
                 return [ray.put(value)]
 
+            def put_objects(self, values):
+                return [ray.put(v) for v in values]
+
         owner = Owner.remote()
         ray.get(owner.ping.remote())
 

@@ -6,6 +6,7 @@ long-lived tier-manager actor (``owner``), which puts them itself (see ``put_own
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,12 +61,21 @@ class MemoryTier(Tier):
 
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
+        return self.write_many([(segment, payload)], node_id)[0]
+
+    def write_many(self, items: Sequence[tuple[SegmentId, bytes]],
+                   node_id: str = "") -> list[SegmentMeta]:
+        """Store several granted segments with one round trip to the owner."""
         # A numpy array is stored out-of-band, so readers on the node get a zero-copy view.
-        array = np.frombuffer(payload, dtype=np.uint8)
-        ref = put_owned_by(self.owner, array)
-        self._refs[segment] = ref
-        return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
-                           node_id=node_id, object_ref=[ref])
+        arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in items]
+        refs = put_many_owned_by(self.owner, arrays)
+        metas = []
+        for (segment, payload), ref in zip(items, refs):
+            self._refs[segment] = ref
+            metas.append(SegmentMeta(segment, self.name, len(payload),
+                                     segment_num_rows(payload), node_id=node_id,
+                                     object_ref=[ref]))
+        return metas
 
     def read(self, meta: SegmentMeta) -> Any:
         if not meta.object_ref:
@@ -88,6 +98,16 @@ class MemoryTier(Tier):
         for sid in [s for s in self._refs if s.shuffle_id == shuffle_id]:
             del self._refs[sid]
         self._quotas.pop(shuffle_id, None)
+
+
+def put_many_owned_by(owner: Any, values: Sequence[Any]) -> list[ray.ObjectRef]:
+    """Store each of ``values`` as an object owned by actor ``owner`` (one actor call).
+
+    ``owner`` must have a ``put_objects(values) -> [refs]`` method (see ``put_owned_by``).
+    """
+    if owner is None:
+        return [ray.put(v) for v in values]
+    return ray.get(owner.put_objects.remote(list(values)))
 
 
 def put_owned_by(owner: Any, value: Any) -> ray.ObjectRef:
