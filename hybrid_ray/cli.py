@@ -1,4 +1,4 @@
-"""``hybrid-ray``: the demo job, cluster status and orphan cleanup."""
+"""``hybrid-ray``: the demo job, the benchmark suite, cluster status and orphan cleanup."""
 
 from __future__ import annotations
 
@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--remote-path")
     cleanup.add_argument("--storage-options", help="JSON of fsspec options")
     cleanup.set_defaults(func=cmd_cleanup)
+    bench = sub.add_parser("bench", help="benchmark suite vs Ray Data and Spark (see --list)")
+    from benchmarks.suite import add_arguments, run_from_args
+
+    add_arguments(bench)
+    bench.set_defaults(func=run_from_args)
     return parser
 
 

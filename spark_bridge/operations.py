@@ -26,7 +26,7 @@ from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError
 from hybrid_ray.partitioning import HashPartitioner, Partitioner, range_boundaries
 from spark_bridge import exchange
-from spark_bridge.exchange import BridgeShuffle, concat_or_empty
+from spark_bridge.exchange import concat_or_empty
 
 SAMPLES_PER_PARTITION_FACTOR = 20  # samples per map partition, per output partition
 MAX_SAMPLES_PER_PARTITION = 10_000

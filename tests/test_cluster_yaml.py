@@ -26,3 +26,12 @@ def test_cluster_yaml_has_no_keys_and_uses_an_instance_profile():
     assert "aws_access_key_id" not in text.lower() and "aws_secret" not in text.lower()
     for node in load()["available_node_types"].values():
         assert "IamInstanceProfile" in node["node_config"]
+
+
+def test_local_cluster_yaml_is_valid_and_installs_the_project():
+    with open(os.path.join(ROOT, "cluster-local.yaml")) as f:
+        config = yaml.safe_load(f)
+    validate_config(prepare_config(config))
+    assert config["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []}
+    assert any("./dev setup" in c for c in config["setup_commands"])
+    assert ".venv" in config["rsync_exclude"]

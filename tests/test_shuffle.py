@@ -14,7 +14,7 @@ import pytest
 import hybrid_ray
 from conftest import files_under, row_fingerprint
 from hybrid_ray import (
-    ConfigError, MiB, Partitioner, RemoteTierError, ShuffleConfig, ShuffleFailedError, TierName,
+    ConfigError, MiB, Partitioner, RemoteTierError, ShuffleConfig, ShuffleFailedError,
 )
 from hybrid_ray.actors import get_master, get_tier_manager
 

@@ -9,7 +9,6 @@ import sys
 import pyarrow as pa
 import pytest
 
-import hybrid_ray
 import spark_bridge
 from conftest import files_under
 from hybrid_ray import (

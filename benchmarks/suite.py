@@ -1,0 +1,721 @@
+"""The benchmark suite: hybrid_ray against Ray Data's and Spark's shuffles, same data, same run.
+
+    hybrid-ray bench --size 2GiB                     # the default matrix
+    hybrid-ray bench --size 256MB --scenario hybrid_memory_disk --scenario raydata_shuffle_v2
+    hybrid-ray bench --list                          # scenarios and what they measure
+
+Every case repartitions the workload by key into ``--partitions`` partitions and is
+verified (row count and order-independent checksum of the output) before it counts; a case
+that fails or does not verify is recorded with its error and the run goes on. Results go to
+``--out``: ``results.json``, ``results.md`` (throughput and ratios to each baseline, and the
+goals) and ``results.png``.
+
+Cases run grouped by the cluster they need: machine limits, one local Ray, simulated
+multi-node clusters (``ray.cluster_utils.Cluster``), then RayDP Spark (uncapped, then with
+``spark.local.dir`` on a tmpfs a quarter of the data's size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+
+from benchmarks.workloads import WORKLOADS, checksum, generate
+
+GiB = 1024**3
+MB = 1_000_000
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """One benchmark case: what ran, how fast, whether its output was exact."""
+
+    case: str
+    family: str
+    workload: str
+    size_bytes: int
+    nodes: int = 1
+    seconds: float | None = None
+    mb_s: float | None = None
+    verified: bool = False
+    error: str | None = None
+    tier_bytes: dict[str, int] | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    group: str  # machine | ray | multinode | spark | spark_capped
+    description: str
+    default: bool = True
+
+
+SCENARIOS = {s.name: s for s in [
+    Scenario("machine_disk_write", "machine", "sequential write to the spill dir, fsync'd"),
+    Scenario("machine_memory_copy", "machine", "single-threaded memory copy"),
+    Scenario("raydata_shuffle_v2", "ray", "Ray Data repartition, SHUFFLE_V2 (the default)"),
+    Scenario("raydata_hash", "ray", "Ray Data repartition, HASH_SHUFFLE"),
+    Scenario("raydata_hash_disk", "ray",
+             "Ray Data repartition, HASH_SHUFFLE with use_disk_based_hash_shuffle"),
+    Scenario("raydata_sort_pull", "ray", "Ray Data SORT_SHUFFLE_PULL_BASED (recorded as not "
+             "applicable: Ray Data does key repartition only with hash strategies)"),
+    Scenario("hybrid_memory", "ray", "hybrid_ray, memory tier only (budget > data)"),
+    Scenario("hybrid_memory_disk", "ray", "hybrid_ray, memory budget = data/2, rest on disk"),
+    Scenario("hybrid_disk_capped", "ray",
+             "hybrid_ray, memory = data/2, disk capped at data/4, remote tier (S3) overflow"),
+    Scenario("hybrid_blocking", "ray", "as hybrid_memory_disk, blocking mode"),
+    Scenario("hybrid_full_spilling", "ray", "as hybrid_memory_disk, full spilling"),
+    Scenario("hybrid_nodes_1", "multinode", "hybrid_memory_disk on a 1-node Cluster"),
+    Scenario("hybrid_nodes_2", "multinode", "hybrid_memory_disk on 2 simulated nodes"),
+    Scenario("hybrid_nodes_4", "multinode", "hybrid_memory_disk on 4 simulated nodes"),
+    Scenario("spark_native", "spark", "Spark's own df.repartition(n, 'key') on RayDP"),
+    Scenario("spark_bridge", "spark", "spark_bridge.repartition through hybrid_ray"),
+    Scenario("spark_native_capped", "spark_capped",
+             "Spark's own repartition, spark.local.dir on a tmpfs of data/4"),
+    Scenario("spark_bridge_capped", "spark_capped",
+             "spark_bridge, spill dir on the same tmpfs, memory = data/8, S3 overflow"),
+]}
+GROUP_ORDER = ("machine", "ray", "multinode", "spark", "spark_capped")
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '256MB', '0.25GiB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*(|B|KB|MB|GB|KiB|MiB|GiB)\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 256MB or 2GiB")
+    units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2,
+             "gib": 1024**3}
+    value = int(float(match.group(1)) * units[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+class Bench:
+    """Runs the selected cases, sharing data and clusters between cases that can."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workdir = tempfile.mkdtemp(prefix="hr-bench-")
+        self.results: list[CaseResult] = []
+        self._moto = None
+        self._remote: tuple[str, dict] | None = None
+        self._total = 0
+        self._done = 0
+        self._started = time.monotonic()
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def progress(self, text: str) -> None:
+        elapsed = time.monotonic() - self._started
+        bar_len = 24
+        filled = int(bar_len * self._done / max(1, self._total))
+        print(f"[{'#' * filled}{'.' * (bar_len - filled)}] {self._done}/{self._total} "
+              f"{elapsed:6.0f}s  {text}", file=sys.stderr, flush=True)
+
+    def record(self, result: CaseResult) -> None:
+        self._done += 1
+        self.results.append(result)
+        status = (f"{result.mb_s:.1f} MB/s" if result.verified and result.mb_s else
+                  f"FAILED: {result.error}" if result.error else "not verified")
+        self.progress(f"{result.case} [{result.workload}, {result.size_bytes / MB:.0f} MB, "
+                      f"{result.nodes} node(s)] -> {status}")
+
+    def timed_case(self, case: str, family: str, workload: str, size: int, nodes: int,
+                   run: Callable[[], tuple[Any, Callable[[], bool], dict | None, str]]) -> None:
+        """``run`` does the timed work and returns (output, verify, tier bytes, note)."""
+        result = CaseResult(case, family, workload, size, nodes)
+        try:
+            start = time.perf_counter()
+            output, verify, tiers, note = run()
+            result.seconds = time.perf_counter() - start
+            result.tier_bytes, result.note = tiers, note
+            result.verified = bool(verify())
+            if not result.verified:
+                result.error = "output rows differ from the input (checksum mismatch)"
+            else:
+                result.mb_s = size / MB / result.seconds
+            del output
+        except Exception as exc:  # a failed case is recorded, not fatal
+            result.error = describe_error(exc)
+            if self.args.verbose:
+                traceback.print_exc()
+        self.record(result)
+
+    def remote(self) -> tuple[str, dict]:
+        """The remote tier: --remote, else a local moto S3 server (real HTTP, S3 API)."""
+        if self._remote is None:
+            if self.args.remote:
+                self._remote = (self.args.remote, {})
+            else:
+                import logging
+                import socket
+
+                import s3fs
+                from moto.server import ThreadedMotoServer
+
+                logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no per-request lines
+
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+                os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+                self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port,
+                                                verbose=False)
+                self._moto.start()
+                options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench",
+                           "secret": "bench"}
+                s3fs.S3FileSystem(**options).mkdir("hr-bench")
+                self._remote = ("s3://hr-bench/shuffle", options)
+        return self._remote
+
+    def close(self) -> None:
+        if self._moto is not None:
+            self._moto.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ---- the run --------------------------------------------------------------------------------
+    def run(self, selected: list[str]) -> list[CaseResult]:
+        workloads = self.args.workload
+        sizes = [self.args.size] + [s for s in self.args.scaling if s != self.args.size]
+        plan: dict[str, list[tuple[str, str, int]]] = {g: [] for g in GROUP_ORDER}
+        for name in selected:
+            group = SCENARIOS[name].group
+            if group == "machine":
+                plan[group].append((name, "-", 0))
+                continue
+            for workload in workloads:
+                plan[group].append((name, workload, self.args.size))
+        for size in sizes[1:]:  # cost growth: the main hybrid case at every other size
+            plan["ray"].append(("hybrid_memory_disk", "gensort", size))
+        self._total = sum(len(v) for v in plan.values())
+        self.progress(f"{self._total} cases; work dir {self.workdir}")
+        for group in GROUP_ORDER:
+            if plan[group]:
+                getattr(self, f"_run_{group}")(plan[group])
+        return self.results
+
+    # machine limits
+    def _run_machine(self, cases: list[tuple[str, str, int]]) -> None:
+        from benchmarks import machine
+
+        for name, _, _ in cases:
+            result = CaseResult(name, "machine", "-", 0)
+            try:
+                result.mb_s = (machine.disk_write_mb_s(self.workdir) if name ==
+                               "machine_disk_write" else machine.memory_copy_mb_s())
+                result.verified = True
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+            self.record(result)
+
+    # one local Ray
+    def _hybrid_config(self, name: str, size: int, spill: str) -> Any:
+        from hybrid_ray import ShuffleConfig
+
+        base = dict(spill_dirs=[spill], progress=False, memory_capacity_bytes=max(1, size // 2))
+        if name == "hybrid_memory":
+            base["memory_capacity_bytes"] = 3 * size
+        elif name == "hybrid_disk_capped":
+            remote, options = self.remote()
+            base.update(disk_capacity_bytes=size // 4, remote_path=remote,
+                        storage_options=options)
+        elif name == "hybrid_blocking":
+            base["mode"] = "blocking"
+        elif name == "hybrid_full_spilling":
+            base["spilling"] = "full"
+        return ShuffleConfig(**base)
+
+    def _ray_case(self, name: str, workload: str, size: int, ds: Any, expected: tuple,
+                  nodes: int = 1, spill: str | None = None) -> None:
+        import ray
+
+        import hybrid_ray
+
+        n = self.args.partitions
+        spill = spill or os.path.join(self.workdir, "spill")
+
+        def verify_refs(refs) -> Callable[[], bool]:
+            return lambda: checksum(ray.get(r) for r in refs) == expected
+
+        if name.startswith("raydata_"):
+            def run():
+                strategy = {"raydata_shuffle_v2": "shuffle_v2", "raydata_hash": "hash_shuffle",
+                            "raydata_hash_disk": "hash_shuffle",
+                            "raydata_sort_pull": "sort_shuffle_pull_based"}[name]
+                if strategy == "sort_shuffle_pull_based":
+                    raise RuntimeError("not applicable: Ray Data repartitions by key only with "
+                                       "hash strategies (HASH_SHUFFLE, SHUFFLE_V2)")
+                # A Dataset carries a copy of the DataContext from its creation: set the
+                # strategy on that copy, or the case silently runs whatever it captured.
+                ctx = ds.context
+                ctx.shuffle_strategy = strategy
+                ctx.use_disk_based_hash_shuffle = name == "raydata_hash_disk"
+                out = ds.repartition(n, keys=["key"]).materialize()
+                refs = out.to_arrow_refs()
+                return out, verify_refs(refs), None, strategy
+            family = "ray_data"
+        else:
+            config_name = "hybrid_memory_disk" if name.startswith("hybrid_nodes_") else name
+            config = self._hybrid_config(config_name, size, spill)
+
+            def run():
+                out = hybrid_ray.repartition(ds, n, keys=["key"], config=config)
+                report = hybrid_ray.last_report()
+                return out, verify_refs(out.to_arrow_refs()), report.bytes_per_tier(), \
+                    f"{report.spill_events} spill events"
+            family = "hybrid_ray"
+        self.timed_case(name, family, workload, size, nodes, run)
+        if name.startswith("hybrid"):
+            shutil.rmtree(spill, ignore_errors=True)
+
+    def _dataset(self, workload: str, size: int) -> tuple[Any, tuple[int, int]]:
+        import ray
+
+        blocks = generate(workload, size, self.args.seed)
+        expected = checksum(blocks)
+        ds = ray.data.from_arrow(blocks).materialize()
+        return ds, expected
+
+    def _warm_up_ray(self) -> None:
+        """Start workers and import modules before timing anything: the first case of a
+        cluster would otherwise pay for every cold start."""
+        import ray
+
+        import hybrid_ray
+
+        ds = ray.data.from_arrow(generate("gensort", 4 * MB, self.args.seed + 1)).materialize()
+        for strategy in ("hash_shuffle", "shuffle_v2"):
+            ds.context.shuffle_strategy = strategy
+            ds.repartition(self.args.partitions, keys=["key"]).materialize()
+        hybrid_ray.repartition(ds, self.args.partitions, keys=["key"], config=hybrid_ray
+                               .ShuffleConfig(progress=False, spill_dirs=[os.path.join(
+                                   self.workdir, "warmup")]))
+
+    def _run_ray(self, cases: list[tuple[str, str, int]]) -> None:
+        """Each case on a fresh local Ray: Ray Data's shuffle actors, leftover objects and
+        spilled blocks of one case must not slow down the next (seen in earlier runs)."""
+        import ray
+
+        for name, workload, size in cases:
+            ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+            try:
+                self._warm_up_ray()
+                ds, expected = self._dataset(workload, size)
+                self._ray_case(name, workload, size, ds, expected)
+                if size != self.args.size:
+                    self.results[-1].family = "scaling"
+                del ds
+            except Exception as exc:
+                self.record(CaseResult(name, "hybrid_ray" if name.startswith("hybrid")
+                                       else "ray_data", workload, size,
+                                       error=f"set-up: {describe_error(exc)}"))
+            finally:
+                ray.shutdown()
+
+    def _object_store_bytes(self) -> int:
+        need = 4 * max([self.args.size] + self.args.scaling)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(min(max(need, 2 * GiB), 0.45 * total))
+
+    # simulated multi-node clusters
+    def _run_multinode(self, cases: list[tuple[str, str, int]]) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        for name, workload, size in cases:
+            nodes = int(name.rsplit("_", 1)[1])
+            per_node = max(1, self.args.cpus // nodes)
+            store = max(512 * 1024**2, self._object_store_bytes() // nodes)
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": per_node, "object_store_memory": store})
+            try:
+                for _ in range(nodes - 1):
+                    cluster.add_node(num_cpus=per_node, object_store_memory=store)
+                ray.init(address=cluster.address, log_to_driver=False,
+                         configure_logging=False)
+                cluster.wait_for_nodes()
+                self._warm_up_ray()
+                ds, expected = self._dataset(workload, size)
+                spill = os.path.join(self.workdir, "spill-{node_id}")
+                self._ray_case(name, workload, size, ds, expected, nodes=nodes, spill=spill)
+                self.results[-1].note += f"; {nodes} x {per_node} CPU on one machine"
+                for d in os.listdir(self.workdir):
+                    if d.startswith("spill-"):
+                        shutil.rmtree(os.path.join(self.workdir, d), ignore_errors=True)
+            except Exception as exc:
+                self.record(CaseResult(name, "hybrid_ray", workload, size, nodes,
+                                       error=f"cluster: {type(exc).__name__}: {exc}"))
+            finally:
+                ray.shutdown()
+                cluster.shutdown()
+
+    # RayDP Spark
+    def _parquet_input(self, workload: str, size: int) -> tuple[str, tuple[int, int]]:
+        import pyarrow.parquet as pq
+
+        path = os.path.join(self.workdir, f"input-{workload}-{size}")
+        blocks = generate(workload, size, self.args.seed)
+        expected = checksum(blocks)
+        if not os.path.isdir(path):
+            os.makedirs(path)
+            for i, block in enumerate(blocks):
+                pq.write_table(block, os.path.join(path, f"part-{i:05d}.parquet"),
+                               compression="none")
+        return path, expected
+
+    @contextlib.contextmanager
+    def _spark(self, configs: dict[str, str]) -> Iterator[Any]:
+        import ray
+
+        import spark_bridge
+
+        ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
+                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            spark = spark_bridge.init_spark("hybrid_ray-bench", num_executors=self.args.cpus,
+                                            executor_cores=1, executor_memory="3GB",
+                                            configs=configs)
+            spark.sparkContext.setLogLevel("ERROR")
+            # Executors and their Python workers start lazily: start them untimed.
+            spark_checksum(spark.range(0, 100_000, numPartitions=2 * self.args.cpus)
+                           .selectExpr("id as key").repartition(4, "key"))
+            try:
+                yield spark
+            finally:
+                spark_bridge.stop_spark()
+        finally:
+            ray.shutdown()
+
+    def _spark_cases(self, spark: Any, cases: list[tuple[str, str, int]],
+                     capped_dir: str | None) -> None:
+        import spark_bridge
+        from hybrid_ray import ShuffleConfig
+
+        n = self.args.partitions
+        for name, workload, size in cases:
+            path, expected = self._parquet_input(workload, size)
+            df = spark.read.parquet(path)
+            if capped_dir is None:
+                df = df.cache()
+            df.count()  # load (and cache) outside the timed part
+
+            def verify(out) -> Callable[[], bool]:
+                return lambda: spark_checksum(out) == expected
+
+            if name.startswith("spark_native"):
+                def run():
+                    out = df.repartition(n, "key")
+                    out.write.format("noop").mode("overwrite").save()
+                    return out, verify(out), None, "noop sink"
+                family = "spark"
+            else:
+                if capped_dir is None:
+                    config = ShuffleConfig(spill_dirs=[os.path.join(self.workdir, "spill")],
+                                           progress=False, memory_capacity_bytes=size // 2)
+                else:
+                    remote, options = self.remote()
+                    config = ShuffleConfig(spill_dirs=[capped_dir], progress=False,
+                                           memory_capacity_bytes=size // 8,
+                                           remote_path=remote, storage_options=options)
+
+                def run():
+                    out = spark_bridge.repartition(df, n, "key", config=config)
+                    out.write.format("noop").mode("overwrite").save()
+                    report = spark_bridge.last_report()
+                    return out, verify(out), report.bytes_per_tier(), "map + reduce to noop sink"
+                family = "spark_bridge"
+            self.timed_case(name, family, workload, size, 1, run)
+            spark_bridge.release_all()
+            df.unpersist()
+
+    def _run_spark(self, cases: list[tuple[str, str, int]]) -> None:
+        try:
+            with self._spark({}) as spark:
+                self._spark_cases(spark, cases, None)
+        except Exception as exc:
+            for name, workload, size in cases[len(self._done_cases(cases)):]:
+                self.record(CaseResult(name, "spark", workload, size,
+                                       error=f"Spark session: {type(exc).__name__}: {exc}"))
+
+    def _run_spark_capped(self, cases: list[tuple[str, str, int]]) -> None:
+        local = os.path.join(self.workdir, "spark-local-tmpfs")
+        os.makedirs(local)
+        cap_mb = max(16, self.args.size // 4 // (1024 * 1024))
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cap_mb}m", "tmpfs", local],
+                               capture_output=True, text=True)
+        if mount.returncode != 0:
+            for name, workload, size in cases:
+                self.record(CaseResult(name, "spark", workload, size,
+                                       error=f"cannot mount a {cap_mb} MiB tmpfs (needs root):"
+                                             f" {mount.stderr.strip()}"))
+            return
+        try:
+            with self._spark({"spark.local.dir": local, "spark.task.maxFailures": "1"}) as spark:
+                self._spark_cases(spark, cases, local)
+        except Exception as exc:
+            for name, workload, size in cases[len(self._done_cases(cases)):]:
+                self.record(CaseResult(name, "spark", workload, size,
+                                       error=f"Spark session: {type(exc).__name__}: {exc}"))
+        finally:
+            subprocess.run(["umount", "-l", local], check=False)
+        for r in self.results:
+            if r.case in ("spark_native_capped", "spark_bridge_capped"):
+                r.note += f"; local dir tmpfs {cap_mb} MiB"
+
+    def _done_cases(self, cases: list[tuple[str, str, int]]) -> list[CaseResult]:
+        names = {c[0] for c in cases}
+        return [r for r in self.results if r.case in names]
+
+
+ERROR_CAUSES = ("No space left on device", "OutOfSpaceError", "OutOfMemoryError",
+                "ObjectStoreFullError", "ShuffleFailedError")
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: the exception type and the most telling line of its (JVM) message."""
+    text = str(exc).strip()
+    for cause in ERROR_CAUSES:
+        for line in text.splitlines():
+            if cause in line:
+                return f"{type(exc).__name__}: {line.strip()[:300]}"
+    first = text.splitlines()[0][:300] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _checksum_partition(batches):
+    from benchmarks.workloads import checksum as _checksum
+
+    rows, total = _checksum(batches)
+    yield pa.RecordBatch.from_pydict({"rows": [rows], "sum": [str(total)]})
+
+
+def spark_checksum(df: Any) -> tuple[int, int]:
+    """The checksum of a Spark DataFrame, computed in the executors (nothing collected but
+    one row per partition)."""
+    parts = df.mapInArrow(_checksum_partition, "rows long, sum string").collect()
+    return sum(p.rows for p in parts), sum(int(p.sum) for p in parts) % (1 << 64)
+
+
+# ---- reports -------------------------------------------------------------------------------------
+def _best(results: list[CaseResult], family: str | None = None, case: str | None = None,
+          workload: str = "gensort") -> CaseResult | None:
+    # Scaling rows (other sizes) are never a baseline or a goal's side.
+    pool = [r for r in results if r.verified and r.mb_s and r.workload == workload
+            and r.family not in ("scaling", "machine")
+            and (family is None or r.family == family) and (case is None or r.case == case)]
+    return max(pool, key=lambda r: r.mb_s) if pool else None
+
+
+def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
+    """The issue's goals, as ratios measured in this run (None where a side is missing)."""
+    main = _best(results, case="hybrid_memory_disk")
+    default = _best(results, case="raydata_shuffle_v2")
+    fastest = _best(results, family="ray_data")
+    spark = _best(results, case="spark_native")
+    bridge = _best(results, case="spark_bridge")
+    capped = _best(results, case="hybrid_disk_capped")
+
+    def ratio(a, b):
+        return a.mb_s / b.mb_s if a and b else None
+
+    out = [
+        {"goal": "hybrid_memory_disk vs Ray Data default (SHUFFLE_V2)", "target": 3.0,
+         "ratio": ratio(main, default)},
+        {"goal": f"hybrid_memory_disk vs fastest Ray Data ({fastest.case if fastest else '-'})",
+         "target": 1.5, "ratio": ratio(main, fastest)},
+        {"goal": "hybrid_memory_disk vs Spark's own shuffle", "target": 1.5,
+         "ratio": ratio(main, spark)},
+        {"goal": "spark_bridge vs Spark's own df.repartition", "target": 1.0,
+         "ratio": ratio(bridge, spark)},
+        {"goal": "hybrid_disk_capped vs uncapped hybrid_memory_disk", "target": 0.5,
+         "ratio": ratio(capped, main)},
+    ]
+    native_capped = next((r for r in results if r.case == "spark_native_capped"), None)
+    bridge_capped = next((r for r in results if r.case == "spark_bridge_capped"), None)
+    if native_capped and bridge_capped:
+        out.append({"goal": "disk capped below the data: bridge finishes where Spark fails",
+                    "target": None, "ratio": None,
+                    "met": bool(bridge_capped.verified and not native_capped.verified),
+                    "detail": f"Spark: {native_capped.error or 'finished'}; bridge: "
+                              f"{'verified' if bridge_capped.verified else bridge_capped.error}"})
+    for g in out:
+        if "met" not in g:
+            g["met"] = None if g["ratio"] is None else g["ratio"] >= g["target"]
+    return out
+
+
+def scaling(results: list[CaseResult]) -> list[dict[str, Any]]:
+    rows = sorted((r for r in results if r.case == "hybrid_memory_disk" and r.verified
+                   and r.workload == "gensort" and r.nodes == 1), key=lambda r: r.size_bytes)
+    return [{"size_gib": r.size_bytes / GiB, "mb_s": r.mb_s,
+             "seconds_per_gib": r.seconds / (r.size_bytes / GiB)} for r in rows]
+
+
+def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
+    default = _best(results, case="raydata_shuffle_v2")
+    fastest = _best(results, family="ray_data")
+    spark = _best(results, case="spark_native")
+    lines = [f"# hybrid_ray benchmark, {meta['date']}", "",
+             f"{meta['cpus']} CPUs, {meta['memory_gib']:.0f} GiB RAM; size "
+             f"{meta['size_bytes'] / MB:.0f} MB; {meta['partitions']} partitions; "
+             f"command: `{meta['command']}`", "",
+             "| case | workload | MB | nodes | MB/s | s | verified | memory / disk / remote MB"
+             " | vs Ray Data default | vs fastest Ray Data | vs Spark | note |",
+             "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
+
+    def vs(r, base):
+        if r.family == "machine" or not (r.mb_s and base and base.mb_s):
+            return "-"
+        return f"{r.mb_s / base.mb_s:.2f}x"
+    for r in results:
+        tiers = (" / ".join(f"{r.tier_bytes.get(t, 0) / MB:.0f}" for t in
+                            ("memory", "disk", "remote")) if r.tier_bytes else "-")
+        lines.append(
+            f"| {r.case} | {r.workload} | {r.size_bytes / MB:.0f} | {r.nodes} | "  # noqa
+            f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | "
+            f"{'yes' if r.verified else 'NO: ' + (r.error or '')} | {tiers} | "
+            f"{vs(r, default)} | {vs(r, fastest)} | {vs(r, spark)} | {r.note} |")
+    lines += ["", "## Goals (ratios measured in this run)", "",
+              "| goal | target | measured | met |", "|---|---:|---:|---|"]
+    for g in goals(results):
+        measured = f"{g['ratio']:.2f}x" if g["ratio"] is not None else g.get("detail", "-")
+        target = f"{g['target']:.2f}x" if g["target"] is not None else "-"
+        met = {True: "yes", False: "no", None: "not measured"}[g["met"]]
+        lines.append(f"| {g['goal']} | {target} | {measured} | {met} |")
+    growth = scaling(results)
+    if len(growth) > 1:
+        lines += ["", "## Cost growth (hybrid_memory_disk, gensort)", "",
+                  "| GiB | MB/s | s per GiB |", "|---:|---:|---:|"]
+        lines += [f"| {g['size_gib']:.2f} | {g['mb_s']:.1f} | {g['seconds_per_gib']:.1f} |"
+                  for g in growth]
+        lines.append(f"\ns per GiB grew {growth[-1]['seconds_per_gib'] / growth[0]['seconds_per_gib']:.2f}x "
+                     f"from {growth[0]['size_gib']:.2f} to {growth[-1]['size_gib']:.2f} GiB "
+                     "(1.00x is flat).")
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: list[CaseResult], path: str) -> str | None:
+    """A bar chart of verified throughput; returns None (and says why) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'hybrid_ray[bench]'): no PNG"
+    shown = [r for r in results if r.family != "machine"]
+    colors = {"hybrid_ray": "#1f77b4", "ray_data": "#ff7f0e", "spark": "#2ca02c",
+              "spark_bridge": "#9467bd", "scaling": "#17becf"}
+    labels = [f"{r.case} [{r.workload}, {r.size_bytes / GiB:g} GiB]" for r in shown]
+    values = [r.mb_s if r.verified and r.mb_s else 0 for r in shown]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(shown) + 1.5))
+    ax.barh(labels, values, color=[colors.get(r.family, "grey") for r in shown])
+    for i, r in enumerate(shown):
+        if not r.verified:
+            ax.text(0, i, "  failed", va="center", color="red", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("MB/s (verified output; higher is better)")
+    ax.set_title("Repartition by key: hybrid_ray vs Ray Data vs Spark")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write_outputs(results: list[CaseResult], meta: dict[str, Any], out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, n) for n in ("results.json", "results.md", "results.png")]
+    with open(paths[0], "w") as f:
+        json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results],
+                   "goals": goals(results), "scaling": scaling(results)}, f, indent=2)
+    with open(paths[1], "w") as f:
+        f.write(markdown(results, meta))
+    problem = chart(results, paths[2])
+    if problem:
+        print(problem, file=sys.stderr)
+        paths.pop()
+    return paths
+
+
+# ---- command line -----------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=parse_size, default=parse_size("256MB"),
+                   help="data size per case, e.g. 256MB or 2GiB (default 256MB)")
+    p.add_argument("--scenario", action="append", default=None,
+                   help="a scenario to run (repeatable; default: all; see --list)")
+    p.add_argument("--workload", action="append", default=None, choices=WORKLOADS,
+                   help="workload(s) for the data cases (default gensort)")
+    p.add_argument("--scaling", default="",
+                   help="extra sizes for hybrid_memory_disk, e.g. 0.25GiB,4GiB")
+    p.add_argument("--partitions", type=int, default=16)
+    p.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remote", default=None,
+                   help="remote tier URL (default: a local moto S3 server)")
+    p.add_argument("--out", default=None, help="output directory (default "
+                   "benchmarks/results/<timestamp>)")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of failed cases")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.list:
+        for s in SCENARIOS.values():
+            print(f"{s.name:<22} {s.group:<13} {s.description}")
+        return 0
+    unknown = [s for s in args.scenario or [] if s not in SCENARIOS]
+    if unknown:
+        print(f"hybrid-ray bench: unknown scenario(s) {unknown}; choose from "
+              f"{', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
+    if args.partitions <= 0 or args.cpus <= 0:
+        print("hybrid-ray bench: --partitions and --cpus must be positive", file=sys.stderr)
+        return 2
+    try:
+        args.scaling = [parse_size(s) for s in args.scaling.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        print(f"hybrid-ray bench: --scaling: {exc}", file=sys.stderr)
+        return 2
+    args.workload = args.workload or ["gensort"]
+    selected = args.scenario or [s.name for s in SCENARIOS.values() if s.default]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out or os.path.join("benchmarks", "results", stamp)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": args.cpus,
+            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB,
+            "size_bytes": args.size, "partitions": args.partitions, "seed": args.seed,
+            "command": " ".join(["hybrid-ray", "bench"] + sys.argv[2:]),
+            "run_id": uuid.uuid4().hex[:8]}
+    bench = Bench(args)
+    try:
+        results = bench.run(selected)
+    finally:
+        bench.close()
+    paths = write_outputs(results, meta, out_dir)
+    print(markdown(results, meta))
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
