@@ -32,7 +32,7 @@ def main() -> int:
     from pyspark.sql import functions as F
 
     work = tempfile.mkdtemp(prefix="hybrid_ray_spark_job_")
-    config = ShuffleConfig(memory_capacity_bytes=16 * MiB, disk_capacity_bytes=32 * MiB,
+    config = ShuffleConfig(memory_capacity_bytes=4 * MiB, disk_capacity_bytes=4 * MiB,
                            spill_dirs=[os.path.join(work, "spill")],
                            remote_path=args.remote or f"file://{work}/remote", progress=False)
     started = time.monotonic()
