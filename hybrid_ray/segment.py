@@ -69,16 +69,22 @@ class SegmentMeta:
     object_ref: list[Any] | None = None
 
 
-def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4) -> bytes:
-    """Encode ``table`` as one segment: header + Arrow IPC stream body."""
+def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4) -> memoryview:
+    """Encode ``table`` as one segment: header + Arrow IPC stream body (a bytes-like view).
+
+    The header is reserved at the start of the output stream and filled in afterwards, so
+    the body is never copied to put the two together.
+    """
     sink = pa.BufferOutputStream()
+    sink.write(bytes(HEADER_BYTES))
     options = pa.ipc.IpcWriteOptions(compression=_IPC_COMPRESSION[Compression(compression)])
     with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
         writer.write_table(table)
-    body = sink.getvalue()
-    header = _HEADER.pack(_MAGIC, _VERSION, _CODECS[Compression(compression)], 0,
-                          zlib.crc32(body), body.size, table.num_rows)
-    return b"".join((header, body))
+    out = memoryview(sink.getvalue()).cast("B")  # mutable: the header is written in place
+    body = out[HEADER_BYTES:]
+    _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _CODECS[Compression(compression)], 0,
+                      zlib.crc32(body), len(body), table.num_rows)
+    return out
 
 
 def decode_segment(data: Any, segment: SegmentId | str, tier: TierName | str) -> pa.Table:

@@ -77,6 +77,8 @@ class RemoteTier(Tier):
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
         path = self.segment_path(segment)
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
         try:
             if self._atomic_put:
                 self.fs.pipe_file(path, payload)
