@@ -41,22 +41,25 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 def hash_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """A deterministic uint64 hash per value (the same in every process and run)."""
+    """A deterministic uint64 hash per value (the same in every process and run).
+
+    The hash of a value depends on the value alone, never on the other values in the
+    array: map tasks hash chunk by chunk, and equal keys must land in the same partition
+    whatever else their chunk holds. Nulls hash to 0.
+    """
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
     t = column.type
     if pa.types.is_integer(t) or pa.types.is_temporal(t) or pa.types.is_boolean(t):
         if not pa.types.is_integer(t):
-            column = column.cast(pa.int64(), safe=False)
+            # date32/time32 cast only to int32; everything else temporal to int64.
+            as_int = pa.int32() if pa.types.is_temporal(t) and t.bit_width == 32 \
+                else pa.int64()
+            column = column.cast(as_int, safe=False)
         values = pc.fill_null(column, 0).to_numpy(zero_copy_only=False)
-        out = _mix64(values.astype(np.uint64, copy=False))
-    elif pa.types.is_fixed_size_binary(t) and column.null_count == 0:
-        width = t.byte_width
-        raw = np.frombuffer(column.buffers()[1], dtype=np.uint8,
-                            count=(len(column) + column.offset) * width)
-        out = _hash_rows(raw.reshape(-1, width)[column.offset:])
-    elif (rows := _equal_length_rows(column)) is not None:
-        out = _hash_rows(rows)
+        out = _mix64(values.astype(np.int64, copy=False).astype(np.uint64, copy=False))
+    elif _is_bytes_like(t):
+        out = _hash_bytes(column)
     else:
         values = column.to_numpy(zero_copy_only=False)
         out = pd.util.hash_array(values, categorize=False).astype(np.uint64, copy=False)
@@ -65,8 +68,14 @@ def hash_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return out
 
 
+def _is_bytes_like(t: pa.DataType) -> bool:
+    return (pa.types.is_binary(t) or pa.types.is_string(t) or pa.types.is_large_binary(t)
+            or pa.types.is_large_string(t) or pa.types.is_fixed_size_binary(t))
+
+
 def _hash_rows(rows: np.ndarray) -> np.ndarray:
-    """Hash each row of a (n, width) uint8 matrix, folding the bytes 8 at a time."""
+    """Hash each row of a (n, width) uint8 matrix, folding the bytes 8 at a time, then the
+    width (so b"ab" and b"ab\\0" differ)."""
     n, width = rows.shape
     out = np.zeros(n, dtype=np.uint64)
     for start in range(0, width, 8):
@@ -74,25 +83,39 @@ def _hash_rows(rows: np.ndarray) -> np.ndarray:
         part = rows[:, start:start + 8]
         chunk[:, :part.shape[1]] = part
         out = _mix64(out ^ chunk.view(np.uint64).ravel())
-    return out
+    return _mix64(out ^ np.uint64(width))
 
 
-def _equal_length_rows(column: pa.Array) -> np.ndarray | None:
-    """A binary/string column whose values all have the same length, as an (n, width)
-    byte matrix (zero-copy), so it hashes exactly like the same bytes as fixed-size binary
-    (Spark hands 10-byte keys over as variable-length binary). None otherwise."""
+def _hash_bytes(column: pa.Array) -> np.ndarray:
+    """Hash binary/string values by their bytes: fixed-size and variable-length arrays
+    holding the same bytes hash alike (Spark hands 10-byte keys over as binary)."""
+    n = len(column)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
     t = column.type
-    if not (pa.types.is_binary(t) or pa.types.is_string(t)) or column.null_count \
-            or len(column) == 0:
-        return None
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32,
-                            count=len(column) + 1, offset=column.offset * 4)
-    widths = np.diff(offsets)
-    width = int(widths[0])
-    if width == 0 or widths.min() != widths.max():
-        return None
-    data = np.frombuffer(column.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]
-    return data.reshape(-1, width)
+    if pa.types.is_fixed_size_binary(t):
+        width = t.byte_width
+        raw = np.frombuffer(column.buffers()[1], dtype=np.uint8,
+                            count=(n + column.offset) * width)
+        return _hash_rows(raw.reshape(-1, width)[column.offset:])
+    large = pa.types.is_large_binary(t) or pa.types.is_large_string(t)
+    itemsize = 8 if large else 4
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int64 if large else np.int32,
+                            count=n + 1, offset=column.offset * itemsize).astype(np.int64)
+    data_buf = column.buffers()[2]
+    data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
+            else np.zeros(0, dtype=np.uint8))
+    lengths = np.diff(offsets)
+    unique = np.unique(lengths)
+    if len(unique) == 1:  # the common case (fixed-width keys): a zero-copy byte matrix
+        width = int(unique[0])
+        return _hash_rows(data[offsets[0]:offsets[-1]].reshape(n, width))
+    out = np.empty(n, dtype=np.uint64)
+    for width in unique:  # one vectorised gather per distinct length
+        rows = np.flatnonzero(lengths == width)
+        index = offsets[rows][:, None] + np.arange(int(width))
+        out[rows] = _hash_rows(data[index].reshape(len(rows), int(width)))
+    return out
 
 
 class HashPartitioner(Partitioner):

@@ -51,7 +51,7 @@ def last_report() -> ShuffleReport | None:
 # ---- tasks -----------------------------------------------------------------------------------
 def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Table],
                         num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
-                        master: Any) -> WriteStats | None:
+                        master: Any, raise_if_superseded: bool = False) -> WriteStats | None:
     """Write one map partition through this node's tiers, committing chunk by chunk.
 
     Runs in any process connected to the Ray cluster (a Ray task, or a Spark executor's
@@ -90,7 +90,19 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     except BaseException:
         client.abort()
         raise
-    ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
+    finally:
+        # Drop this process's references to the memory-tier objects it wrote: the master
+        # holds the committed ones, and a cached, reused worker must not keep every
+        # segment it ever wrote alive in the object store.
+        memory = client.io_tiers.get(TierName.MEMORY)
+        if memory is not None:
+            memory.remove_shuffle_data(shuffle_id)
+    finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
+    if not finished and raise_if_superseded:
+        # Spark runs speculative attempts side by side: report failure so Spark keeps the
+        # attempt whose segments count. (A Ray task retry only follows a dead attempt.)
+        raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded before "
+                                 "it finished; its segments do not count")
     return client.stats
 
 

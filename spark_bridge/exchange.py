@@ -103,7 +103,7 @@ def make_map_function(address: str, shuffle_id: str, num_partitions: int,
         master = get_master(config.namespace)
         stats = write_map_partition(
             shuffle_id, map_index, _arrow_chunks(counted(), config.map_chunk_bytes, transform),
-            num_partitions, partitioner, config, master)
+            num_partitions, partitioner, config, master, raise_if_superseded=True)
         yield pa.RecordBatch.from_pydict(
             {"map_index": [map_index], "skipped": [stats is None],
              "rows": [stats.rows if stats else 0], "bytes": [input_bytes]},
