@@ -452,9 +452,7 @@ class Bench:
             with self._spark({}) as spark:
                 self._spark_cases(spark, cases, None)
         except Exception as exc:
-            for name, workload, size in cases[len(self._done_cases(cases)):]:
-                self.record(CaseResult(name, "spark", workload, size,
-                                       error=f"Spark session: {type(exc).__name__}: {exc}"))
+            self._record_session_failure(cases, exc)
 
     def _run_spark_capped(self, cases: list[tuple[str, str, int]]) -> None:
         local = os.path.join(self.workdir, "spark-local-tmpfs")
@@ -472,18 +470,21 @@ class Bench:
             with self._spark({"spark.local.dir": local, "spark.task.maxFailures": "1"}) as spark:
                 self._spark_cases(spark, cases, local)
         except Exception as exc:
-            for name, workload, size in cases[len(self._done_cases(cases)):]:
-                self.record(CaseResult(name, "spark", workload, size,
-                                       error=f"Spark session: {type(exc).__name__}: {exc}"))
+            self._record_session_failure(cases, exc)
         finally:
             subprocess.run(["umount", "-l", local], check=False)
         for r in self.results:
             if r.case in ("spark_native_capped", "spark_bridge_capped"):
                 r.note += f"; local dir tmpfs {cap_mb} MiB"
 
-    def _done_cases(self, cases: list[tuple[str, str, int]]) -> list[CaseResult]:
+    def _record_session_failure(self, cases: list[tuple[str, str, int]],
+                                exc: Exception) -> None:
+        """The Spark session itself failed: record every case it did not get to."""
         names = {c[0] for c in cases}
-        return [r for r in self.results if r.case in names]
+        done = sum(1 for r in self.results if r.case in names)
+        for name, workload, size in cases[done:]:
+            self.record(CaseResult(name, "spark", workload, size,
+                                   error=f"Spark session: {type(exc).__name__}: {exc}"))
 
 
 ERROR_CAUSES = ("No space left on device", "OutOfSpaceError", "OutOfMemoryError",

@@ -44,12 +44,9 @@ class TierManagerActor:
     def __init__(self, node_id: str) -> None:
         self.tm = TierManager(node_id, _node_object_store_bytes(node_id))
 
-    def put_object(self, value: Any) -> list[ray.ObjectRef]:
-        # The ObjectRef is returned inside a list so Ray hands back the ref, not the value.
-        return [ray.put(value)]
-
     def put_objects(self, values: list[Any]) -> list[ray.ObjectRef]:
-        """Many ``put_object``s in one call; the refs come back inside a list."""
+        """Put each value as an object this actor owns (memory-tier segments). The refs
+        come back inside a list, so Ray hands back the refs, not the values."""
         return [ray.put(v) for v in values]
 
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:

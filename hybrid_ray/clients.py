@@ -200,9 +200,8 @@ class WriteClient:
         metas: dict[int, SegmentMeta] = {}
         in_memory = [i for i, p in enumerate(placements)
                      if p.grant is not None and p.grant.tier == TierName.MEMORY]
-        memory = self.io_tiers.get(TierName.MEMORY)
-        if in_memory and hasattr(memory, "write_many"):
-            written = memory.write_many([(sids[i], payloads[i]) for i in in_memory],
+        if in_memory:
+            written = self.io_tiers[TierName.MEMORY].write_many([(sids[i], payloads[i]) for i in in_memory],
                                         self.node_id)
             for i, meta in zip(in_memory, written):
                 self._unsettled.append((placements[i].grant, len(payloads[i])))

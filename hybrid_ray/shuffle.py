@@ -224,12 +224,10 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     """
     global _last_report
     config = config or ShuffleConfig()
-    _check_partitions(num_partitions)
+    check_num_partitions(num_partitions)
     if not ray.is_initialized():
         ray.init()
-    if config.remote_path is not None:  # fail fast, with the fix, before any task runs
-        RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
-                   config.storage_options).check_reachable()
+    check_remote_tier(config)
     master = get_master(config.namespace)
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
@@ -323,7 +321,15 @@ def _make_report(summary: dict, operation: str, config: ShuffleConfig,
 
 
 # ---- public Dataset API ---------------------------------------------------------------------------
-def _check_partitions(num_partitions: Any) -> None:
+def check_remote_tier(config: ShuffleConfig) -> None:
+    """Fail fast, with the fix, before any task runs if the remote tier is unreachable
+    (constructing the tier probes it once)."""
+    if config.remote_path is not None:
+        RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
+                   config.storage_options)
+
+
+def check_num_partitions(num_partitions: Any) -> None:
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
             or num_partitions <= 0:
         raise ConfigError(f"num_partitions must be a positive integer, got {num_partitions!r}")
@@ -363,7 +369,7 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
     Rows with equal keys land in the same output block; every row appears exactly once.
     The shuffle's report is available from ``hybrid_ray.last_report()``.
     """
-    _check_partitions(num_partitions)
+    check_num_partitions(num_partitions)
     if isinstance(keys, str):
         keys = [keys]
     if not keys:
@@ -385,7 +391,7 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
         raise ConfigError(f"sort key must be a column name, got {key!r}")
     _check_columns(schema, [key], "sort key")
     n = num_partitions or max(1, len(refs))
-    _check_partitions(n)
+    check_num_partitions(n)
     samples = ray.get([_sample_task.remote(r, key, SAMPLES_PER_BLOCK) for r in refs])
     non_empty = [s for s in samples if len(s)]
     boundaries = range_boundaries(np.concatenate(non_empty) if non_empty else np.asarray([]), n)

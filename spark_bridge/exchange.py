@@ -30,12 +30,13 @@ import pyarrow as pa
 import ray
 
 from hybrid_ray.actors import get_master
-from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleNotFoundError
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ShuffleReport
-from hybrid_ray.shuffle import HEARTBEAT_S, _make_report, read_subpartition, write_map_partition
-from hybrid_ray.tiers import RemoteTier
+from hybrid_ray.shuffle import (
+    HEARTBEAT_S, _make_report, check_remote_tier, read_subpartition, write_map_partition,
+)
 
 MAP_RESULT_SCHEMA = "map_index int, skipped boolean, rows long, bytes long"
 # Batches handed back to the JVM are cut to this many rows: Spark converts each batch to
@@ -258,9 +259,7 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
     if not ray.is_initialized():
         raise ShuffleFailedError("Ray is not running in this process: start Spark with "
                                  "spark_bridge.init_spark(...) first")
-    if config.remote_path is not None:  # fail fast, with the fix, before Spark runs a task
-        RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
-                   config.storage_options).check_reachable()
+    check_remote_tier(config)  # before Spark runs a task
     from pyspark.sql.pandas.types import to_arrow_schema
 
     address = ray.get_runtime_context().gcs_address

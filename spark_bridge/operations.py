@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError
 from hybrid_ray.partitioning import HashPartitioner, Partitioner, range_boundaries
+from hybrid_ray.shuffle import check_num_partitions
 from spark_bridge import exchange
 from spark_bridge.exchange import concat_or_empty
 
@@ -40,17 +41,11 @@ def _check_dataframe(df: Any) -> None:
         raise TypeError(f"expected a pyspark.sql.DataFrame, got {type(df).__name__}")
 
 
-def _check_num_partitions(num_partitions: Any) -> int:
-    if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
-            or num_partitions <= 0:
-        raise ConfigError(f"num_partitions must be a positive integer, got {num_partitions!r}")
-    return num_partitions
-
-
 def _default_partitions(df: Any, num_partitions: int | None) -> int:
     if num_partitions is None:
         return int(df.sparkSession.conf.get("spark.sql.shuffle.partitions"))
-    return _check_num_partitions(num_partitions)
+    check_num_partitions(num_partitions)
+    return num_partitions
 
 
 def _check_columns(df: Any, cols: Sequence[Any], what: str) -> list[str]:
@@ -82,7 +77,7 @@ def repartition(df: Any, num_partitions: int, *cols: str,
     report is ``spark_bridge.last_report()``.
     """
     _check_dataframe(df)
-    _check_num_partitions(num_partitions)
+    check_num_partitions(num_partitions)
     if not cols:
         raise ConfigError("repartition needs at least one column to partition by")
     keys = _check_columns(df, cols, "repartition")

@@ -100,3 +100,30 @@ def row_fingerprint(tables) -> tuple[int, int]:
             total = (total + int(h.astype(np.uint64).sum(dtype=np.uint64))) % (1 << 64)
             rows += t.num_rows
     return rows, total
+
+
+def base_config(tmp_path, **kw):
+    """A ShuffleConfig for tests: spill dir under tmp_path, no progress bar, small
+    segments (so a few MB of data makes many segments and crosses tiers)."""
+    from hybrid_ray import MiB, ShuffleConfig
+
+    kw.setdefault("spill_dirs", [str(tmp_path / "spill")])
+    kw.setdefault("progress", False)
+    kw.setdefault("segment_bytes", {"memory": 256 * 1024, "disk": 512 * 1024,
+                                    "remote": 1 * MiB})
+    return ShuffleConfig(**kw)
+
+
+def assert_no_leftovers(config, ray_mod) -> None:
+    """Nothing of a released shuffle remains: no spill files, no file:// remote objects
+    (tests check S3 buckets themselves), no bytes in this node's tier accounting."""
+    from hybrid_ray.actors import get_tier_manager
+
+    for d in config.spill_dirs:
+        assert files_under(d) == [], f"files left in {d}"
+    if config.remote_path and config.remote_path.startswith("file://"):
+        path = config.remote_path.removeprefix("file://")
+        assert files_under(path) == [], "objects left under the remote path"
+    tm = get_tier_manager(ray_mod.get_runtime_context().get_node_id(), config.namespace)
+    usage = ray_mod.get(tm.usage.remote())
+    assert all(t.used_bytes == 0 for t in usage.tiers), usage

@@ -12,11 +12,11 @@ import pyarrow as pa
 import pytest
 
 import hybrid_ray
-from conftest import files_under, row_fingerprint
+from conftest import assert_no_leftovers, base_config, row_fingerprint
 from hybrid_ray import (
-    ConfigError, MiB, Partitioner, RemoteTierError, ShuffleConfig, ShuffleFailedError,
+    ConfigError, MiB, Partitioner, RemoteTierError, ShuffleFailedError,
 )
-from hybrid_ray.actors import get_master, get_tier_manager
+from hybrid_ray.actors import get_master
 
 
 def make_table(rows: int, seed: int = 0) -> pa.Table:
@@ -31,29 +31,10 @@ def dataset(ray_local):
     return ray_local.data.from_arrow(table).repartition(8).materialize(), table
 
 
-def base_config(tmp_path, **kw) -> ShuffleConfig:
-    kw.setdefault("spill_dirs", [str(tmp_path / "spill")])
-    kw.setdefault("progress", False)
-    kw.setdefault("segment_bytes", {"memory": 256 * 1024, "disk": 512 * 1024,
-                                    "remote": 1 * MiB})
-    return ShuffleConfig(**kw)
-
-
 def outputs(ds) -> list[pa.Table]:
     import ray
 
     return ray.get(ds.to_arrow_refs())
-
-
-def assert_no_leftovers(config: ShuffleConfig, ray_mod) -> None:
-    for d in config.spill_dirs:
-        assert files_under(d) == [], f"files left in {d}"
-    if config.remote_path:
-        path = config.remote_path.removeprefix("file://")
-        assert files_under(path) == [], "objects left under the remote path"
-    tm = get_tier_manager(ray_mod.get_runtime_context().get_node_id(), config.namespace)
-    usage = ray_mod.get(tm.usage.remote())
-    assert all(t.used_bytes == 0 for t in usage.tiers), usage
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "blocking"])

@@ -8,13 +8,13 @@ import sys
 
 import pyarrow as pa
 import pytest
+import ray
 
 import spark_bridge
-from conftest import files_under
+from conftest import assert_no_leftovers, base_config
 from hybrid_ray import (
-    ConfigError, HashPartitioner, MiB, RemoteTierError, ShuffleConfig, ShuffleFailedError,
+    ConfigError, HashPartitioner, MiB, RemoteTierError, ShuffleFailedError,
 )
-from hybrid_ray.actors import get_tier_manager
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -46,27 +46,10 @@ def orders(spark):
         "repeat('x', 40) as note")
 
 
-def config(tmp_path, **kw) -> ShuffleConfig:
-    kw.setdefault("spill_dirs", [str(tmp_path / "spill")])
-    kw.setdefault("progress", False)
-    kw.setdefault("segment_bytes", {"memory": 256 * 1024, "disk": 512 * 1024,
-                                    "remote": 1 * MiB})
-    return ShuffleConfig(**kw)
-
-
-def assert_released(cfg: ShuffleConfig) -> None:
-    import ray
-
-    for d in cfg.spill_dirs:
-        assert files_under(d) == [], f"files left in {d}"
-    tm = get_tier_manager(ray.get_runtime_context().get_node_id(), cfg.namespace)
-    assert all(t.used_bytes == 0 for t in ray.get(tm.usage.remote()).tiers)
-
-
 def test_repartition_matches_spark_and_partitions_by_key(spark, orders, tmp_path):
     from pyspark.sql import functions as F
 
-    cfg = config(tmp_path, memory_capacity_bytes=4 * MiB)
+    cfg = base_config(tmp_path, memory_capacity_bytes=4 * MiB)
     out = spark_bridge.repartition(orders, 6, "sku", config=cfg)
     assert out.schema == orders.schema
     assert out.rdd.getNumPartitions() == 6
@@ -80,7 +63,7 @@ def test_repartition_matches_spark_and_partitions_by_key(spark, orders, tmp_path
     assert report.rows == 400_000 and report.num_maps == 4 and report.num_partitions == 6
     assert 0 < tiers["memory"] <= 4 * MiB and tiers["disk"] > 0, tiers
     assert spark_bridge.release(out) == 1
-    assert_released(cfg)
+    assert_no_leftovers(cfg, ray)
     with pytest.raises(Exception, match="released"):
         out.collect()
 
@@ -88,7 +71,7 @@ def test_repartition_matches_spark_and_partitions_by_key(spark, orders, tmp_path
 def test_sort_matches_orderby_with_nulls_and_mixed_directions(spark, orders, tmp_path):
     from pyspark.sql import functions as F
 
-    cfg = config(tmp_path)
+    cfg = base_config(tmp_path)
     out = spark_bridge.sort(orders, "sku", "amount", "id", ascending=[False, True, True],
                             num_partitions=5, config=cfg)
     expected = orders.orderBy(F.desc("sku"), "amount", "id").collect()
@@ -97,7 +80,7 @@ def test_sort_matches_orderby_with_nulls_and_mixed_directions(spark, orders, tmp
     asc = spark_bridge.sort(orders, "sku", "id", num_partitions=3, config=cfg)
     assert asc.collect() == orders.orderBy("sku", "id").collect()  # nulls first
     spark_bridge.release(out), spark_bridge.release(asc)
-    assert_released(cfg)
+    assert_no_leftovers(cfg, ray)
 
 
 def test_pipeline_parquet_csv_join_aggregate_matches_spark(spark, tmp_path):
@@ -115,7 +98,7 @@ def test_pipeline_parquet_csv_join_aggregate_matches_spark(spark, tmp_path):
     orders = spark.read.parquet(str(tmp_path / "orders"))
     customers = spark.read.option("header", True).schema(
         "customer_id long, country string").csv(str(tmp_path / "customers"))
-    cfg = config(tmp_path, memory_capacity_bytes=2 * MiB)
+    cfg = base_config(tmp_path, memory_capacity_bytes=2 * MiB)
 
     joined = spark_bridge.join(orders, customers, "customer_id", num_partitions=4, config=cfg)
     summary = spark_bridge.aggregate(
@@ -137,7 +120,7 @@ def test_pipeline_parquet_csv_join_aggregate_matches_spark(spark, tmp_path):
     # Customers 5000..5002 have orders but no row in the CSV: the inner join drops them.
     assert sum(r.orders for r in got) == orders.join(customers, "customer_id").count()
     assert spark_bridge.release(joined) == 2 and spark_bridge.release(summary) == 1
-    assert_released(cfg)
+    assert_no_leftovers(cfg, ray)
 
 
 @pytest.mark.parametrize("how", ["left", "full", "left_anti"])
@@ -145,7 +128,7 @@ def test_outer_and_anti_joins_match_spark(spark, tmp_path, how):
     left = spark.range(0, 20_000, numPartitions=2).selectExpr(
         "if(id % 50 = 0, null, id % 3000) as k", "id as a")
     right = spark.range(0, 5000, numPartitions=2).selectExpr("id * 2 as k", "id as b")
-    out = spark_bridge.join(left, right, "k", how, num_partitions=3, config=config(tmp_path))
+    out = spark_bridge.join(left, right, "k", how, num_partitions=3, config=base_config(tmp_path))
     want = left.join(right, "k", how)
     assert out.columns == want.columns
     assert sorted(out.collect(), key=repr) == sorted(want.collect(), key=repr)
@@ -157,7 +140,7 @@ def test_aggregate_without_combine_matches_spark_on_sums_and_means(spark, orders
 
     out = spark_bridge.aggregate(orders, ["customer_id", "sku"],
                                  {"n": ("amount", "count"), "lo": ("amount", "min"),
-                                  "avg": ("amount", "avg")}, config=config(tmp_path))
+                                  "avg": ("amount", "avg")}, config=base_config(tmp_path))
     want = orders.groupBy("customer_id", "sku").agg(
         F.count("amount").alias("n"), F.min("amount").alias("lo"),
         F.avg("amount").alias("avg"))
@@ -172,7 +155,7 @@ def test_disk_capped_below_data_overflows_to_s3_and_stays_exact(spark, orders, t
     import s3fs
 
     remote, options = s3_bucket
-    cfg = config(tmp_path, memory_capacity_bytes=1 * MiB, disk_capacity_bytes=2 * MiB,
+    cfg = base_config(tmp_path, memory_capacity_bytes=1 * MiB, disk_capacity_bytes=2 * MiB,
                  remote_path=remote, storage_options=options, compression="none")
     out = spark_bridge.repartition(orders, 4, "customer_id", config=cfg)
     tiers = spark_bridge.last_report().bytes_per_tier()
@@ -183,7 +166,7 @@ def test_disk_capped_below_data_overflows_to_s3_and_stays_exact(spark, orders, t
     spark_bridge.release(out)
     fs.invalidate_cache()
     assert fs.find(remote) == []
-    assert_released(cfg)
+    assert_no_leftovers(cfg, ray)
 
 
 class FailFirstAttempt(HashPartitioner):
@@ -209,7 +192,7 @@ def test_retried_spark_task_leaves_output_exact(spark, orders, tmp_path):
     from spark_bridge import exchange
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = config(tmp_path, map_chunk_bytes=1 * MiB)
+    cfg = base_config(tmp_path, map_chunk_bytes=1 * MiB)
     shuffle = exchange.run_map_stage(orders, 3, FailFirstAttempt(["id"]), cfg, "retry-test")
     assert shuffle.report.superseded_attempts >= 1
     assert shuffle.report.rows == 400_000  # the dead attempt's rows do not count
@@ -219,15 +202,15 @@ def test_retried_spark_task_leaves_output_exact(spark, orders, tmp_path):
     out = exchange.reduce_frame(spark, [shuffle], passthrough, orders.schema)
     assert sorted(out.collect()) == sorted(orders.collect())
     spark_bridge.release(out)
-    assert_released(cfg)
+    assert_no_leftovers(cfg, ray)
 
 
 def test_full_disk_without_remote_fails_loudly_and_cleans_up(spark, orders, tmp_path):
-    cfg = config(tmp_path, memory_fraction=0.0, disk_capacity_bytes=1 * MiB)
+    cfg = base_config(tmp_path, memory_fraction=0.0, disk_capacity_bytes=1 * MiB)
     with pytest.raises(ShuffleFailedError, match="OutOfSpaceError.*remote_path"):
         spark_bridge.repartition(orders, 4, "id", config=cfg)
     assert spark_bridge.held_shuffles() == []
-    assert_released(cfg)
+    assert_no_leftovers(cfg, ray)
 
 
 def test_bad_input_is_explained(spark, orders, tmp_path):
@@ -252,7 +235,7 @@ def test_bad_input_is_explained(spark, orders, tmp_path):
         spark_bridge.repartition(orders, 4, "id", config={"memory_fraction": 0.5})
     with pytest.raises(TypeError, match="pyspark.sql.DataFrame"):
         spark_bridge.repartition(pa.table({"a": [1]}), 4, "a")
-    unreachable = config(tmp_path, remote_path="s3://bucket/x",
+    unreachable = base_config(tmp_path, remote_path="s3://bucket/x",
                          storage_options={"endpoint_url": "http://127.0.0.1:9",
                                           "key": "k", "secret": "s"})
     with pytest.raises(RemoteTierError):

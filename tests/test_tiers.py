@@ -131,9 +131,6 @@ class TestMemoryTier(TierConformance):
             def ping(self):
                 return 1
 
-            def put_object(self, value):
-                return [ray.put(value)]
-
             def put_objects(self, values):
                 return [ray.put(v) for v in values]
 

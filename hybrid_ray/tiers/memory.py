@@ -1,7 +1,7 @@
 """Memory tier: segments as objects in the node's Ray object store (plasma).
 
 Objects must outlive the map task that wrote them, so they are owned by the node's
-long-lived tier-manager actor (``owner``), which puts them itself (see ``put_owned_by``).
+long-lived tier-manager actor (``owner``), which puts them itself (see ``put_many_owned_by``).
 """
 
 from __future__ import annotations
@@ -101,24 +101,14 @@ class MemoryTier(Tier):
 
 
 def put_many_owned_by(owner: Any, values: Sequence[Any]) -> list[ray.ObjectRef]:
-    """Store each of ``values`` as an object owned by actor ``owner`` (one actor call).
+    """Store each of ``values`` as an object owned by actor ``owner``, in one actor call.
 
-    ``owner`` must have a ``put_objects(values) -> [refs]`` method (see ``put_owned_by``).
+    ``owner`` must have a ``put_objects(values) -> [refs]`` method. ``ray.put(...,
+    _owner=...)`` would save a copy, but Ray 2.56 removed it ("The experimental `_owner`
+    argument to `ray.put` has been removed"), so the owner puts the objects itself: the
+    arguments reach it zero-copy from the object store and its ``ray.put`` makes the one
+    long-lived copy. With ``owner=None`` this process owns the objects.
     """
     if owner is None:
         return [ray.put(v) for v in values]
     return ray.get(owner.put_objects.remote(list(values)))
-
-
-def put_owned_by(owner: Any, value: Any) -> ray.ObjectRef:
-    """Store ``value`` in the object store as an object owned by actor ``owner``.
-
-    ``owner`` must have a ``put_object(value) -> [ref]`` method. ``ray.put(..., _owner=...)``
-    would save a copy, but Ray 2.56 removed it ("The experimental `_owner` argument to
-    `ray.put` has been removed"), so the owner puts the object itself: the argument reaches
-    it zero-copy from the object store and its ``ray.put`` makes the one long-lived copy.
-    With ``owner=None`` this process owns the object.
-    """
-    if owner is None:
-        return ray.put(value)
-    return ray.get(owner.put_object.remote(value))[0]
