@@ -18,12 +18,20 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.config import Compression, ShuffleConfig, TierName
 from hybrid_ray.errors import OutOfSpaceError
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import read_segment_file
+
+# Compression that does not pay is switched off for a while (Arrow's IPC writer would only
+# drop the compressed buffer after paying for compressing it): a segment that shrank by less
+# than MIN_COMPRESSION_SAVING makes the next COMPRESSION_BACKOFF_SEGMENTS segments go out
+# uncompressed, then compression is tried again. On incompressible data (random keys and
+# payloads, already-compressed blobs) lz4 costs more CPU than the whole rest of the map side.
+MIN_COMPRESSION_SAVING = 0.10
+COMPRESSION_BACKOFF_SEGMENTS = 32
 
 
 class NodeStorage(Protocol):
@@ -49,6 +57,9 @@ class WriteStats:
     tier_switches: int = 0
     # A spill event: a segment went to a lower tier than the highest this shuffle enables.
     spill_events: int = 0
+    # Segments written uncompressed because compression was not paying (see
+    # MIN_COMPRESSION_SAVING); 0 when compression is off or always paid.
+    uncompressed_segments: int = 0
 
     def merge(self, other: "WriteStats") -> None:
         for k, v in other.bytes_per_tier.items():
@@ -58,6 +69,7 @@ class WriteStats:
         self.rows += other.rows
         self.tier_switches += other.tier_switches
         self.spill_events += other.spill_events
+        self.uncompressed_segments += other.uncompressed_segments
 
 
 class WriteClient:
@@ -94,6 +106,8 @@ class WriteClient:
         self._current_tier = [self._top_tier] * num_subpartitions
         self._next_index = [0] * num_subpartitions
         self._unsettled: list[tuple[Grant, int | None]] = []
+        self._compression = Compression(config.compression)
+        self._skip_compression = 0  # segments left to write uncompressed
         self._uncommitted: list[SegmentMeta] = []
         self.written: list[SegmentMeta] = []
         self._closed = False
@@ -188,7 +202,7 @@ class WriteClient:
     def _place(self, pieces: list[tuple[int, pa.Table]]) -> None:
         if not pieces:
             return
-        payloads = [encode_segment(t, self.config.compression) for _, t in pieces]
+        payloads = [self._encode(t) for _, t in pieces]
         settled, self._unsettled = self._unsettled, []
         placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
         sids = []
@@ -210,6 +224,20 @@ class WriteClient:
                                                                    placements)):
             meta = metas.get(i) or self._write_one(sids[i], payload, placement)
             self._record(sub, meta, table.num_rows)
+
+    def _encode(self, table: pa.Table) -> memoryview:
+        """Encode a segment, compressing only while compression pays (see
+        ``MIN_COMPRESSION_SAVING``)."""
+        if self._compression == Compression.NONE:
+            return encode_segment(table, Compression.NONE)
+        if self._skip_compression > 0:
+            self._skip_compression -= 1
+            self.stats.uncompressed_segments += 1
+            return encode_segment(table, Compression.NONE)
+        payload = encode_segment(table, self._compression)
+        if len(payload) > (1 - MIN_COMPRESSION_SAVING) * max(table.nbytes, 1):
+            self._skip_compression = COMPRESSION_BACKOFF_SEGMENTS
+        return payload
 
     def _write_one(self, sid: SegmentId, payload: bytes, placement: Placement) -> SegmentMeta:
         refusals = list(placement.refusals)

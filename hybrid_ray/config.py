@@ -135,7 +135,10 @@ class ShuffleConfig:
             ``file:///path``); ``None`` disables the remote tier.
         storage_options: passed to fsspec for ``remote_path`` (e.g. ``endpoint_url``,
             ``key``/``secret``; by default s3fs uses the standard AWS credential chain).
-        compression: Arrow IPC compression of each segment.
+        compression: Arrow IPC compression of each segment. Where it does not shrink a
+            segment by 10%, the writer sends the next segments uncompressed for a while
+            (``hybrid_ray.clients.MIN_COMPRESSION_SAVING``): incompressible data costs no
+            compression CPU.
         segment_bytes: target size of a segment per tier; keys are tier names.
         mode: ``hybrid`` or ``blocking`` (see ``ShuffleMode``).
         spilling: ``selective`` or ``full`` (see ``Spilling``).

@@ -33,6 +33,8 @@ class ShuffleReport:
     spill_events: int
     superseded_attempts: int
     hybrid_overlap: bool
+    # Segments written uncompressed because compression was not shrinking them.
+    uncompressed_segments: int = 0
 
     @property
     def throughput_mb_s(self) -> float:
@@ -65,7 +67,8 @@ class ShuffleReport:
             f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
             f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "
             f"retried map attempts {self.superseded_attempts}  "
-            f"reducers overlapped mappers: {'yes' if self.hybrid_overlap else 'no'}",
+            f"reducers overlapped mappers: {'yes' if self.hybrid_overlap else 'no'}  "
+            f"uncompressed (compression not paying) segments {self.uncompressed_segments}",
             f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}",
         ]
         for node, tiers in sorted(self.per_node_tier.items()):

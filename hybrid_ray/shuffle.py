@@ -317,6 +317,7 @@ def _make_report(summary: dict, operation: str, config: ShuffleConfig,
         tier_switches=stats.tier_switches, spill_events=stats.spill_events,
         superseded_attempts=summary["superseded_attempts"],
         hybrid_overlap=bool(first is not None and last is not None and first < last),
+        uncompressed_segments=stats.uncompressed_segments,
     )
 
 

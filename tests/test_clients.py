@@ -161,3 +161,44 @@ def test_real_enospc_falls_back_to_remote_and_leaves_no_partial_file(ray_local, 
     assert got.equals(pa.concat_tables(data))
     tm.release_shuffle(shuffle)
     assert files_under(small_disk) == []
+
+
+def _codec(meta, io) -> int:
+    """The codec byte of a stored segment's header (0 none, 1 lz4, 2 zstd)."""
+    from hybrid_ray.clients import ReadClient as _RC
+
+    return bytes(memoryview(_RC(io).read_bytes(meta)).cast("B")[5:6])[0]
+
+
+@pytest.mark.parametrize("compressible", [True, False])
+def test_compression_backs_off_only_where_it_does_not_pay(ray_local, tmp_path, compressible):
+    from hybrid_ray.clients import COMPRESSION_BACKOFF_SEGMENTS
+
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                        compression="lz4", segment_bytes={"memory": 64 * 1024,
+                                                          "disk": 64 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"cz-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle)
+    rng = np.random.default_rng(7)
+    rows = 600_000  # 4.8 MB: about 75 segments of 64 KiB
+    # Repetitive values compress several-fold; uniform random 64-bit values do not at all.
+    values = rng.integers(0, 8, rows) if compressible else rng.integers(0, 1 << 62, rows)
+    table = pa.table({"v": values})
+    for start in range(0, rows, 10_000):
+        client.write(0, table.slice(start, 10_000))
+    metas = client.close()
+    codecs = [_codec(m, io) for m in metas]
+    assert len(metas) > COMPRESSION_BACKOFF_SEGMENTS + 2
+    if compressible:
+        assert set(codecs) == {1} and client.stats.uncompressed_segments == 0
+    else:
+        # The first segment tries lz4 and fails to pay; the next ones skip it, then it is
+        # tried again after the back-off.
+        assert codecs[0] == 1 and codecs[1:COMPRESSION_BACKOFF_SEGMENTS + 1] == \
+            [0] * COMPRESSION_BACKOFF_SEGMENTS
+        assert codecs[COMPRESSION_BACKOFF_SEGMENTS + 1] == 1
+        assert client.stats.uncompressed_segments == codecs.count(0)
+    out = pa.concat_tables(ReadClient(io).read_segments(metas))
+    assert out.column("v").to_pylist() == values.tolist()  # exact, in order, either way
+    tm.release_shuffle(shuffle)
