@@ -106,12 +106,11 @@ def _hash_bytes(column: pa.Array) -> np.ndarray:
     data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
             else np.zeros(0, dtype=np.uint8))
     lengths = np.diff(offsets)
-    unique = np.unique(lengths)
-    if len(unique) == 1:  # the common case (fixed-width keys): a zero-copy byte matrix
-        width = int(unique[0])
+    if lengths.min() == lengths.max():  # the common case (fixed-width keys): zero-copy
+        width = int(lengths[0])
         return _hash_rows(data[offsets[0]:offsets[-1]].reshape(n, width))
     out = np.empty(n, dtype=np.uint64)
-    for width in unique:  # one vectorised gather per distinct length
+    for width in np.unique(lengths):  # one vectorised gather per distinct length
         rows = np.flatnonzero(lengths == width)
         index = offsets[rows][:, None] + np.arange(int(width))
         out[rows] = _hash_rows(data[index].reshape(len(rows), int(width)))

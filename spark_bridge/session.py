@@ -99,6 +99,9 @@ def spark_configs(num_executors: int, executor_cores: int,
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         # 200 partitions of a few MB each cost more in task overhead than they save.
         "spark.sql.shuffle.partitions": str(max(4, 4 * num_executors * executor_cores)),
+        # Executors' Python daemon: PySpark's, minus a zip re-read per task and with the
+        # bridge's modules preloaded (see spark_bridge/python_daemon.py).
+        "spark.python.daemon.module": "spark_bridge.python_daemon",
     }
     for key, value in (configs or {}).items():
         if not isinstance(key, str):

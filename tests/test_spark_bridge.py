@@ -257,3 +257,19 @@ def test_init_spark_validates_and_explains(spark, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(spark_bridge.SparkSetupError, match="apt-get install"):
         spark_bridge.init_spark("x")
+
+
+def test_executors_run_the_bridge_python_daemon(spark):
+    """init_spark's executors fork Python workers from spark_bridge.python_daemon: the zip
+    re-read is lazy and the preloaded modules are frozen out of the cyclic collector."""
+    import gc
+    import zipimport
+
+    def probe(_):
+        return [(zipimport.zipimporter.invalidate_caches.__qualname__, gc.get_freeze_count(),
+                 "hybrid_ray" in sys.modules)]
+
+    got = set(spark.sparkContext.parallelize(range(4), 2).mapPartitions(probe).collect())
+    patched = {g[0].startswith("_make_zip_invalidation_lazy.") for g in got}
+    assert patched == {sys.version_info < (3, 12)}, got
+    assert all(count > 10_000 and preloaded for _, count, preloaded in got), got
