@@ -23,7 +23,7 @@ from hybrid_ray.errors import OutOfSpaceError
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
-from hybrid_ray.tiers.disk import read_segment_file
+from hybrid_ray.tiers.disk import map_segment_file
 
 # Compression that does not pay is switched off for a while (Arrow's IPC writer would only
 # drop the compressed buffer after paying for compressing it): a segment that shrank by less
@@ -292,7 +292,7 @@ class ReadClient:
         if meta.tier == TierName.DISK:
             if meta.node_id and meta.node_id != self.node_id and self.fetch_from_node:
                 return self.fetch_from_node(meta)
-            return read_segment_file(meta)
+            return map_segment_file(meta)  # zero-copy: decoding reads the page cache
         tier = self.io_tiers.get(meta.tier)
         if tier is None:
             raise ValueError(f"{meta.id} is in the {meta.tier.value} tier, which this read "

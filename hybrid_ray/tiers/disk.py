@@ -15,6 +15,8 @@ import os
 import shutil
 from collections.abc import Sequence
 
+import pyarrow as pa
+
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import OutOfSpaceError, SegmentNotFoundError
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
@@ -147,6 +149,20 @@ def read_segment_file(meta: SegmentMeta) -> bytes:
     try:
         with open(meta.location, "rb") as f:
             return f.read()
+    except FileNotFoundError as exc:
+        raise SegmentNotFoundError(
+            f"{meta.id} is gone from the disk tier ({meta.location}): released or "
+            "removed by cleanup") from exc
+
+
+def map_segment_file(meta: SegmentMeta) -> pa.Buffer:
+    """A disk-tier segment file of this node, memory-mapped: decoded without copying it
+    out of the page cache. Safe to keep while the shuffle is released: segment files are
+    only ever renamed into place whole and unlinked, never truncated, so the mapping stays
+    valid until its last reader drops it."""
+    try:
+        with pa.memory_map(meta.location, "r") as mapped:
+            return mapped.read_buffer()
     except FileNotFoundError as exc:
         raise SegmentNotFoundError(
             f"{meta.id} is gone from the disk tier ({meta.location}): released or "
