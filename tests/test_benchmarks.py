@@ -71,14 +71,18 @@ def test_bench_command_runs_verifies_and_writes_outputs(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--size", "16MB", "--partitions", "4",
          "--scenario", "hybrid_memory_disk", "--scenario", "raydata_hash",
-         "--scenario", "raydata_sort_pull", "--out", str(out)],
+         "--scenario", "raydata_sort_pull", "--scenario", "hybrid_disk_capped",
+         # A remote tier that cannot be written: that case must fail, recorded, not fatal.
+         "--remote", "file:///proc/hybrid_ray_unwritable", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     by_case = {r["case"]: r for r in data["results"]}
     assert by_case["hybrid_memory_disk"]["verified"] and by_case["raydata_hash"]["verified"]
     assert by_case["hybrid_memory_disk"]["tier_bytes"]["disk"] > 0  # memory budget = data/2
-    assert "not applicable" in by_case["raydata_sort_pull"]["error"]  # recorded, not fatal
+    assert by_case["raydata_sort_pull"]["verified"]  # as a sort by key
+    assert not by_case["hybrid_disk_capped"]["verified"]
+    assert "RemoteTierError" in by_case["hybrid_disk_capped"]["error"]
     assert (out / "results.png").stat().st_size > 1000
     assert "hybrid_memory_disk vs Ray Data default" in (out / "results.md").read_text()
 
