@@ -20,7 +20,9 @@ import pyarrow as pa
 
 from hybrid_ray.config import Compression, ShuffleConfig, TierName
 from hybrid_ray.errors import OutOfSpaceError
-from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
+from hybrid_ray.segment import (
+    SegmentId, SegmentMeta, decode_segment, encode_segment, thread_scratch_arena,
+)
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import map_segment_file
@@ -108,6 +110,7 @@ class WriteClient:
         self._unsettled: list[tuple[Grant, int | None]] = []
         self._compression = Compression(config.compression)
         self._skip_compression = 0  # segments left to write uncompressed
+        self._arena = thread_scratch_arena()  # re-fetched per batch: the calling thread's
         self._uncommitted: list[SegmentMeta] = []
         self.written: list[SegmentMeta] = []
         self._closed = False
@@ -202,6 +205,10 @@ class WriteClient:
     def _place(self, pieces: list[tuple[int, pa.Table]]) -> None:
         if not pieces:
             return
+        # Every payload of the previous batch has been copied out by its tier: reuse the
+        # memory (see ScratchArena). Tiers copy synchronously, so this batch is safe too.
+        self._arena = thread_scratch_arena()
+        self._arena.reset()
         payloads = [self._encode(t) for _, t in pieces]
         settled, self._unsettled = self._unsettled, []
         placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
@@ -229,11 +236,11 @@ class WriteClient:
         """Encode a segment, compressing only while compression pays (see
         ``MIN_COMPRESSION_SAVING``)."""
         if self._compression == Compression.NONE:
-            return encode_segment(table, Compression.NONE)
+            return encode_segment(table, Compression.NONE, self._arena)
         if self._skip_compression > 0:
             self._skip_compression -= 1
             self.stats.uncompressed_segments += 1
-            return encode_segment(table, Compression.NONE)
+            return encode_segment(table, Compression.NONE, self._arena)
         payload = encode_segment(table, self._compression)
         if len(payload) > (1 - MIN_COMPRESSION_SAVING) * max(table.nbytes, 1):
             self._skip_compression = COMPRESSION_BACKOFF_SEGMENTS

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import threading
 import zlib
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from hybrid_ray.config import Compression, TierName
@@ -69,20 +71,82 @@ class SegmentMeta:
     object_ref: list[Any] | None = None
 
 
-def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4) -> memoryview:
+class ScratchArena:
+    """Reusable memory that uncompressed segments are encoded into before a tier copies
+    them out (to a file, the object store or the remote store).
+
+    Why: encoding into a fresh, growing ``BufferOutputStream`` touches new pages for every
+    segment, and a first touch costs more than the encoding itself (profiled: the IPC write
+    into fresh buffers was 13% of a shuffle's CPU; into reused memory it is a plain copy).
+    A view handed out by ``take`` is valid until the next ``reset``: the caller must be
+    done with every payload of a batch before encoding the next batch.
+    """
+
+    def __init__(self, initial_bytes: int = 0) -> None:
+        self._buffer = np.empty(initial_bytes, dtype=np.uint8)
+        self._used = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self._buffer)
+
+    def reset(self) -> None:
+        """Make all memory reusable (invalidates every view taken since the last reset)."""
+        self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable view of ``nbytes`` bytes, not overlapping any taken since ``reset``."""
+        if self._used + nbytes > len(self._buffer):
+            # Views already taken keep the old buffer alive; the rest of this batch and all
+            # later batches use the new one, sized so that this batch would have fitted.
+            self._buffer = np.empty(max(2 * len(self._buffer), self._used + nbytes),
+                                    dtype=np.uint8)
+            self._used = 0
+        view = self._buffer[self._used:self._used + nbytes]
+        self._used += nbytes
+        return view
+
+
+_thread_arenas = threading.local()
+
+
+def thread_scratch_arena() -> ScratchArena:
+    """This thread's ``ScratchArena``, shared by every write client the thread runs (each
+    finishes with its payloads before it encodes more, so they never overlap)."""
+    arena = getattr(_thread_arenas, "arena", None)
+    if arena is None:
+        arena = _thread_arenas.arena = ScratchArena()
+    return arena
+
+
+def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4,
+                   arena: ScratchArena | None = None) -> memoryview:
     """Encode ``table`` as one segment: header + Arrow IPC stream body (a bytes-like view).
 
-    The header is reserved at the start of the output stream and filled in afterwards, so
-    the body is never copied to put the two together.
+    The header is reserved at the start of the output and filled in afterwards, so the body
+    is never copied to put the two together. Uncompressed segments are written into
+    ``arena`` when one is given (exact size measured first; the view lives until the
+    arena's next reset); compressed ones, whose size is only known after compressing, into
+    a buffer of their own.
     """
-    sink = pa.BufferOutputStream()
-    sink.write(bytes(HEADER_BYTES))
-    options = pa.ipc.IpcWriteOptions(compression=_IPC_COMPRESSION[Compression(compression)])
-    with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
-        writer.write_table(table)
-    out = memoryview(sink.getvalue()).cast("B")  # mutable: the header is written in place
+    compression = Compression(compression)
+    options = pa.ipc.IpcWriteOptions(compression=_IPC_COMPRESSION[compression])
+    if arena is not None and compression == Compression.NONE:
+        sizer = pa.MockOutputStream()
+        with pa.ipc.new_stream(sizer, table.schema, options=options) as writer:
+            writer.write_table(table)
+        out = memoryview(arena.take(HEADER_BYTES + sizer.size()))
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(out[HEADER_BYTES:]))
+        with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
+            writer.write_table(table)
+    else:
+        stream = pa.BufferOutputStream()
+        stream.write(bytes(HEADER_BYTES))
+        with pa.ipc.new_stream(stream, table.schema, options=options) as writer:
+            writer.write_table(table)
+        out = memoryview(stream.getvalue()).cast("B")  # mutable: header written in place
     body = out[HEADER_BYTES:]
-    _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _CODECS[Compression(compression)], 0,
+    _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _CODECS[compression], 0,
                       zlib.crc32(body), len(body), table.num_rows)
     return out
 

@@ -35,3 +35,30 @@ def test_corruption_is_detected_and_names_segment_and_tier(damage):
         decode_segment(bytes(data), sid, "remote")
     msg = str(info.value)
     assert "map=3" in msg and "sub=5" in msg and "index=7" in msg and "remote tier" in msg
+
+
+def test_scratch_arena_segments_of_a_batch_never_overlap_even_across_growth():
+    from hybrid_ray.segment import ScratchArena
+
+    arena = ScratchArena(initial_bytes=1024)  # far too small: forces growth mid-batch
+    tables = [_table(300 + 50 * i) for i in range(6)]
+    payloads = [encode_segment(t, "none", arena) for t in tables]
+    # Every payload of the batch is still intact after the later ones were written.
+    for i, (t, data) in enumerate(zip(tables, payloads)):
+        assert decode_segment(data, SegmentId("s", 0, 0, i), "memory").equals(t)
+        assert bytes(data) == bytes(encode_segment(t, "none"))  # same bytes as unpooled
+    grown = arena.capacity
+    arena.reset()
+    again = encode_segment(tables[0], "none", arena)
+    assert arena.capacity == grown  # memory reused, not reallocated
+    assert decode_segment(again, SegmentId("s", 0, 0, 0), "memory").equals(tables[0])
+
+
+def test_compressed_segments_do_not_use_the_arena():
+    from hybrid_ray.segment import ScratchArena
+
+    arena = ScratchArena()
+    t = _table()
+    data = encode_segment(t, "lz4", arena)
+    assert arena.capacity == 0
+    assert decode_segment(data, SegmentId("s", 0, 0, 0), "disk").equals(t)
