@@ -11,7 +11,6 @@ import abc
 from collections.abc import Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -61,6 +60,10 @@ def hash_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     elif _is_bytes_like(t):
         out = _hash_bytes(column)
     else:
+        # pandas is imported here, not at module level: it costs a new Ray worker ~0.5 s
+        # of CPU to import, and only keys of other types (floats, decimals...) need it.
+        import pandas as pd
+
         values = column.to_numpy(zero_copy_only=False)
         out = pd.util.hash_array(values, categorize=False).astype(np.uint64, copy=False)
     if column.null_count:
