@@ -150,8 +150,10 @@ class ShuffleConfig:
             this many seconds.
         namespace: Ray namespace of the shuffle master and tier managers.
         progress: show a progress bar on shuffles.
-        max_concurrent_reducers: reduce tasks running at once in hybrid mode (None: the
-            cluster's CPU count); reducers wait for data, so this bounds idle workers.
+        max_concurrent_reducers: reducers running at once (None: the cluster's CPU count),
+            each in one of as many long-lived reader processes per namespace
+            (``hybrid_ray.actors.ReaderActor``); hybrid reducers wait for data while maps
+            write, so this also bounds the processes that wait.
         map_chunk_bytes: a map task partitions and commits its block in chunks of about
             this size; smaller chunks make data visible to hybrid readers sooner.
     """

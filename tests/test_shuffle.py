@@ -61,6 +61,29 @@ def test_repartition_exact_through_three_tiers(dataset, tmp_path, mode, ray_loca
     else:
         assert not report.hybrid_overlap
     assert "memory" in report.table() and report.throughput_mb_s > 0
+    # The output Dataset's block metadata (reported by the reducers) is exact.
+    assert out.count() == table.num_rows
+    assert out.schema().names == table.schema.names
+    assert out.size_bytes() == sum(p.nbytes for p in parts)
+    assert_no_leftovers(cfg, ray_local)
+
+
+def test_reducers_run_in_reader_processes_kept_across_shuffles(dataset, tmp_path, ray_local):
+    from hybrid_ray.actors import get_readers
+
+    ds, table = dataset
+    cfg = base_config(tmp_path, max_concurrent_reducers=2)
+
+    def reader_pids():
+        return sorted(ray_local.get([r.run.remote(os.getpid) for r in
+                                     get_readers(cfg.namespace, 2)]))
+
+    hybrid_ray.repartition(ds, 4, keys=["key"], config=cfg)
+    before = reader_pids()
+    for _ in range(2):
+        out = hybrid_ray.repartition(ds, 4, keys=["key"], config=cfg)
+        assert row_fingerprint(outputs(out)) == row_fingerprint([table])
+    assert reader_pids() == before and len(set(before)) == 2
     assert_no_leftovers(cfg, ray_local)
 
 
