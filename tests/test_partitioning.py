@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 
 import numpy as np
+import pytest
 import pyarrow as pa
 
 from hybrid_ray.partitioning import HashPartitioner, hash_column
@@ -41,3 +42,17 @@ def test_temporal_keys_including_dates_hash():
     assert h[0] == h[2] and h[1] == 0
     ts = pa.array(np.array([1, 2, 1], dtype="datetime64[us]"))
     assert hash_column(ts)[0] == hash_column(ts)[2] != hash_column(ts)[1]
+
+
+@pytest.mark.parametrize("num_partitions", [3, 256, 257, 70_000])
+def test_split_by_partition_keeps_row_order_within_each_subpartition(num_partitions):
+    from hybrid_ray.partitioning import split_by_partition
+
+    rng = np.random.default_rng(num_partitions)
+    table = pa.table({"i": np.arange(50_000)})
+    parts = rng.integers(0, num_partitions, table.num_rows)
+    pieces = split_by_partition(table, parts, num_partitions)
+    assert sum(t.num_rows for _, t in pieces) == table.num_rows
+    for sub, piece in pieces:
+        expected = np.flatnonzero(parts == sub)  # original order, stable
+        assert np.array_equal(piece["i"].to_numpy(), expected)
