@@ -399,6 +399,7 @@ class Bench:
         import ray
 
         import spark_bridge
+        from hybrid_ray import ShuffleConfig
 
         ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
                  include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -407,9 +408,14 @@ class Bench:
                                             executor_cores=1, executor_memory="3GB",
                                             configs=configs)
             spark.sparkContext.setLogLevel("ERROR")
-            # Executors and their Python workers start lazily: start them untimed.
-            spark_checksum(spark.range(0, 100_000, numPartitions=2 * self.args.cpus)
-                           .selectExpr("id as key").repartition(4, "key"))
+            # Executors and their Python workers start lazily: start them untimed, and let
+            # the workers join Ray and run the bridge once (as _warm_up_ray does for Ray).
+            warm = spark.range(0, 100_000, numPartitions=2 * self.args.cpus) \
+                .selectExpr("id as key")
+            spark_checksum(warm.repartition(4, "key"))
+            spark_checksum(spark_bridge.repartition(warm, 4, "key", config=ShuffleConfig(
+                progress=False, spill_dirs=[os.path.join(self.workdir, "warmup")])))
+            spark_bridge.release_all()
             try:
                 yield spark
             finally:
