@@ -190,6 +190,10 @@ class ShuffleMasterActor:
         with self._lock:
             return self.registry.poll(shuffle_id, subpartition, cursors, pid)
 
+    def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
+        with self._lock:
+            return self.registry.free_subpartition(shuffle_id, subpartition)
+
     def consumed(self, shuffle_id: str, subpartition: int) -> bool:
         with self._lock:
             return self.registry.consumed(shuffle_id, subpartition)

@@ -53,6 +53,8 @@ class ShuffleState:
     readers: dict[int, ReaderState] = dataclasses.field(default_factory=dict)
     nodes: set[str] = dataclasses.field(default_factory=set)
     consumed: set[int] = dataclasses.field(default_factory=set)
+    # Subpartitions whose data was deleted because their reducer's output is stored.
+    freed: set[int] = dataclasses.field(default_factory=set)
     superseded_attempts: int = 0
     # False while the number of maps is still open (Spark decides it when the job runs):
     # begin_map may then add maps, and readers never see the shuffle as complete.
@@ -201,6 +203,27 @@ class ShuffleRegistry:
                 reader.first_delivery = self._clock()
         reader.done = complete
         return PollResult(updates, complete)
+
+    def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
+        """Delete the data of one subpartition whose output is safely stored elsewhere (a
+        finished Ray Data reducer's block), keeping its metadata for the report.
+
+        Why: without it every segment lived until the whole shuffle was released, so the
+        object store held input, memory tier and output at once, and a 4 GiB shuffle made
+        Ray spill. Never call it while the subpartition may be read again (the Spark
+        bridge's reduce stage is recomputable and does not). Returns the segments freed.
+        """
+        state = self._shuffles.get(shuffle_id)
+        if state is None or subpartition in state.freed:
+            return 0
+        state.freed.add(subpartition)
+        metas = [meta for m in state.maps for subs in m.segments.values()
+                 for meta in subs.get(subpartition, [])]
+        self._delete_segments(state, metas)
+        for meta in metas:
+            if meta.object_ref:
+                meta.object_ref.clear()  # the master's reference: the object can go
+        return len(metas)
 
     def consumed(self, shuffle_id: str, subpartition: int) -> bool:
         """A reducer finished its subpartition; the shuffle is released once all are consumed.

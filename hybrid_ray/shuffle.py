@@ -246,19 +246,28 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
                                                                .get("CPU", 1)))
         readers = get_readers(config.namespace, window)
-        in_flight: dict[int, ray.ObjectRef] = {}  # reader index -> its running reducer
+        # Reducers are tracked by their small (rows, bytes, schema) result: waiting on the
+        # tables would pull every output block to the driver's node.
+        in_flight: dict[int, ray.ObjectRef] = {}  # reader index -> its reducer's stats
+        subpartition_of: dict[ray.ObjectRef, int] = {}
+        finished: set[ray.ObjectRef] = set()
         pending_maps = list(map_refs)
         next_reducer = 0
         last_beat = 0.0
         while True:
             if pending_maps:
                 _, pending_maps = ray.wait(pending_maps, num_returns=len(pending_maps),
-                                           timeout=0)
+                                           timeout=0, fetch_local=False)
             maps_done = not pending_maps
+            for ref in [r for r in stats_refs if r not in finished and _is_ready(r)]:
+                ray.get(ref)  # raise a failed reducer's error now
+                finished.add(ref)
+                # Its block is stored (owned by this driver): its segments can go now.
+                master.free_subpartition.remote(shuffle_id, subpartition_of[ref])
             if hybrid or maps_done:
                 if maps_done:
                     ray.get(map_refs)  # surface a map failure before reducers run on
-                for slot in [s for s, ref in in_flight.items() if _is_ready(ref)]:
+                for slot in [s for s, ref in in_flight.items() if ref in finished]:
                     del in_flight[slot]
                 free = [s for s in range(len(readers)) if s not in in_flight]
                 while next_reducer < num_partitions and free:
@@ -268,19 +277,18 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                         config, master)
                     reduce_refs.append(table_ref)
                     stats_refs.append(stats_ref)
-                    in_flight[slot] = table_ref
+                    subpartition_of[stats_ref] = next_reducer
+                    in_flight[slot] = stats_ref
                     next_reducer += 1
-            reduces_done = sum(1 for r in reduce_refs if _is_ready(r))
             progress.update(len(map_refs) - len(pending_maps), len(map_refs),
-                            reduces_done, num_partitions)
-            if maps_done and reduces_done == num_partitions:
+                            len(finished), num_partitions)
+            if maps_done and len(finished) == num_partitions:
                 break
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 master.heartbeat.remote(shuffle_id)
                 last_beat = time.monotonic()
-            waiting = pending_maps + [r for r in reduce_refs if not _is_ready(r)]
-            ready, _ = ray.wait(waiting, num_returns=1, timeout=0.5)
-            for ref in ready:
+            waiting = pending_maps + [r for r in stats_refs if r not in finished]
+            for ref in ray.wait(waiting, num_returns=1, timeout=0.5, fetch_local=False)[0]:
                 ray.get(ref)  # raise a failed task's error now
         ray.get(map_refs)
         summary = ray.get(master.summary.remote(shuffle_id))
@@ -303,7 +311,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
 
 
 def _is_ready(ref: ray.ObjectRef) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
+    ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
     return bool(ready)
 
 

@@ -118,3 +118,17 @@ def test_open_map_count_grows_until_sealed(registry):
     assert res.done and sorted(m for m, _, _, _ in res.updates) == [0, 1, 2]
     with pytest.raises(ValueError, match="outside"):
         registry.begin_map("open", 3, "n1")  # sealed: no more maps
+
+
+def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
+    a = registry.begin_map("s", 0, "n1")
+    registry.commit("s", 0, a, [meta("s", 0, 0, 0, a), meta("s", 0, 1, 0, a),
+                                meta("s", 0, 0, 1, a)])
+    registry.finish_map("s", 0, a)
+    assert registry.free_subpartition("s", 0) == 2
+    assert sorted(m.id.index for m in registry.deleted) == [0, 1]
+    assert {m.id.subpartition for m in registry.deleted} == {0}  # subpartition 1 untouched
+    assert registry.free_subpartition("s", 0) == 0  # idempotent
+    assert registry.free_subpartition("unknown", 0) == 0
+    summary = registry.summary("s")  # bytes per tier still count the freed segments
+    assert summary["per_node_tier"] == {"n1|disk": [30, 3]}

@@ -84,6 +84,41 @@ def test_reducers_run_in_reader_processes_kept_across_shuffles(dataset, tmp_path
         out = hybrid_ray.repartition(ds, 4, keys=["key"], config=cfg)
         assert row_fingerprint(outputs(out)) == row_fingerprint([table])
     assert reader_pids() == before and len(set(before)) == 2
+
+
+def test_segments_of_a_finished_reducer_are_freed_before_the_shuffle_ends(dataset, tmp_path,
+                                                                          ray_local):
+    """A finished reducer's block is stored, so its segments go at once: with one reader,
+    partition 0's spill files are gone while the last partition is still being read."""
+    ds, table = dataset
+    cfg = base_config(tmp_path, memory_fraction=0.0, max_concurrent_reducers=1,
+                      mode="blocking")
+
+    class WatchingPartitioner(hybrid_ray.HashPartitioner):
+        def finalize(self, t, subpartition):
+            if subpartition == 2:  # the last reducer: runs after reducers 0 and 1 finished
+                import glob
+
+                def files(sub):
+                    return glob.glob(os.path.join(cfg.spill_dirs[0], "**", f"sub-{sub:05d}",
+                                                  "*.seg"), recursive=True)
+                deadline = time.time() + 20  # the deletion is asynchronous
+                while files(0) and time.time() < deadline:
+                    time.sleep(0.05)
+                t = t.append_column("freed0", pa.array([not files(0)] * t.num_rows))
+                t = t.append_column("kept2", pa.array([bool(files(2))] * t.num_rows))
+            return t
+
+    res = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 3, WatchingPartitioner(["key"]),
+                                 ds.schema().base_schema, cfg)
+    parts = ray_local.get(res.refs)
+    last = parts[2]
+    assert last.num_rows and all(last["freed0"].to_pylist()), "partition 0 not freed"
+    assert all(last["kept2"].to_pylist()), "the partition being read must still be there"
+    parts[2] = last.drop_columns(["freed0", "kept2"])
+    assert row_fingerprint(parts) == row_fingerprint([table])
+    assert hybrid_ray.last_report().bytes_per_tier()["disk"] > 0  # freed still reported
+    assert_no_leftovers(cfg, ray_local)
     assert_no_leftovers(cfg, ray_local)
 
 
