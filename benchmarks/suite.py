@@ -401,7 +401,11 @@ class Bench:
         import spark_bridge
         from hybrid_ray import ShuffleConfig
 
-        ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
+        # RayDP's executors are Ray actors holding one logical CPU each: with only the
+        # machine's CPUs declared, they hold all of them, and the Ray tasks of the
+        # conversion path (from_spark, hybrid_ray's maps) wait forever (seen: the
+        # spark_raydp_convert case hung). Declaring twice as many logical CPUs lets both run.
+        ray.init(num_cpus=2 * self.args.cpus, object_store_memory=self._object_store_bytes(),
                  include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             spark = spark_bridge.init_spark("hybrid_ray-bench", num_executors=self.args.cpus,
