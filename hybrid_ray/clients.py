@@ -21,7 +21,8 @@ import pyarrow as pa
 from hybrid_ray.config import Compression, ShuffleConfig, TierName
 from hybrid_ray.errors import OutOfSpaceError
 from hybrid_ray.segment import (
-    SegmentId, SegmentMeta, decode_segment, encode_segment, thread_scratch_arena,
+    ScratchArena, SegmentId, SegmentMeta, decode_segment, encode_segment,
+    thread_scratch_arena,
 )
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
@@ -110,7 +111,6 @@ class WriteClient:
         self._unsettled: list[tuple[Grant, int | None]] = []
         self._compression = Compression(config.compression)
         self._skip_compression = 0  # segments left to write uncompressed
-        self._arena = thread_scratch_arena()  # re-fetched per batch: the calling thread's
         self._uncommitted: list[SegmentMeta] = []
         self.written: list[SegmentMeta] = []
         self._closed = False
@@ -207,9 +207,9 @@ class WriteClient:
             return
         # Every payload of the previous batch has been copied out by its tier: reuse the
         # memory (see ScratchArena). Tiers copy synchronously, so this batch is safe too.
-        self._arena = thread_scratch_arena()
-        self._arena.reset()
-        payloads = [self._encode(t) for _, t in pieces]
+        arena = thread_scratch_arena()
+        arena.reset()
+        payloads = [self._encode(t, arena) for _, t in pieces]
         settled, self._unsettled = self._unsettled, []
         placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
         sids = []
@@ -222,8 +222,8 @@ class WriteClient:
         in_memory = [i for i, p in enumerate(placements)
                      if p.grant is not None and p.grant.tier == TierName.MEMORY]
         if in_memory:
-            written = self.io_tiers[TierName.MEMORY].write_many([(sids[i], payloads[i]) for i in in_memory],
-                                        self.node_id)
+            written = self.io_tiers[TierName.MEMORY].write_many(
+                [(sids[i], payloads[i]) for i in in_memory], self.node_id)
             for i, meta in zip(in_memory, written):
                 self._unsettled.append((placements[i].grant, len(payloads[i])))
                 metas[i] = meta
@@ -232,15 +232,15 @@ class WriteClient:
             meta = metas.get(i) or self._write_one(sids[i], payload, placement)
             self._record(sub, meta, table.num_rows)
 
-    def _encode(self, table: pa.Table) -> memoryview:
+    def _encode(self, table: pa.Table, arena: ScratchArena) -> memoryview:
         """Encode a segment, compressing only while compression pays (see
-        ``MIN_COMPRESSION_SAVING``)."""
+        ``MIN_COMPRESSION_SAVING``); uncompressed ones go into ``arena``."""
         if self._compression == Compression.NONE:
-            return encode_segment(table, Compression.NONE, self._arena)
+            return encode_segment(table, Compression.NONE, arena)
         if self._skip_compression > 0:
             self._skip_compression -= 1
             self.stats.uncompressed_segments += 1
-            return encode_segment(table, Compression.NONE, self._arena)
+            return encode_segment(table, Compression.NONE, arena)
         payload = encode_segment(table, self._compression)
         if len(payload) > (1 - MIN_COMPRESSION_SAVING) * max(table.nbytes, 1):
             self._skip_compression = COMPRESSION_BACKOFF_SEGMENTS

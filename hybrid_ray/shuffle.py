@@ -246,11 +246,10 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
                                                                .get("CPU", 1)))
         readers = get_readers(config.namespace, window)
-        # Reducers are tracked by their small (rows, bytes, schema) result: waiting on the
-        # tables would pull every output block to the driver's node.
-        in_flight: dict[int, ray.ObjectRef] = {}  # reader index -> its reducer's stats
-        subpartition_of: dict[ray.ObjectRef, int] = {}
-        finished: set[ray.ObjectRef] = set()
+        # Reducer i is tracked by stats_refs[i], its small (rows, bytes, schema) result:
+        # waiting on the tables would pull every output block to the driver's node.
+        in_flight: dict[int, int] = {}  # reader index -> the subpartition it is reducing
+        finished: set[int] = set()  # subpartitions whose block is stored
         pending_maps = list(map_refs)
         next_reducer = 0
         last_beat = 0.0
@@ -259,15 +258,20 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                 _, pending_maps = ray.wait(pending_maps, num_returns=len(pending_maps),
                                            timeout=0, fetch_local=False)
             maps_done = not pending_maps
-            for ref in [r for r in stats_refs if r not in finished and _is_ready(r)]:
-                ray.get(ref)  # raise a failed reducer's error now
-                finished.add(ref)
-                # Its block is stored (owned by this driver): its segments can go now.
-                master.free_subpartition.remote(shuffle_id, subpartition_of[ref])
+            running = {r: i for i, r in enumerate(stats_refs) if i not in finished}
+            if running:
+                ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0,
+                                    fetch_local=False)
+                for ref in ready:
+                    ray.get(ref)  # raise a failed reducer's error now
+                    sub = running[ref]
+                    finished.add(sub)
+                    # Its block is stored (owned by this driver): its segments can go now.
+                    master.free_subpartition.remote(shuffle_id, sub)
             if hybrid or maps_done:
                 if maps_done:
                     ray.get(map_refs)  # surface a map failure before reducers run on
-                for slot in [s for s, ref in in_flight.items() if ref in finished]:
+                for slot in [s for s, sub in in_flight.items() if sub in finished]:
                     del in_flight[slot]
                 free = [s for s in range(len(readers)) if s not in in_flight]
                 while next_reducer < num_partitions and free:
@@ -277,8 +281,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                         config, master)
                     reduce_refs.append(table_ref)
                     stats_refs.append(stats_ref)
-                    subpartition_of[stats_ref] = next_reducer
-                    in_flight[slot] = stats_ref
+                    in_flight[slot] = next_reducer
                     next_reducer += 1
             progress.update(len(map_refs) - len(pending_maps), len(map_refs),
                             len(finished), num_partitions)
@@ -287,7 +290,8 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 master.heartbeat.remote(shuffle_id)
                 last_beat = time.monotonic()
-            waiting = pending_maps + [r for r in stats_refs if r not in finished]
+            waiting = pending_maps + [r for i, r in enumerate(stats_refs)
+                                      if i not in finished]
             for ref in ray.wait(waiting, num_returns=1, timeout=0.5, fetch_local=False)[0]:
                 ray.get(ref)  # raise a failed task's error now
         ray.get(map_refs)
@@ -308,11 +312,6 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     report = _make_report(summary, operation, config, time.monotonic() - started)
     _last_report = report
     return ShuffleResult(reduce_refs, report, stats_refs)
-
-
-def _is_ready(ref: ray.ObjectRef) -> bool:
-    ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-    return bool(ready)
 
 
 def _make_report(summary: dict, operation: str, config: ShuffleConfig,
@@ -388,26 +387,23 @@ def _materialized_dataset(refs: list[ray.ObjectRef],
     ``from_arrow_refs`` runs one task per block to learn its rows, size and schema; on a
     small cluster those tasks start workers that import Ray Data, which cost a 1 GiB
     shuffle 0.9 s of its 7 s (profiled). This builds the same Dataset through Ray Data's
-    internal operators (ray is pinned in pyproject.toml); if they ever move, it falls back
-    to ``from_arrow_refs``.
+    internal operators; ray is pinned in pyproject.toml, and a Ray upgrade that moves them
+    fails here loudly (and in the tests) rather than silently going slow.
     """
-    try:
-        from ray.data._internal.logical.interfaces import LogicalPlan
-        from ray.data._internal.logical.operators.from_operators import FromArrow
-        from ray.data._internal.stats import DatasetStats
-        from ray.data.block import BlockMetadataWithSchema
-        from ray.data.context import DataContext
-        from ray.data.dataset import MaterializedDataset
+    from ray.data._internal.logical.interfaces import LogicalPlan
+    from ray.data._internal.logical.operators.from_operators import FromArrow
+    from ray.data._internal.stats import DatasetStats
+    from ray.data.block import BlockMetadataWithSchema
+    from ray.data.context import DataContext
+    from ray.data.dataset import MaterializedDataset
 
-        metadata = [BlockMetadataWithSchema(num_rows=rows, size_bytes=int(nbytes),
-                                            exec_stats=None, input_files=(), schema=schema)
-                    for rows, nbytes, schema in stats]
-        context = DataContext.get_current().copy()
-        plan = LogicalPlan(FromArrow(refs, metadata), context)
-        return MaterializedDataset(plan, context,
-                                   DatasetStats(metadata={"FromArrow": metadata}, parent=None))
-    except (ImportError, TypeError, AttributeError):
-        return ray.data.from_arrow_refs(refs)
+    metadata = [BlockMetadataWithSchema(num_rows=rows, size_bytes=int(nbytes),
+                                        exec_stats=None, input_files=(), schema=schema)
+                for rows, nbytes, schema in stats]
+    context = DataContext.get_current().copy()
+    plan = LogicalPlan(FromArrow(refs, metadata), context)
+    return MaterializedDataset(plan, context,
+                               DatasetStats(metadata={"FromArrow": metadata}, parent=None))
 
 
 def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
