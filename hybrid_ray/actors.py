@@ -1,9 +1,11 @@
-"""The Ray actors: a per-node tier manager and the namespace's shuffle master.
+"""The Ray actors: a per-node tier manager, the namespace's shuffle master, and the
+long-lived worker processes that run maps (writers) and reducers (readers).
 
-Both are thin shells over plain classes (``TierManager``, ``ShuffleRegistry``), so the logic
-is tested without a cluster. Both are named and detached: a tier manager must outlive the
-map tasks whose memory-tier objects it owns, and the master must outlive a crashed driver to
-remove that driver's orphaned data after the TTL.
+The first two are thin shells over plain classes (``TierManager``, ``ShuffleRegistry``), so
+the logic is tested without a cluster. All are named and detached: a tier manager must
+outlive the Spark executors' processes whose memory-tier objects it owns, a writer the
+shuffles whose objects it owns, and the master a crashed driver, to remove that driver's
+orphaned data after the TTL.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from hybrid_ray.tiers import Grant, RemoteTier
 MASTER_NAME = "hybrid_ray_shuffle_master"
 TIER_MANAGER_PREFIX = "hybrid_ray_tier_manager_"
 READER_PREFIX = "hybrid_ray_reader_"
-# A reader process killed mid-partition is restarted and its partition read again.
-READER_MAX_RETRIES = 3
+WRITER_PREFIX = "hybrid_ray_writer_"
+# A reader or writer process killed mid-partition is restarted and the call run again.
+WORKER_MAX_RETRIES = 3
 # How often the master looks for shuffles whose driver stopped heartbeating.
 EXPIRY_CHECK_INTERVAL_S = 30.0
 
@@ -160,10 +163,11 @@ class ShuffleMasterActor:
 
     # ---- the API (each a locked call into the registry) --------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
-                 config: ShuffleConfig) -> None:
+                 config: ShuffleConfig, recoverable: bool = False) -> None:
         with self._lock:
             self.registry.expire()
-            self.registry.register(shuffle_id, num_maps, num_subpartitions, config)
+            self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
+                                   recoverable)
 
     def seal(self, shuffle_id: str, num_maps: int) -> None:
         with self._lock:
@@ -185,6 +189,14 @@ class ShuffleMasterActor:
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any) -> bool:
         with self._lock:
             return self.registry.finish_map(shuffle_id, map_index, attempt, stats)
+
+    def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
+        with self._lock:
+            return self.registry.report_lost(shuffle_id, map_index, attempt)
+
+    def take_lost(self, shuffle_id: str) -> list[int]:
+        with self._lock:
+            return self.registry.take_lost(shuffle_id)
 
     def poll(self, shuffle_id: str, subpartition: int, cursors: dict, pid: int) -> PollResult:
         with self._lock:
@@ -240,33 +252,60 @@ class ShuffleMasterActor:
         return {"shuffles": shuffles, "nodes": usage, "active_nodes": sorted(nodes)}
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=READER_MAX_RETRIES)
-class ReaderActor:
-    """A long-lived process that runs reduce functions, one at a time.
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=WORKER_MAX_RETRIES)
+class ShuffleWorkerActor:
+    """A long-lived process that runs map or reduce functions, one at a time.
 
     Why not Ray tasks: hybrid reducers hold no CPU (they mostly wait for data), so each
     one needs a worker process beyond Ray's pool of one per CPU, and Ray kills such extra
     idle workers after a second. Every shuffle then paid for new processes importing Ray,
     pyarrow and hybrid_ray: ~1.3 CPU-s each, a fifth of the CPU of a 1 GiB shuffle on two
-    cores (profiled with py-spy). Detached readers stay warm across shuffles.
+    cores (profiled with py-spy). Detached workers stay warm across shuffles.
+
+    Writers (map side) also own the memory-tier objects they put: being long-lived, they
+    can, and each segment is then written to the object store once. A map task instead had
+    to hand its segments to the tier manager to own, as task arguments the manager put
+    again (Ray 2.56 removed ``ray.put(_owner=...)``): two object-store writes per segment,
+    and on this VM every fresh object-store page costs more than the copy itself. If a
+    writer dies, so do its objects; readers report the loss and the driver re-runs those
+    maps (``ShuffleRegistry.report_lost``).
     """
 
     def run(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
 
+def _alive_cpu_nodes() -> list[dict]:
+    nodes = [n for n in ray.nodes()
+             if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+    return sorted(nodes, key=lambda n: n["NodeID"])
+
+
+def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
+    # soft affinity: a worker restarted after its node died may run elsewhere.
+    return _get_or_start(ShuffleWorkerActor, f"{prefix}{node}_{k}", namespace,
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
+
+
 def get_readers(namespace: str, count: int) -> list[Any]:
     """``count`` reader actors spread evenly over the alive nodes with CPUs, started (and
     kept) on first use. Reader ``k`` of a node keeps its name across shuffles."""
-    nodes = sorted(n["NodeID"] for n in ray.nodes()
-                   if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
-    if not nodes:
-        nodes = [ray.get_runtime_context().get_node_id()]
+    nodes = [n["NodeID"] for n in _alive_cpu_nodes()] or \
+        [ray.get_runtime_context().get_node_id()]
     slots = [(node, k) for k in range(-(-count // len(nodes))) for node in nodes][:count]
-    # soft affinity: a reader restarted after its node died may run elsewhere.
-    return [_get_or_start(ReaderActor, f"{READER_PREFIX}{node}_{k}", namespace,
-                          scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
-            for node, k in slots]
+    return [_worker(READER_PREFIX, node, k, namespace) for node, k in slots]
+
+
+def get_writers(namespace: str) -> list[tuple[str, Any]]:
+    """One writer actor per CPU of every alive node, as (node id, actor): maps run on
+    the node that holds their input block, as many at once as the node has CPUs."""
+    nodes = _alive_cpu_nodes()
+    if not nodes:
+        return [(ray.get_runtime_context().get_node_id(),
+                 _worker(WRITER_PREFIX, ray.get_runtime_context().get_node_id(), 0,
+                         namespace))]
+    return [(n["NodeID"], _worker(WRITER_PREFIX, n["NodeID"], k, namespace))
+            for n in nodes for k in range(max(1, int(n["Resources"]["CPU"])))]
 
 
 def get_master(namespace: str) -> Any:

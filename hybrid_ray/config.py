@@ -152,9 +152,9 @@ class ShuffleConfig:
         progress: show a progress bar on shuffles.
         max_concurrent_reducers: reducers running at once (None: the cluster's CPU count),
             each in one of as many long-lived reader processes per namespace
-            (``hybrid_ray.actors.ReaderActor``); hybrid reducers wait for data while maps
+            (``hybrid_ray.actors.ShuffleWorkerActor``); hybrid reducers wait for data while maps
             write, so this also bounds the processes that wait.
-        map_chunk_bytes: a map task partitions and commits its block in chunks of about
+        map_chunk_bytes: a map partitions and commits its block in chunks of about
             this size; smaller chunks make data visible to hybrid readers sooner.
     """
 

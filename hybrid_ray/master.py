@@ -59,6 +59,11 @@ class ShuffleState:
     # False while the number of maps is still open (Spark decides it when the job runs):
     # begin_map may then add maps, and readers never see the shuffle as complete.
     sealed: bool = True
+    # True if a driver re-runs maps whose finished output was lost (``report_lost``).
+    recoverable: bool = False
+    # Finished maps whose output was lost, waiting for the driver to re-run them.
+    lost: set[int] = dataclasses.field(default_factory=set)
+    lost_maps_rerun: int = 0
 
     @property
     def all_maps_finished(self) -> bool:
@@ -100,14 +105,17 @@ class ShuffleRegistry:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
-                 config: ShuffleConfig) -> None:
-        """Register a shuffle. ``num_maps=None`` leaves the map count open until ``seal``."""
+                 config: ShuffleConfig, recoverable: bool = False) -> None:
+        """Register a shuffle. ``num_maps=None`` leaves the map count open until ``seal``.
+        ``recoverable``: the driver re-runs maps whose finished output is lost (it polls
+        ``take_lost``); otherwise such a loss fails the readers."""
         if shuffle_id in self._shuffles:
             raise ValueError(f"shuffle {shuffle_id!r} is already registered")
         now = self._clock()
         self._shuffles[shuffle_id] = ShuffleState(
             shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
-            [MapState() for _ in range(num_maps or 0)], sealed=num_maps is not None)
+            [MapState() for _ in range(num_maps or 0)], sealed=num_maps is not None,
+            recoverable=recoverable)
 
     def seal(self, shuffle_id: str, num_maps: int) -> None:
         """Fix the map count of an open shuffle once its map stage ran; every map in
@@ -159,8 +167,14 @@ class ShuffleRegistry:
             self._delete_segments(state, metas)
             return False
         subs = m.segments[attempt]
+        # A re-run map (see report_lost) writes every subpartition again, including those
+        # whose reducer already stored its output: those segments are not needed.
+        unneeded = [meta for meta in metas if meta.id.subpartition in state.freed]
+        if unneeded:
+            self._delete_segments(state, unneeded)
         for meta in metas:
-            subs[meta.id.subpartition].append(meta)
+            if meta.id.subpartition not in state.freed:
+                subs[meta.id.subpartition].append(meta)
             state.nodes.add(meta.node_id)
         return True
 
@@ -172,6 +186,34 @@ class ShuffleRegistry:
             return False
         m.finished_attempt, m.finished, m.stats = attempt, self._clock(), stats
         return True
+
+    def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
+        """A reader found a segment of ``attempt`` gone: its memory-tier objects died with
+        the process that owned them. Returns True if the reader should wait for the map's
+        next attempt (readers then get a reset), False if no attempt will come.
+
+        An unfinished attempt is being retried already (its producer died with the
+        objects). A finished one is invalidated and queued for the driver (``take_lost``)
+        if the shuffle is recoverable.
+        """
+        state = self._get(shuffle_id)
+        m = state.maps[map_index]
+        if attempt != m.current_attempt:
+            return True
+        if m.finished_attempt is None:
+            return True
+        if not state.recoverable:
+            return False
+        m.finished_attempt = None
+        state.lost.add(map_index)
+        state.lost_maps_rerun += 1
+        return True
+
+    def take_lost(self, shuffle_id: str) -> list[int]:
+        """Maps the driver must run again (each returned once)."""
+        state = self._get(shuffle_id)
+        lost, state.lost = sorted(state.lost), set()
+        return lost
 
     # ---- the read side -------------------------------------------------------------------------
     def poll(self, shuffle_id: str, subpartition: int,
@@ -257,7 +299,9 @@ class ShuffleRegistry:
         return expired
 
     def _drop_attempt(self, state: ShuffleState, m: MapState, attempt: int) -> None:
-        dropped = [meta for metas in m.segments.pop(attempt, {}).values() for meta in metas]
+        # Freed subpartitions' segments are deleted already (their metadata stays).
+        dropped = [meta for sub, metas in m.segments.pop(attempt, {}).items()
+                   if sub not in state.freed for meta in metas]
         if dropped:
             self._delete_segments(state, dropped)
 
@@ -295,6 +339,7 @@ class ShuffleRegistry:
             "per_node_tier": {f"{n}|{t}": v for (n, t), v in per_node_tier.items()},
             "map_stats": [m.stats for m in state.maps],
             "superseded_attempts": state.superseded_attempts,
+            "lost_maps_rerun": state.lost_maps_rerun,
             "first_delivery": min(deliveries) if deliveries else None,
             "last_map_finish": max(finishes) if len(finishes) == state.num_maps else None,
             "age_s": self._clock() - state.created,

@@ -35,6 +35,8 @@ class ShuffleReport:
     hybrid_overlap: bool
     # Segments written uncompressed because compression was not shrinking them.
     uncompressed_segments: int = 0
+    # Finished maps run again because their memory-tier output died with its writer.
+    lost_maps_rerun: int = 0
 
     @property
     def throughput_mb_s(self) -> float:
@@ -66,7 +68,8 @@ class ShuffleReport:
             f"  rows {self.rows:,}  input {self.input_bytes / 1e6:,.1f} MB  "
             f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
             f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "
-            f"retried map attempts {self.superseded_attempts}  "
+            f"retried map attempts {self.superseded_attempts} (lost and re-run "
+            f"{self.lost_maps_rerun})  "
             f"reducers overlapped mappers: {'yes' if self.hybrid_overlap else 'no'}  "
             f"uncompressed (compression not paying) segments {self.uncompressed_segments}",
             f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}",

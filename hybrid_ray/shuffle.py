@@ -1,5 +1,5 @@
-"""Distributed hybrid shuffle on Ray: map tasks write through the tiers of their node,
-reduce tasks read their subpartition, the shuffle master keeps the books.
+"""Distributed hybrid shuffle on Ray: maps write through the tiers of their node,
+reducers read their subpartition, the shuffle master keeps the books.
 
 Public operations (``repartition``, ``sort``, ``random_shuffle``) take and return a
 ``ray.data.Dataset``; output block i is subpartition i. ``run_shuffle`` is the general entry
@@ -20,7 +20,9 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from hybrid_ray.actors import ActorNodeStorage, get_master, get_readers, get_tier_manager
+from hybrid_ray.actors import (
+    ActorNodeStorage, get_master, get_readers, get_tier_manager, get_writers,
+)
 from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, ShuffleMode, TierName
 from hybrid_ray.tiers import RemoteTier
@@ -38,7 +40,6 @@ POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
 HEARTBEAT_S = 5.0
 SAMPLES_PER_BLOCK = 256
 MISSING_SEGMENT_WAIT_S = 60.0
-MAX_TASK_RETRIES = 3
 
 _last_report: ShuffleReport | None = None
 
@@ -51,13 +52,18 @@ def last_report() -> ShuffleReport | None:
 # ---- tasks -----------------------------------------------------------------------------------
 def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Table],
                         num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
-                        master: Any, raise_if_superseded: bool = False) -> WriteStats | None:
+                        master: Any, raise_if_superseded: bool = False,
+                        own_memory_segments: bool = False) -> WriteStats | None:
     """Write one map partition through this node's tiers, committing chunk by chunk.
 
-    Runs in any process connected to the Ray cluster (a Ray task, or a Spark executor's
+    Runs in any process connected to the Ray cluster (a writer actor, or a Spark executor's
     Python worker). Returns the write statistics, or None if an earlier attempt of this map
     partition already finished (the master decides; this attempt then writes nothing).
     On any error the attempt's segments are deleted before the error propagates.
+
+    ``own_memory_segments``: this process owns the memory-tier objects it writes (it must
+    outlive the shuffle: a writer actor). Otherwise the node's tier manager owns them,
+    at the cost of a second object-store copy (see ``put_many_owned_by``).
     """
     node_id = ray.get_runtime_context().get_node_id()
     attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, os.getpid()))
@@ -72,8 +78,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             superseded.append(True)
 
     client = WriteClient(shuffle_id, map_index, num_partitions, config, ActorNodeStorage(tm),
-                         _io_tiers_cached(config, node_id), attempt=attempt, node_id=node_id,
-                         on_commit=commit)
+                         _io_tiers_cached(config, node_id, own_memory_segments),
+                         attempt=attempt, node_id=node_id, on_commit=commit)
     try:
         # Commit chunk by chunk: hybrid readers see data while the partition is being written.
         for chunk in chunks:
@@ -106,31 +112,33 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     return client.stats
 
 
-@ray.remote(max_retries=MAX_TASK_RETRIES)
-def _map_task(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,
+def map_block(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,
               partitioner: Partitioner, config: ShuffleConfig, master: Any) -> dict:
+    """One map of ``run_shuffle``, run by a writer actor (``get_writers``) that owns the
+    memory-tier segments it writes."""
     rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes / max(block.nbytes, 1)))
     chunks = (block.slice(start, rows_per_chunk)
               for start in range(0, block.num_rows, rows_per_chunk))
     stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
-                                config, master)
+                                config, master, own_memory_segments=True)
     return {"rows": stats.rows if stats else 0, "skipped": stats is None}
 
 
-def _io_tiers_cached(config: ShuffleConfig, node_id: str) -> dict:
+def _io_tiers_cached(config: ShuffleConfig, node_id: str,
+                     own_memory_segments: bool = False) -> dict:
     # ShuffleConfig holds dicts (unhashable); cache on its repr, which is deterministic.
-    key = (repr(config), node_id)
+    key = (repr(config), node_id, own_memory_segments)
     cached = _IO_CACHE.get(key)
     if cached is None:
         from hybrid_ray.tier_manager import build_io_tiers
 
-        owner = get_tier_manager(node_id, config.namespace)
+        owner = None if own_memory_segments else get_tier_manager(node_id, config.namespace)
         cached = _IO_CACHE[key] = build_io_tiers(config, owner=owner, check_remote=False,
                                                  node_id=node_id)
     return cached
 
 
-_IO_CACHE: dict[tuple[str, str], dict] = {}
+_IO_CACHE: dict[tuple[str, str, bool], dict] = {}
 
 
 def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
@@ -139,7 +147,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
 
     Follows the maps while they write (hybrid): polls the master for new segments and reads
     each from whichever tier holds it. If a map attempt is superseded, what was read of it is
-    dropped and the new attempt is read instead, so the result is exact.
+    dropped and the new attempt is read instead, so the result is exact. A memory-tier
+    segment that died with its owner is reported to the master, which has the map re-run
+    (or, if nobody can re-run it, the read fails).
     """
     node_id = ray.get_runtime_context().get_node_id()
 
@@ -164,16 +174,25 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                     per_map[map_index] = []
                     cursors[map_index] = (attempt, 0)
                 for meta in metas:
-                    per_map[map_index].append(reader.read(meta))
+                    try:
+                        per_map[map_index].append(reader.read(meta))
+                    except SegmentNotFoundError:
+                        if meta.tier == TierName.MEMORY and not ray.get(
+                                master.report_lost.remote(shuffle_id, map_index, attempt)):
+                            raise
+                        raise _AwaitingAttempt() from None
                     _, nxt = cursors.get(map_index, (attempt, 0))
                     cursors[map_index] = (attempt, nxt + 1)
                     got = True
             missing_since = None
-        except SegmentNotFoundError:
+        except _AwaitingAttempt:
             now = time.monotonic()
             missing_since = missing_since or now
             if now - missing_since > MISSING_SEGMENT_WAIT_S:
-                raise
+                raise SegmentNotFoundError(
+                    f"subpartition {subpartition} of {shuffle_id}: a segment was missing "
+                    f"for {MISSING_SEGMENT_WAIT_S:.0f} s and no new attempt of its map "
+                    "started") from None
             time.sleep(POLL_MAX_S)
             continue
         if result.done and not got:
@@ -184,10 +203,15 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     return [t for m in sorted(per_map) for t in per_map[m]]
 
 
+class _AwaitingAttempt(Exception):
+    """A segment is gone because its map attempt died or was lost; a new attempt of the
+    map is coming (the master resets the reader's cursor for it)."""
+
+
 def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
                      partitioner: Partitioner, config: ShuffleConfig, master: Any
                      ) -> tuple[pa.Table, tuple[int, int, pa.Schema]]:
-    """One reducer (run by a ``ReaderActor``): the finished partition and its (rows,
+    """One reducer (run by a reader ``ShuffleWorkerActor``): the finished partition and its (rows,
     bytes, schema), from which the driver builds the output Dataset's block metadata
     instead of running a task per block to learn it."""
     tables = read_subpartition(shuffle_id, subpartition, config, master)
@@ -205,6 +229,76 @@ def _sample_task(block: pa.Table, key: str, k: int) -> np.ndarray:
 
 
 # ---- the driver --------------------------------------------------------------------------------
+class _MapDispatcher:
+    """Runs the maps of one shuffle on the writer actors, one map per writer at a time.
+
+    A free writer takes the next map whose input block is on its node, else the next map
+    (so a node with idle writers helps with the others' blocks). Maps reported lost
+    (``ShuffleRegistry.report_lost``) go to the front of the queue: readers wait for them.
+    """
+
+    def __init__(self, writers: list[tuple[str, Any]], blocks: Sequence[ray.ObjectRef],
+                 shuffle_id: str, num_partitions: int, partitioner: Partitioner,
+                 config: ShuffleConfig, master: Any) -> None:
+        self._writers = writers
+        self._blocks = blocks
+        self._args = (num_partitions, partitioner, config, master)
+        self._shuffle_id = shuffle_id
+        self._master = master
+        self._queue: collections.deque[int] = collections.deque(range(len(blocks)))
+        self._running: dict[int, tuple[int, ray.ObjectRef]] = {}  # writer -> (map, ref)
+        self._block_nodes = _block_nodes(blocks)
+        self.refs: list[ray.ObjectRef] = []  # every map run, for surfacing failures
+        self._dispatch()
+
+    @property
+    def done(self) -> bool:
+        return not self._queue and not self._running
+
+    @property
+    def num_finished(self) -> int:
+        return len(self._blocks) - len(self._queue) - len(self._running)
+
+    def running_refs(self) -> list[ray.ObjectRef]:
+        return [ref for _, ref in self._running.values()]
+
+    def poll(self) -> None:
+        """Collect finished maps (raising a failed one's error), queue lost maps again,
+        and hand out the queue to free writers."""
+        if self._running:
+            by_ref = {ref: slot for slot, (_, ref) in self._running.items()}
+            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
+                                fetch_local=False)
+            for ref in ready:
+                ray.get(ref)
+                del self._running[by_ref[ref]]
+        lost = ray.get(self._master.take_lost.remote(self._shuffle_id))
+        self._queue.extendleft(reversed(lost))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for slot, (node, writer) in enumerate(self._writers):
+            if not self._queue:
+                return
+            if slot in self._running:
+                continue
+            pick = next((m for m in self._queue if self._block_nodes[m] == node),
+                        self._queue[0])
+            self._queue.remove(pick)
+            ref = writer.run.remote(map_block, self._shuffle_id, pick, self._blocks[pick],
+                                    *self._args)
+            self._running[slot] = (pick, ref)
+            self.refs.append(ref)
+
+
+def _block_nodes(blocks: Sequence[ray.ObjectRef]) -> list[str | None]:
+    """The node holding each block (one of them, if several), or None if unknown."""
+    from ray.experimental import get_object_locations
+
+    locations = get_object_locations(list(blocks)) if blocks else {}
+    return [next(iter(locations.get(b, {}).get("node_ids") or []), None) for b in blocks]
+
+
 @dataclasses.dataclass
 class ShuffleResult:
     """Reducer outputs (one Arrow table ref per partition) and the shuffle's report.
@@ -234,14 +328,14 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     master = get_master(config.namespace)
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
-    ray.get(master.register.remote(shuffle_id, len(blocks), num_partitions, config))
+    # Recoverable: a map whose memory-tier output died with its writer is run again.
+    ray.get(master.register.remote(shuffle_id, len(blocks), num_partitions, config, True))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
-    map_refs: list[ray.ObjectRef] = []
     reduce_refs: list[ray.ObjectRef] = []
     stats_refs: list[ray.ObjectRef] = []
     try:
-        map_refs = [_map_task.remote(shuffle_id, i, b, num_partitions, partitioner, config,
-                                     master) for i, b in enumerate(blocks)]
+        maps = _MapDispatcher(get_writers(config.namespace), blocks, shuffle_id,
+                              num_partitions, partitioner, config, master)
         hybrid = config.mode == ShuffleMode.HYBRID
         window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
                                                                .get("CPU", 1)))
@@ -250,14 +344,11 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         # waiting on the tables would pull every output block to the driver's node.
         in_flight: dict[int, int] = {}  # reader index -> the subpartition it is reducing
         finished: set[int] = set()  # subpartitions whose block is stored
-        pending_maps = list(map_refs)
         next_reducer = 0
         last_beat = 0.0
         while True:
-            if pending_maps:
-                _, pending_maps = ray.wait(pending_maps, num_returns=len(pending_maps),
-                                           timeout=0, fetch_local=False)
-            maps_done = not pending_maps
+            maps.poll()
+            maps_done = maps.done
             running = {r: i for i, r in enumerate(stats_refs) if i not in finished}
             if running:
                 ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0,
@@ -269,8 +360,6 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                     # Its block is stored (owned by this driver): its segments can go now.
                     master.free_subpartition.remote(shuffle_id, sub)
             if hybrid or maps_done:
-                if maps_done:
-                    ray.get(map_refs)  # surface a map failure before reducers run on
                 for slot in [s for s, sub in in_flight.items() if sub in finished]:
                     del in_flight[slot]
                 free = [s for s in range(len(readers)) if s not in in_flight]
@@ -283,18 +372,17 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                     stats_refs.append(stats_ref)
                     in_flight[slot] = next_reducer
                     next_reducer += 1
-            progress.update(len(map_refs) - len(pending_maps), len(map_refs),
-                            len(finished), num_partitions)
+            progress.update(maps.num_finished, len(blocks), len(finished), num_partitions)
             if maps_done and len(finished) == num_partitions:
                 break
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 master.heartbeat.remote(shuffle_id)
                 last_beat = time.monotonic()
-            waiting = pending_maps + [r for i, r in enumerate(stats_refs)
-                                      if i not in finished]
+            waiting = maps.running_refs() + [r for i, r in enumerate(stats_refs)
+                                             if i not in finished]
             for ref in ray.wait(waiting, num_returns=1, timeout=0.5, fetch_local=False)[0]:
                 ray.get(ref)  # raise a failed task's error now
-        ray.get(map_refs)
+        ray.get(maps.refs)
         summary = ray.get(master.summary.remote(shuffle_id))
     except BaseException as exc:
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
@@ -307,7 +395,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         raise ShuffleFailedError(
             f"{operation} shuffle {shuffle_id} failed and its data was removed: {exc}") from exc
     ray.get(master.release.remote(shuffle_id))
-    progress.update(len(map_refs), len(map_refs), num_partitions, num_partitions, force=True)
+    progress.update(len(blocks), len(blocks), num_partitions, num_partitions, force=True)
     progress.close()
     report = _make_report(summary, operation, config, time.monotonic() - started)
     _last_report = report
@@ -332,6 +420,7 @@ def _make_report(summary: dict, operation: str, config: ShuffleConfig,
         input_bytes=0, wall_time_s=wall, per_node_tier=dict(per_node),
         tier_switches=stats.tier_switches, spill_events=stats.spill_events,
         superseded_attempts=summary["superseded_attempts"],
+        lost_maps_rerun=summary["lost_maps_rerun"],
         hybrid_overlap=bool(first is not None and last is not None and first < last),
         uncompressed_segments=stats.uncompressed_segments,
     )

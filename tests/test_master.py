@@ -132,3 +132,50 @@ def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
     assert registry.free_subpartition("unknown", 0) == 0
     summary = registry.summary("s")  # bytes per tier still count the freed segments
     assert summary["per_node_tier"] == {"n1|disk": [30, 3]}
+
+
+def _finish(registry, m, subs=(0, 1), shuffle="s"):
+    a = registry.begin_map(shuffle, m, "n1")
+    registry.commit(shuffle, m, a, [meta(shuffle, m, sub, 0, a) for sub in subs])
+    registry.finish_map(shuffle, m, a)
+    return a
+
+
+def test_lost_finished_map_is_rerun_and_readers_reset(registry):
+    registry.register("r", 2, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    a0 = _finish(registry, 0, shuffle="r")
+    _finish(registry, 1, shuffle="r")
+    registry.free_subpartition("r", 1)  # reducer 1 stored its output already
+    deleted_before = len(registry.deleted)
+    cursors = {0: (a0, 1), 1: (0, 1)}
+    assert registry.poll("r", 0, cursors).done
+    # A reader of subpartition 0 finds map 0's segment gone: the map is queued once.
+    assert registry.report_lost("r", 0, a0) is True
+    assert registry.report_lost("r", 0, a0) is True
+    assert registry.take_lost("r") == [0] and registry.take_lost("r") == []
+    assert not registry.poll("r", 0, cursors).done  # readers wait for the re-run
+    a1 = registry.begin_map("r", 0, "n1")
+    assert a1 == a0 + 1
+    # Only the lost attempt's unfreed segment is deleted: subpartition 1's was freed.
+    assert [(m.id.subpartition, m.id.attempt) for m in registry.deleted[deleted_before:]] \
+        == [(0, a0)]
+    # The re-run's segment of freed subpartition 1 is deleted at once, not kept.
+    registry.commit("r", 0, a1, [meta("r", 0, 0, 0, a1), meta("r", 0, 1, 0, a1)])
+    assert (1, a1) in [(m.id.subpartition, m.id.attempt) for m in registry.deleted]
+    registry.finish_map("r", 0, a1)
+    res = registry.poll("r", 0, cursors)
+    (m, attempt, reset, metas), = [u for u in res.updates if u[0] == 0]
+    assert (attempt, reset, [x.id.attempt for x in metas]) == (a1, True, [a1]) and res.done
+    assert registry.summary("r")["lost_maps_rerun"] == 1
+    # A late report about the old attempt changes nothing.
+    assert registry.report_lost("r", 0, a0) is True and registry.take_lost("r") == []
+
+
+def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
+    a0 = _finish(registry, 0)
+    assert registry.report_lost("s", 0, a0) is False
+    assert registry.take_lost("s") == []
+    assert registry.state("s").maps[0].finished_attempt == a0
+    # An unfinished attempt is being retried by its producer: wait for it.
+    b0 = registry.begin_map("s", 1, "n1")
+    assert registry.report_lost("s", 1, b0) is True

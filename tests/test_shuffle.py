@@ -42,6 +42,12 @@ def test_repartition_exact_through_three_tiers(dataset, tmp_path, mode, ray_loca
     ds, table = dataset
     cfg = base_config(tmp_path, mode=mode, memory_capacity_bytes=2 * MiB,
                       disk_capacity_bytes=3 * MiB, remote_path=f"file://{tmp_path}/remote")
+    # Started processes: on a cold cluster, starting the reader processes can take longer
+    # than these few MB of maps, and the overlap checked below would not happen.
+    from hybrid_ray.actors import get_readers, get_writers
+
+    workers = get_readers(cfg.namespace, 2) + [w for _, w in get_writers(cfg.namespace)]
+    ray_local.get([w.run.remote(os.getpid) for w in workers])
     out = hybrid_ray.repartition(ds, 6, keys=["key"], config=cfg)
     parts = outputs(out)
     assert len(parts) == 6
@@ -259,4 +265,46 @@ def test_killed_worker_mid_shuffle_output_still_exact(ray_local, tmp_path, role)
     assert row_fingerprint(result["parts"]) == row_fingerprint([table])
     if role == "map":
         assert result["report"].superseded_attempts >= 1
+    assert_no_leftovers(cfg, ray_local)
+
+
+def test_killed_writer_loses_finished_maps_which_are_rerun_exactly(ray_local, tmp_path):
+    """A writer actor owns the memory-tier segments of every map it finished; killing it
+    loses them. Readers (blocking: they start after the maps) report the loss and the
+    driver runs those maps again: the output is still exact and nothing is left over."""
+    table = make_table(1_000_000, seed=5)
+    ds = ray_local.data.from_arrow(table).repartition(12).materialize()
+    cfg = base_config(tmp_path, mode="blocking", memory_capacity_bytes=512 * MiB,
+                      map_chunk_bytes=256 * 1024)
+    master = get_master(cfg.namespace)
+    result: dict = {}
+
+    def run():
+        try:
+            res = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 4, SlowHashPartitioner(["key"]),
+                                         table.schema, cfg)
+            result["parts"] = ray_local.get(res.refs)
+            result["report"] = res.report
+        except BaseException as exc:  # reported to the test thread below
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    killed = None
+    deadline = time.time() + 60
+    while killed is None and thread.is_alive() and time.time() < deadline:
+        for s in ray_local.get(master.status.remote())["shuffles"]:
+            maps = ray_local.get(master.progress.remote(s["shuffle_id"]))["maps"]
+            done = [m for m in maps if m["finished"] is not None and m["pid"]]
+            if done and any(m["finished"] is None for m in maps):
+                killed = done[0]["pid"]
+                os.kill(killed, signal.SIGKILL)
+                break
+        time.sleep(0.02)
+    thread.join(300)
+    assert killed, "never caught a finished map while others were running"
+    assert "error" not in result, result.get("error")
+    assert row_fingerprint(result["parts"]) == row_fingerprint([table])
+    report = result["report"]
+    assert report.lost_maps_rerun >= 1 and report.bytes_per_tier()["disk"] == 0
     assert_no_leftovers(cfg, ray_local)

@@ -1,7 +1,8 @@
 """Memory tier: segments as objects in the node's Ray object store (plasma).
 
-Objects must outlive the map task that wrote them, so they are owned by the node's
-long-lived tier-manager actor (``owner``), which puts them itself (see ``put_many_owned_by``).
+Objects must outlive the process that wrote them unless it is long-lived (a writer actor,
+``owner=None``): a short-lived writer (a Spark executor's Python worker) has the node's
+tier-manager actor own them (``owner``), which puts them itself (see ``put_many_owned_by``).
 """
 
 from __future__ import annotations
