@@ -34,6 +34,9 @@ ADD_OPENS = " ".join(f"--add-opens=java.base/{p}=ALL-UNNAMED" for p in JAVA_OPEN
 JAVA_OPTION_KEYS = ("spark.ray.raydp_app_master.extraJavaOptions",
                     "spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions")
 SUPPORTED_JAVA = (8, 11, 17, 21)
+# The logical Ray CPUs RayDP has each executor actor claim; Spark's own task slots per
+# executor (spark.executor.cores) do not depend on it.
+EXECUTOR_ACTOR_CPU_KEY = "spark.ray.raydp_spark_executor.actor.resource.cpu"
 SUPPORTED_PYSPARK = "3.5."
 
 
@@ -90,10 +93,29 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+def executor_actor_cpus(num_executors: int, executor_cores: int, cluster_cpus: float) -> float:
+    """Logical Ray CPUs each executor actor claims: its cores, but all executors together
+    at most half the cluster's CPUs.
+
+    Why: by default each executor holds ``executor_cores`` of Ray's CPUs for its whole
+    life. On a small cluster the executors then hold every CPU, and anything else that
+    needs one waits forever with no error: Ray Data on the same cluster
+    (``ray.data.from_spark``, a lazy Dataset's ``materialize``) and ``hybrid_ray.sort``'s
+    sampling (seen: the benchmark's RayDP-conversion case hung). The claim is only Ray's
+    bookkeeping; Spark still runs ``executor_cores`` tasks per executor.
+    """
+    wanted = float(num_executors * executor_cores)
+    if cluster_cpus <= 0 or wanted <= cluster_cpus / 2:
+        return float(executor_cores)
+    return round(cluster_cpus / 2 / num_executors, 4)
+
+
 def spark_configs(num_executors: int, executor_cores: int,
-                  configs: Mapping[str, str] | None) -> dict[str, str]:
+                  configs: Mapping[str, str] | None,
+                  cluster_cpus: float = 0.0) -> dict[str, str]:
     """Spark configs for RayDP: our defaults, the caller's configs over them, and the
-    ``--add-opens`` flags appended to whatever Java options the caller gave."""
+    ``--add-opens`` flags appended to whatever Java options the caller gave.
+    ``cluster_cpus`` sizes the executors' claim on Ray's CPUs (``executor_actor_cpus``)."""
     merged = {
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
@@ -102,6 +124,8 @@ def spark_configs(num_executors: int, executor_cores: int,
         # Executors' Python daemon: PySpark's, minus a zip re-read per task and with the
         # bridge's modules preloaded (see spark_bridge/python_daemon.py).
         "spark.python.daemon.module": "spark_bridge.python_daemon",
+        EXECUTOR_ACTOR_CPU_KEY: str(executor_actor_cpus(num_executors, executor_cores,
+                                                        cluster_cpus)),
     }
     for key, value in (configs or {}).items():
         if not isinstance(key, str):
@@ -118,9 +142,11 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     """Start Spark on the Ray cluster through RayDP and return its ``SparkSession``.
 
     Connects to (or starts) Ray first: ``ray_address`` or ``RAY_ADDRESS``, else a local Ray.
-    On this 2-core machine the defaults (2 executors x 1 core) use every CPU, which is why
-    hybrid_ray's own actors take no CPU. ``configs`` are Spark configs; Java options given
-    there are kept and the required ``--add-opens`` flags appended.
+    The executors together claim at most half of the cluster's logical CPUs from Ray (see
+    ``executor_actor_cpus``; set ``spark.ray.raydp_spark_executor.actor.resource.cpu`` in
+    ``configs`` to choose), so Ray Data and hybrid_ray work in the same session; they would
+    otherwise wait forever for a CPU on a small cluster. ``configs`` are Spark configs; Java
+    options given there are kept and the required ``--add-opens`` flags appended.
     """
     if not isinstance(app_name, str) or not app_name.strip():
         raise ConfigError(f"app_name must be a non-empty string, got {app_name!r}")
@@ -145,8 +171,10 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     try:
+        cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
         return raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
-                                configs=spark_configs(num_executors, executor_cores, configs))
+                                configs=spark_configs(num_executors, executor_cores, configs,
+                                                      cluster_cpus))
     except Exception as exc:  # RayDP raises bare Exceptions and Py4J errors
         text = str(exc)
         if "has inited" in text:

@@ -10,7 +10,7 @@ import pytest
 import hybrid_ray
 from conftest import files_under, row_fingerprint
 from hybrid_ray import MiB, ShuffleConfig
-from hybrid_ray.actors import existing_tier_manager
+from hybrid_ray.actors import existing_tier_manager, get_writers
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +43,11 @@ def test_two_nodes_cross_node_reads_exact_on_a_million_rows(cluster, tmp_path):
     table = pa.table({"key": rng.integers(0, 50_000, rows), "v": rng.integers(0, 1 << 62, rows)})
     ds = ray.data.from_arrow(table).repartition(8).materialize()
     spill = str(tmp_path / "spill-{node_id}")
-    cfg = ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=2 * MiB, progress=False,
+    cfg = ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=1 * MiB, progress=False,
                         segment_bytes={"memory": 256 * 1024, "disk": 512 * 1024})
+    # Writers started: a node whose writer is still starting would get fewer maps (the
+    # other node's writer takes them), maybe too few to reach its disk tier.
+    ray.get([w.run.remote(int, 0) for _, w in get_writers(cfg.namespace)])
     parts = ray.get(hybrid_ray.repartition(ds, 4, keys=["key"], config=cfg).to_arrow_refs())
     assert row_fingerprint(parts) == row_fingerprint([table])
     report = hybrid_ray.last_report()

@@ -259,6 +259,18 @@ def test_init_spark_validates_and_explains(spark, monkeypatch):
         spark_bridge.init_spark("x")
 
 
+def test_ray_tasks_and_ray_data_run_beside_the_executors(spark, tmp_path):
+    """The executors hold every Spark core but only half of Ray's CPUs: a Ray task, a lazy
+    Ray Dataset and hybrid_ray's sort (sampling tasks) all run instead of waiting forever."""
+    import hybrid_ray
+
+    assert ray.get(ray.remote(num_cpus=1)(lambda: 42).remote(), timeout=120) == 42
+    lazy = ray.data.range(20_000).map_batches(lambda b: {"key": b["id"] % 97, "id": b["id"]})
+    out = hybrid_ray.sort(lazy, "key", config=base_config(tmp_path))
+    keys = [k for t in ray.get(out.to_arrow_refs()) for k in t["key"].to_pylist()]
+    assert len(keys) == 20_000 and keys == sorted(keys)
+
+
 def test_executors_run_the_bridge_python_daemon(spark):
     """init_spark's executors fork Python workers from spark_bridge.python_daemon: the zip
     re-read is lazy and the preloaded modules are frozen out of the cyclic collector."""
