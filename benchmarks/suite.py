@@ -401,11 +401,10 @@ class Bench:
         import spark_bridge
         from hybrid_ray import ShuffleConfig
 
-        # RayDP's executors are Ray actors holding one logical CPU each: with only the
-        # machine's CPUs declared, they hold all of them, and the Ray tasks of the
-        # conversion path (from_spark, hybrid_ray's maps) wait forever (seen: the
-        # spark_raydp_convert case hung). Declaring twice as many logical CPUs lets both run.
-        ray.init(num_cpus=2 * self.args.cpus, object_store_memory=self._object_store_bytes(),
+        # The machine's CPUs, as a user's session has them: init_spark has the executors
+        # claim only half of Ray's CPUs, so the conversion path's Ray tasks can run (with
+        # every CPU held by executors, spark_raydp_convert used to hang).
+        ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
                  include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             spark = spark_bridge.init_spark("hybrid_ray-bench", num_executors=self.args.cpus,
