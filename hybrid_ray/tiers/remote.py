@@ -8,6 +8,7 @@ partial writes (local files) the segment is written under a temporary name and m
 from __future__ import annotations
 
 import posixpath
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,8 @@ from hybrid_ray.errors import RemoteTierError, SegmentNotFoundError
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
 
+# Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
+REMOVE_ATTEMPTS = 5
 # Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 
@@ -116,8 +119,18 @@ class RemoteTier(Tier):
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
         path = self.shuffle_path(shuffle_id)
-        try:
-            self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
+        # A map still running when its shuffle is released (a failed shuffle's other maps)
+        # may land one more segment while the tree is removed ("Directory not empty" on a
+        # local path); its refused commit deletes that segment, so removing again suffices.
+        for attempt in range(REMOVE_ATTEMPTS):
+            try:
+                self.fs.rm(path, recursive=True)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if attempt == REMOVE_ATTEMPTS - 1:
+                    raise
+                self.fs.invalidate_cache()
+                time.sleep(0.2 * (attempt + 1))
         self.fs.invalidate_cache()
