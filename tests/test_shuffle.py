@@ -216,6 +216,10 @@ def _find_victim(master, ray_mod, role: str):
             for m in prog["maps"]:
                 if m["finished"] is None and m["segments"] > 0 and m["attempt"] == 0 and m["pid"]:
                     return m["pid"]
+        elif role == "finished_map":  # the writer of a finished map, while others still run
+            done = [m for m in prog["maps"] if m["finished"] is not None and m["pid"]]
+            if done and any(m["finished"] is None for m in prog["maps"]):
+                return done[0]["pid"]
         else:
             for r in prog["readers"].values():
                 if r["delivered"] > 0 and not r["done"] and r["pid"]:
@@ -231,12 +235,10 @@ class SlowHashPartitioner(hybrid_ray.HashPartitioner):
         return super().assign(table, map_index, num_partitions)
 
 
-@pytest.mark.parametrize("role", ["map", "reduce"])
-def test_killed_worker_mid_shuffle_output_still_exact(ray_local, tmp_path, role):
-    table = make_table(1_000_000, seed=3)
-    ds = ray_local.data.from_arrow(table).repartition(12).materialize()
-    cfg = base_config(tmp_path, memory_capacity_bytes=4 * MiB, map_chunk_bytes=256 * 1024,
-                      max_concurrent_reducers=2)
+def _shuffle_killing_one(ray_mod, ds, table, cfg, role: str) -> tuple[int | None, dict]:
+    """Run a slow 4-partition shuffle of ``ds`` in a thread and SIGKILL the first process
+    ``_find_victim`` names for ``role`` meanwhile. Returns (killed pid, result) where
+    result holds "parts" and "report", or "error"."""
     master = get_master(cfg.namespace)
     result: dict = {}
 
@@ -244,7 +246,7 @@ def test_killed_worker_mid_shuffle_output_still_exact(ray_local, tmp_path, role)
         try:
             res = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 4, SlowHashPartitioner(["key"]),
                                          table.schema, cfg)
-            result["parts"] = ray_local.get(res.refs)
+            result["parts"] = ray_mod.get(res.refs)
             result["report"] = res.report
         except BaseException as exc:  # reported to the test thread below
             result["error"] = exc
@@ -254,12 +256,22 @@ def test_killed_worker_mid_shuffle_output_still_exact(ray_local, tmp_path, role)
     killed = None
     deadline = time.time() + 60
     while killed is None and thread.is_alive() and time.time() < deadline:
-        pid = _find_victim(master, ray_local, role)
+        pid = _find_victim(master, ray_mod, role)
         if pid:
             os.kill(pid, signal.SIGKILL)
             killed = pid
         time.sleep(0.02)
     thread.join(300)
+    return killed, result
+
+
+@pytest.mark.parametrize("role", ["map", "reduce"])
+def test_killed_worker_mid_shuffle_output_still_exact(ray_local, tmp_path, role):
+    table = make_table(1_000_000, seed=3)
+    ds = ray_local.data.from_arrow(table).repartition(12).materialize()
+    cfg = base_config(tmp_path, memory_capacity_bytes=4 * MiB, map_chunk_bytes=256 * 1024,
+                      max_concurrent_reducers=2)
+    killed, result = _shuffle_killing_one(ray_local, ds, table, cfg, role)
     assert killed, f"never caught a {role} task mid-flight"
     assert "error" not in result, result.get("error")
     assert row_fingerprint(result["parts"]) == row_fingerprint([table])
@@ -276,32 +288,7 @@ def test_killed_writer_loses_finished_maps_which_are_rerun_exactly(ray_local, tm
     ds = ray_local.data.from_arrow(table).repartition(12).materialize()
     cfg = base_config(tmp_path, mode="blocking", memory_capacity_bytes=512 * MiB,
                       map_chunk_bytes=256 * 1024)
-    master = get_master(cfg.namespace)
-    result: dict = {}
-
-    def run():
-        try:
-            res = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 4, SlowHashPartitioner(["key"]),
-                                         table.schema, cfg)
-            result["parts"] = ray_local.get(res.refs)
-            result["report"] = res.report
-        except BaseException as exc:  # reported to the test thread below
-            result["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    killed = None
-    deadline = time.time() + 60
-    while killed is None and thread.is_alive() and time.time() < deadline:
-        for s in ray_local.get(master.status.remote())["shuffles"]:
-            maps = ray_local.get(master.progress.remote(s["shuffle_id"]))["maps"]
-            done = [m for m in maps if m["finished"] is not None and m["pid"]]
-            if done and any(m["finished"] is None for m in maps):
-                killed = done[0]["pid"]
-                os.kill(killed, signal.SIGKILL)
-                break
-        time.sleep(0.02)
-    thread.join(300)
+    killed, result = _shuffle_killing_one(ray_local, ds, table, cfg, "finished_map")
     assert killed, "never caught a finished map while others were running"
     assert "error" not in result, result.get("error")
     assert row_fingerprint(result["parts"]) == row_fingerprint([table])
