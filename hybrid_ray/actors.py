@@ -282,9 +282,13 @@ def _alive_cpu_nodes() -> list[dict]:
 
 
 def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
-    # soft affinity: a worker restarted after its node died may run elsewhere.
+    # Hard affinity: with soft affinity Ray placed a new node's writer on the driver's node
+    # about half the time on a fresh two-node cluster (its view of the new node lagging),
+    # leaving that node's CPUs idle and its tier manager unused. If the node dies, the
+    # worker dies with it, as does the node's tier manager and every segment on it: the
+    # shuffle in flight fails loudly, and later ones use only the alive nodes.
     return _get_or_start(ShuffleWorkerActor, f"{prefix}{node}_{k}", namespace,
-                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
 
 
 def get_readers(namespace: str, count: int) -> list[Any]:

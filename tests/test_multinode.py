@@ -46,8 +46,12 @@ def test_two_nodes_cross_node_reads_exact_on_a_million_rows(cluster, tmp_path):
     cfg = ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=1 * MiB, progress=False,
                         segment_bytes={"memory": 256 * 1024, "disk": 512 * 1024})
     # Writers started: a node whose writer is still starting would get fewer maps (the
-    # other node's writer takes them), maybe too few to reach its disk tier.
-    ray.get([w.run.remote(int, 0) for _, w in get_writers(cfg.namespace)])
+    # other node's writer takes them), maybe too few to reach its disk tier. Each writer
+    # runs on the node it is named for (soft affinity once put both on one node).
+    writers = get_writers(cfg.namespace)
+    placed = ray.get([w.run.remote(lambda: ray.get_runtime_context().get_node_id())
+                      for _, w in writers])
+    assert placed == [node for node, _ in writers]
     parts = ray.get(hybrid_ray.repartition(ds, 4, keys=["key"], config=cfg).to_arrow_refs())
     assert row_fingerprint(parts) == row_fingerprint([table])
     report = hybrid_ray.last_report()
