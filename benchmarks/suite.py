@@ -42,6 +42,9 @@ MB = 1_000_000
 # RayDP's Spark <-> Ray Dataset converters ran at 7-15 MB/s here: the conversion-path case
 # runs on at most this much of the data so the whole suite stays within its time.
 RAYDP_CONVERT_MAX_BYTES = 256 * MB
+# Uncapped Spark cases run twice, alternating, best kept: a single run put Spark's own
+# shuffle at 39 MB/s one time and 94 MB/s the next on this machine.
+SPARK_ROUNDS = 2
 
 
 @dataclasses.dataclass
@@ -88,8 +91,13 @@ SCENARIOS = {s.name: s for s in [
     Scenario("hybrid_nodes_1", "multinode", "hybrid_memory_disk on a 1-node Cluster"),
     Scenario("hybrid_nodes_2", "multinode", "hybrid_memory_disk on 2 simulated nodes"),
     Scenario("hybrid_nodes_4", "multinode", "hybrid_memory_disk on 4 simulated nodes"),
-    Scenario("spark_native", "spark", "Spark's own df.repartition(n, 'key') on RayDP"),
-    Scenario("spark_bridge", "spark", "spark_bridge.repartition through hybrid_ray"),
+    Scenario("spark_native", "spark", "Spark's own df.repartition(n, 'key') on RayDP, "
+             "from parquet"),
+    Scenario("spark_bridge", "spark", "spark_bridge.repartition through hybrid_ray, from "
+             "parquet (a plain scan: the writers read the files)"),
+    Scenario("spark_bridge_executors", "spark", "as spark_bridge with direct_scan=False: "
+             "Spark's executors hand every row to hybrid_ray (the path of any DataFrame "
+             "that is not a plain parquet scan)"),
     Scenario("spark_raydp_convert", "spark",
              "RayDP's conversion path: ray.data.from_spark, hybrid_ray.repartition, "
              f"Dataset.to_spark (at most {RAYDP_CONVERT_MAX_BYTES // 10**6} MB: it runs at "
@@ -145,7 +153,8 @@ class Bench:
                       f"{result.nodes} node(s)] -> {status}")
 
     def timed_case(self, case: str, family: str, workload: str, size: int, nodes: int,
-                   run: Callable[[], tuple[Any, Callable[[], bool], dict | None, str]]) -> None:
+                   run: Callable[[], tuple[Any, Callable[[], bool], dict | None, str]],
+                   record: bool = True) -> CaseResult:
         """``run`` does the timed work and returns (output, verify, tier bytes, note)."""
         result = CaseResult(case, family, workload, size, nodes)
         try:
@@ -163,7 +172,9 @@ class Bench:
             result.error = describe_error(exc)
             if self.args.verbose:
                 traceback.print_exc()
-        self.record(result)
+        if record:
+            self.record(result)
+        return result
 
     def remote(self) -> tuple[str, dict]:
         """The remote tier: --remote, else a local moto S3 server (real HTTP, S3 API)."""
@@ -416,8 +427,14 @@ class Bench:
             warm = spark.range(0, 100_000, numPartitions=2 * self.args.cpus) \
                 .selectExpr("id as key")
             spark_checksum(warm.repartition(4, "key"))
-            spark_checksum(spark_bridge.repartition(warm, 4, "key", config=ShuffleConfig(
-                progress=False, spill_dirs=[os.path.join(self.workdir, "warmup")])))
+            warm_config = ShuffleConfig(progress=False,
+                                        spill_dirs=[os.path.join(self.workdir, "warmup")])
+            spark_checksum(spark_bridge.repartition(warm, 4, "key", config=warm_config))
+            # ...and the writers through the direct parquet path.
+            warm_path = os.path.join(self.workdir, "warmup-parquet")
+            warm.write.mode("overwrite").parquet(warm_path)
+            spark_checksum(spark_bridge.repartition(spark.read.parquet(warm_path), 4, "key",
+                                                    config=warm_config))
             spark_bridge.release_all()
             try:
                 yield spark
@@ -427,72 +444,97 @@ class Bench:
             ray.shutdown()
 
     def _spark_cases(self, spark: Any, cases: list[tuple[str, str, int]],
-                     capped_dir: str | None) -> None:
+                     capped_dir: str | None, rounds: int = 1) -> None:
+        """Run the cases ``rounds`` times, alternating (so drift on this shared machine hits
+        every case alike), and record each case's fastest verified round."""
+        import spark_bridge
+
+        runners = [(name, workload, *self._spark_case(spark, name, workload, size, capped_dir))
+                   for name, workload, size in cases]
+        best: dict[str, CaseResult] = {}
+        for _ in range(rounds):
+            for name, workload, family, size, run in runners:
+                result = self.timed_case(name, family, workload, size, 1, run, record=False)
+                spark_bridge.release_all()
+                prev = best.get(name)
+                if prev is None or (result.verified and
+                                    (not prev.verified or result.mb_s > prev.mb_s)):
+                    best[name] = result
+        for name, *_ in runners:
+            if rounds > 1:
+                best[name].note += f"; best of {rounds} alternating rounds"
+            self.record(best[name])
+
+    def _spark_case(self, spark: Any, name: str, workload: str, size: int,
+                    capped_dir: str | None) -> tuple[str, int, Callable[[], Any]]:
+        """(family, size, timed function) of one Spark case."""
         import spark_bridge
         from hybrid_ray import ShuffleConfig
 
         n = self.args.partitions
-        for name, workload, size in cases:
-            if name == "spark_raydp_convert":
-                size = min(size, RAYDP_CONVERT_MAX_BYTES)
-            path, expected = self._parquet_input(workload, size)
-            df = spark.read.parquet(path)
+        if name == "spark_raydp_convert":
+            size = min(size, RAYDP_CONVERT_MAX_BYTES)
+        path, expected = self._parquet_input(workload, size)
+        # Not cached: every case reads the same parquet files (in the page cache after
+        # this first count), so Spark and the bridge's direct scan start from the same
+        # place. A cached DataFrame would also send the bridge through the executors.
+        df = spark.read.parquet(path)
+        df.count()
+
+        def verify(out) -> Callable[[], bool]:
+            return lambda: spark_checksum(out) == expected
+
+        if name.startswith("spark_native"):
+            def run():
+                out = df.repartition(n, "key")
+                out.write.format("noop").mode("overwrite").save()
+                return out, verify(out), None, "noop sink"
+            family = "spark"
+        elif name == "spark_raydp_convert":
+            import ray
+
+            import hybrid_ray
+
+            config = ShuffleConfig(spill_dirs=[os.path.join(self.workdir, "spill")],
+                                   progress=False, memory_capacity_bytes=size // 2)
+
+            def run():
+                # One partition per executor: from_spark hung here with 32 partitions
+                # on 2 executors (dozens of Python workers started).
+                ds = ray.data.from_spark(df.coalesce(self.args.cpus))
+                shuffled = hybrid_ray.repartition(ds, n, keys=["key"], config=config)
+                report = hybrid_ray.last_report()
+                out = shuffled.to_spark(spark)
+                out.write.format("noop").mode("overwrite").save()
+                return out, verify(out), report.bytes_per_tier(), \
+                    "from_spark + hybrid_ray + to_spark to noop sink"
+            family = "spark_bridge"
+        else:
             if capped_dir is None:
-                df = df.cache()
-            df.count()  # load (and cache) outside the timed part
-
-            def verify(out) -> Callable[[], bool]:
-                return lambda: spark_checksum(out) == expected
-
-            if name.startswith("spark_native"):
-                def run():
-                    out = df.repartition(n, "key")
-                    out.write.format("noop").mode("overwrite").save()
-                    return out, verify(out), None, "noop sink"
-                family = "spark"
-            elif name == "spark_raydp_convert":
-                import ray
-
-                import hybrid_ray
-
                 config = ShuffleConfig(spill_dirs=[os.path.join(self.workdir, "spill")],
                                        progress=False, memory_capacity_bytes=size // 2)
-
-                def run():
-                    # One partition per executor: from_spark hung here with 32 partitions
-                    # on 2 executors (dozens of Python workers started).
-                    ds = ray.data.from_spark(df.coalesce(self.args.cpus))
-                    shuffled = hybrid_ray.repartition(ds, n, keys=["key"], config=config)
-                    report = hybrid_ray.last_report()
-                    out = shuffled.to_spark(spark)
-                    out.write.format("noop").mode("overwrite").save()
-                    return out, verify(out), report.bytes_per_tier(), \
-                        "from_spark + hybrid_ray + to_spark to noop sink"
-                family = "spark_bridge"
             else:
-                if capped_dir is None:
-                    config = ShuffleConfig(spill_dirs=[os.path.join(self.workdir, "spill")],
-                                           progress=False, memory_capacity_bytes=size // 2)
-                else:
-                    remote, options = self.remote()
-                    config = ShuffleConfig(spill_dirs=[capped_dir], progress=False,
-                                           memory_capacity_bytes=size // 8,
-                                           remote_path=remote, storage_options=options)
+                remote, options = self.remote()
+                config = ShuffleConfig(spill_dirs=[capped_dir], progress=False,
+                                       memory_capacity_bytes=size // 8,
+                                       remote_path=remote, storage_options=options)
 
-                def run():
-                    out = spark_bridge.repartition(df, n, "key", config=config)
-                    out.write.format("noop").mode("overwrite").save()
-                    report = spark_bridge.last_report()
-                    return out, verify(out), report.bytes_per_tier(), "map + reduce to noop sink"
-                family = "spark_bridge"
-            self.timed_case(name, family, workload, size, 1, run)
-            spark_bridge.release_all()
-            df.unpersist()
+            direct = name != "spark_bridge_executors"
+
+            def run():
+                out = spark_bridge.repartition(df, n, "key", config=config,
+                                               direct_scan=direct)
+                out.write.format("noop").mode("overwrite").save()
+                report = spark_bridge.last_report()
+                return out, verify(out), report.bytes_per_tier(), \
+                    f"map ({report.map_input}) + reduce to noop sink"
+            family = "spark_bridge"
+        return family, size, run
 
     def _run_spark(self, cases: list[tuple[str, str, int]]) -> None:
         try:
             with self._spark({}) as spark:
-                self._spark_cases(spark, cases, None)
+                self._spark_cases(spark, cases, None, rounds=SPARK_ROUNDS)
         except Exception as exc:
             self._record_session_failure(cases, exc)
 
@@ -589,6 +631,8 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
          "ratio": ratio(main, spark)},
         {"goal": "spark_bridge vs Spark's own df.repartition", "target": 1.0,
          "ratio": ratio(bridge, spark)},
+        {"goal": "spark_bridge through the executors (not a plain parquet scan) vs Spark",
+         "target": 1.0, "ratio": ratio(_best(results, case="spark_bridge_executors"), spark)},
         {"goal": "hybrid_disk_capped vs uncapped hybrid_memory_disk", "target": 0.5,
          "ratio": ratio(capped, main)},
     ]

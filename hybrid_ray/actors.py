@@ -210,9 +210,9 @@ class ShuffleMasterActor:
         with self._lock:
             return self.registry.consumed(shuffle_id, subpartition)
 
-    def release(self, shuffle_id: str) -> bool:
+    def release(self, shuffle_id: str, reason: str = "") -> bool:
         with self._lock:
-            return self.registry.release(shuffle_id)
+            return self.registry.release(shuffle_id, reason)
 
     def expire(self) -> list[str]:
         with self._lock:

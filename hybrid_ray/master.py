@@ -94,12 +94,17 @@ class ShuffleRegistry:
         self._release_data = release_data
         self._clock = clock
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
+        # Why a recently released shuffle was released, if its driver said (a failed map
+        # stage): readers still running then fail with that reason.
+        self.release_reasons: dict[str, str] = {}
 
     def _get(self, shuffle_id: str) -> ShuffleState:
         try:
             return self._shuffles[shuffle_id]
         except KeyError:
-            hint = (" (it was released: its data is gone; re-run the shuffle)"
+            reason = self.release_reasons.get(shuffle_id)
+            hint = (f" (it was released because {reason})" if reason else
+                    " (it was released: its data is gone; re-run the shuffle)"
                     if shuffle_id in self.released else "")
             raise ShuffleNotFoundError(f"unknown shuffle {shuffle_id!r}{hint}") from None
 
@@ -280,12 +285,17 @@ class ShuffleRegistry:
         return False
 
     # ---- release --------------------------------------------------------------------------------
-    def release(self, shuffle_id: str) -> bool:
-        """Delete all data of a shuffle on every node and the remote tier."""
+    def release(self, shuffle_id: str, reason: str = "") -> bool:
+        """Delete all data of a shuffle on every node and the remote tier. ``reason`` (e.g.
+        "its map stage failed: ...") is what readers of the shuffle are told afterwards."""
         state = self._shuffles.pop(shuffle_id, None)
         if state is None:
             return False
+        if len(self.released) == self.released.maxlen:
+            self.release_reasons.pop(self.released[0], None)
         self.released.append(shuffle_id)
+        if reason:
+            self.release_reasons[shuffle_id] = reason
         self._release_data(state)
         return True
 

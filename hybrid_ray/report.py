@@ -37,6 +37,9 @@ class ShuffleReport:
     uncompressed_segments: int = 0
     # Finished maps run again because their memory-tier output died with its writer.
     lost_maps_rerun: int = 0
+    # Where the maps read their rows, if not from Ray objects: "spark executors" (rows
+    # handed over by Spark's Python workers) or "parquet files" (read by the writers).
+    map_input: str = ""
 
     @property
     def throughput_mb_s(self) -> float:
@@ -64,7 +67,8 @@ class ShuffleReport:
         """The report as a printable table."""
         lines = [
             f"shuffle {self.shuffle_id} ({self.operation}, mode={self.mode}, "
-            f"spilling={self.spilling}): {self.num_maps} maps -> {self.num_partitions} partitions",
+            f"spilling={self.spilling}): {self.num_maps} maps -> {self.num_partitions} partitions"
+            + (f", maps read {self.map_input}" if self.map_input else ""),
             f"  rows {self.rows:,}  input {self.input_bytes / 1e6:,.1f} MB  "
             f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
             f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -237,18 +237,23 @@ class _MapDispatcher:
     (``ShuffleRegistry.report_lost``) go to the front of the queue: readers wait for them.
     """
 
-    def __init__(self, writers: list[tuple[str, Any]], blocks: Sequence[ray.ObjectRef],
-                 shuffle_id: str, num_partitions: int, partitioner: Partitioner,
-                 config: ShuffleConfig, master: Any) -> None:
+    def __init__(self, writers: list[tuple[str, Any]], inputs: Sequence[Any],
+                 shuffle_id: str, master: Any, map_fn: Callable[..., Any],
+                 map_args: tuple, input_nodes: Sequence[str | None] | None = None) -> None:
+        """Runs ``map_fn(shuffle_id, map_index, inputs[map_index], *map_args)`` for every
+        input; ``input_nodes[i]`` is the node holding input i (None: anywhere)."""
         self._writers = writers
-        self._blocks = blocks
-        self._args = (num_partitions, partitioner, config, master)
+        self._blocks = inputs
+        self._map_fn = map_fn
+        self._args = map_args
         self._shuffle_id = shuffle_id
         self._master = master
-        self._queue: collections.deque[int] = collections.deque(range(len(blocks)))
+        self._queue: collections.deque[int] = collections.deque(range(len(inputs)))
         self._running: dict[int, tuple[int, ray.ObjectRef]] = {}  # writer -> (map, ref)
-        self._block_nodes = _block_nodes(blocks)
+        self._block_nodes = list(input_nodes) if input_nodes is not None \
+            else [None] * len(inputs)
         self.refs: list[ray.ObjectRef] = []  # every map run, for surfacing failures
+        self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
         self._dispatch()
 
     @property
@@ -270,8 +275,9 @@ class _MapDispatcher:
             ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
                                 fetch_local=False)
             for ref in ready:
-                ray.get(ref)
-                del self._running[by_ref[ref]]
+                slot = by_ref[ref]
+                self.results[self._running[slot][0]] = ray.get(ref)
+                del self._running[slot]
         lost = ray.get(self._master.take_lost.remote(self._shuffle_id))
         self._queue.extendleft(reversed(lost))
         self._dispatch()
@@ -285,7 +291,7 @@ class _MapDispatcher:
             pick = next((m for m in self._queue if self._block_nodes[m] == node),
                         self._queue[0])
             self._queue.remove(pick)
-            ref = writer.run.remote(map_block, self._shuffle_id, pick, self._blocks[pick],
+            ref = writer.run.remote(self._map_fn, self._shuffle_id, pick, self._blocks[pick],
                                     *self._args)
             self._running[slot] = (pick, ref)
             self.refs.append(ref)
@@ -334,8 +340,9 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     reduce_refs: list[ray.ObjectRef] = []
     stats_refs: list[ray.ObjectRef] = []
     try:
-        maps = _MapDispatcher(get_writers(config.namespace), blocks, shuffle_id,
-                              num_partitions, partitioner, config, master)
+        maps = _MapDispatcher(get_writers(config.namespace), blocks, shuffle_id, master,
+                              map_block, (num_partitions, partitioner, config, master),
+                              _block_nodes(blocks))
         hybrid = config.mode == ShuffleMode.HYBRID
         window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
                                                                .get("CPU", 1)))

@@ -7,8 +7,9 @@
     print(spark_bridge.last_report().table())
     spark_bridge.stop_spark()
 
-The map stage of each operation runs in Spark's executors and writes Arrow batches straight
-into hybrid_ray's tiers; the reduce stage reads them back in Spark tasks (see ``exchange``).
+The map stage of each operation writes into hybrid_ray's tiers: hybrid_ray's writers read a
+plain parquet scan's files themselves (``parquet_scan``), else Spark's executors hand over
+Arrow batches; the reduce stage reads them back in Spark tasks (see ``exchange``).
 """
 
 from spark_bridge.exchange import BridgeShuffle, held_shuffles, last_report, release_all

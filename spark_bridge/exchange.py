@@ -1,6 +1,8 @@
 """The data path between Spark and hybrid_ray: no row passes through RayDP's converters.
 
-Map side: ``df.mapInArrow`` runs in the executors' Python workers. Each worker connects to
+Map side, if ``df`` is a plain scan of local parquet files: hybrid_ray's writer actors read
+the files themselves (``parquet_scan``). Otherwise ``df.mapInArrow`` runs in the executors'
+Python workers. Each worker connects to
 the Ray cluster once (workers are reused) and writes its partition's Arrow batches through
 hybrid_ray's write client on its own node: memory tier (objects owned by the node's tier
 manager, so they outlive the worker), local disk, remote store. Spark's task partition id is
@@ -37,6 +39,7 @@ from hybrid_ray.report import ShuffleReport
 from hybrid_ray.shuffle import (
     HEARTBEAT_S, _make_report, check_remote_tier, read_subpartition, write_map_partition,
 )
+from spark_bridge import parquet_scan
 
 MAP_RESULT_SCHEMA = "map_index int, skipped boolean, rows long, bytes long"
 # Batches handed back to the JVM are cut to this many rows: Spark converts each batch to
@@ -137,6 +140,8 @@ def make_reduce_function(address: str, shuffles: Sequence[BridgeShuffle], reduce
                         inputs.append(read_subpartition(shuffle_id, subpartition, config,
                                                         get_master(config.namespace)))
                     except ShuffleNotFoundError as exc:
+                        if "map stage failed" in str(exc):
+                            raise ShuffleFailedError(str(exc)) from None
                         raise ShuffleNotFoundError(
                             f"{exc}. The hybrid_ray shuffle behind this DataFrame was released "
                             "(spark_bridge.release/stop_spark, or its driver stopped "
@@ -154,13 +159,33 @@ def concat_or_empty(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
 # ---- on the driver ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class BridgeShuffle:
-    """A hybrid_ray shuffle written by a Spark map stage and held for its reduce stage."""
+    """A hybrid_ray shuffle written by a map stage and held for its reduce stage.
+
+    A direct-scan map stage runs in the background: the reduce stage may start at once and
+    read segments as the writers commit them (hybrid). ``report`` waits for the map stage.
+    """
 
     shuffle_id: str
     num_partitions: int
     config: ShuffleConfig
     schema: pa.Schema  # the Arrow schema of the rows that were shuffled
-    report: ShuffleReport
+    _report: ShuffleReport | None = None
+    _error: BaseException | None = None
+    _done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def report(self) -> ShuffleReport:
+        """The map stage's report, once it has finished; raises ``ShuffleFailedError`` if
+        it failed (its data is then gone)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    @property
+    def map_stage_done(self) -> bool:
+        return self._done.is_set()
 
 
 class _LiveShuffles:
@@ -202,20 +227,21 @@ class _LiveShuffles:
 
 
 _live = _LiveShuffles()
-_last_report: ShuffleReport | None = None
+_last_shuffle: BridgeShuffle | None = None
 
 
 def last_report() -> ShuffleReport | None:
-    """The report of the most recent exchange the bridge ran in this process."""
-    return _last_report
+    """The report of the most recent exchange the bridge ran in this process (waiting for
+    its map stage if that still runs; raising ``ShuffleFailedError`` if it failed)."""
+    return _last_shuffle.report if _last_shuffle is not None else None
 
 
-def release(shuffle_id: str) -> bool:
+def release(shuffle_id: str, reason: str = "") -> bool:
     """Delete a held shuffle's data on every node and the remote tier."""
     config = _live.remove(shuffle_id)
     if config is None or not ray.is_initialized():
         return False
-    return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id)))
+    return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id, reason)))
 
 
 def release_all() -> int:
@@ -228,7 +254,10 @@ def held_shuffles() -> list[str]:
 
 
 def _explain_spark_failure(exc: BaseException) -> str:
-    """The line of a Spark job failure that says what went wrong in our code, if any."""
+    """The line of a Spark job failure that says what went wrong in our code, if any.
+    A map of the direct path failed in a writer actor: its cause, not Ray's task header."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        return f"{type(exc.cause).__name__}: {exc.cause}"
     text = str(exc)
     for line in text.splitlines():
         if "hybrid_ray.errors." in line or "Error:" in line and "hybrid_ray" in line:
@@ -251,44 +280,92 @@ def check_config(config: Any) -> ShuffleConfig:
 def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
                   config: ShuffleConfig, operation: str,
                   transform: ChunkTransform | None = None,
-                  shuffled_schema: pa.Schema | None = None) -> BridgeShuffle:
-    """Shuffle ``df``'s rows (after ``transform``) into ``num_partitions`` subpartitions:
-    one Spark job whose tasks write through hybrid_ray. Raises ``ShuffleFailedError`` (with
-    the data removed) if the job fails."""
-    global _last_report
+                  shuffled_schema: pa.Schema | None = None,
+                  direct_scan: bool = True) -> BridgeShuffle:
+    """Shuffle ``df``'s rows (after ``transform``) into ``num_partitions`` subpartitions.
+
+    If ``df`` is a plain scan of local parquet files (and ``direct_scan``), hybrid_ray's
+    writer actors read the files (``parquet_scan``) in the background and this returns at
+    once: the reduce stage consumes while the maps write. Otherwise one Spark job's tasks
+    write through hybrid_ray, and this returns when the job is done. A failed map stage
+    removes the shuffle's data and raises ``ShuffleFailedError`` (from here, from
+    ``BridgeShuffle.report``, and in the reduce tasks)."""
+    global _last_shuffle
     if not ray.is_initialized():
         raise ShuffleFailedError("Ray is not running in this process: start Spark with "
                                  "spark_bridge.init_spark(...) first")
     check_remote_tier(config)  # before Spark runs a task
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    address = ray.get_runtime_context().gcs_address
     master = get_master(config.namespace)
-    shuffle_id = f"spk-{uuid.uuid4().hex[:12]}"
+    shuffle = BridgeShuffle(f"spk-{uuid.uuid4().hex[:12]}", num_partitions, config,
+                            shuffled_schema or to_arrow_schema(df.schema))
     started = time.monotonic()
-    ray.get(master.register.remote(shuffle_id, None, num_partitions, config))
-    _live.add(shuffle_id, config)
-    fn = make_map_function(address, shuffle_id, num_partitions, partitioner, config, transform)
-    try:
+    scan, why_not = parquet_scan.plan_scan(df, config.map_chunk_bytes) if direct_scan \
+        else (None, "direct_scan=False")
+    if scan is not None:
+        # The map count is known: readers can tell when the shuffle is complete.
+        ray.get(master.register.remote(shuffle.shuffle_id, len(scan.pieces), num_partitions,
+                                       config))
+        _live.add(shuffle.shuffle_id, config)
+
+        def run_direct() -> tuple[str, int, int]:
+            num_maps, input_bytes = parquet_scan.run_maps(
+                scan, shuffle.shuffle_id, num_partitions, partitioner, config, master,
+                transform)
+            return "parquet files", num_maps, input_bytes
+        threading.Thread(target=_map_stage, daemon=True, name=f"{shuffle.shuffle_id}-maps",
+                         args=(shuffle, master, operation, started, run_direct)).start()
+        _last_shuffle = shuffle
+        return shuffle
+
+    ray.get(master.register.remote(shuffle.shuffle_id, None, num_partitions, config))
+    _live.add(shuffle.shuffle_id, config)
+    address = ray.get_runtime_context().gcs_address
+    fn = make_map_function(address, shuffle.shuffle_id, num_partitions, partitioner, config,
+                           transform)
+
+    def run_in_executors() -> tuple[str, int, int]:
         rows = df.mapInArrow(fn, MAP_RESULT_SCHEMA).collect()
         num_maps = len(rows)
         if sorted(r.map_index for r in rows) != list(range(num_maps)):
-            raise ShuffleFailedError(f"map stage of {shuffle_id} returned map indices "
-                                     f"{sorted(r.map_index for r in rows)}")
-        ray.get(master.seal.remote(shuffle_id, num_maps))
-        summary = ray.get(master.summary.remote(shuffle_id))
+            raise ShuffleFailedError(f"map stage of {shuffle.shuffle_id} returned map "
+                                     f"indices {sorted(r.map_index for r in rows)}")
+        ray.get(master.seal.remote(shuffle.shuffle_id, num_maps))
+        return f"spark executors ({why_not})", num_maps, sum(r.bytes for r in rows)
+    _map_stage(shuffle, master, operation, started, run_in_executors)
+    shuffle.report  # raises if the map stage failed  # noqa: B018
+    _last_shuffle = shuffle
+    return shuffle
+
+
+def _map_stage(shuffle: BridgeShuffle, master: Any, operation: str, started: float,
+               run: Callable[[], tuple[str, int, int]]) -> None:
+    """Run a map stage, then complete ``shuffle`` with its report or its error (the data
+    of a failed stage is removed, and its readers are told why)."""
+    try:
+        map_input, _num_maps, input_bytes = run()
+        summary = ray.get(master.summary.remote(shuffle.shuffle_id))
+        report = _make_report(summary, f"spark_{operation}", shuffle.config,
+                              time.monotonic() - started)
+        report.input_bytes = input_bytes
+        report.map_input = map_input
+        shuffle._report = report
     except BaseException as exc:
-        release(shuffle_id)
+        why = _explain_spark_failure(exc)
+        try:
+            release(shuffle.shuffle_id, f"its map stage failed: {why}")
+        except Exception:  # Ray going down: the master's orphan TTL removes the data
+            pass
+        error = ShuffleFailedError(f"spark_bridge {operation}: the map stage of hybrid_ray "
+                                   f"shuffle {shuffle.shuffle_id} failed and its data was "
+                                   f"removed: {why}")
+        error.__cause__ = exc
+        shuffle._error = error
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise ShuffleFailedError(f"spark_bridge {operation}: the map stage of hybrid_ray "
-                                 f"shuffle {shuffle_id} failed and its data was removed: "
-                                 f"{_explain_spark_failure(exc)}") from exc
-    report = _make_report(summary, f"spark_{operation}", config, time.monotonic() - started)
-    report.input_bytes = sum(r.bytes for r in rows)
-    _last_report = report
-    schema = shuffled_schema or to_arrow_schema(df.schema)
-    return BridgeShuffle(shuffle_id, num_partitions, config, schema, report)
+    finally:
+        shuffle._done.set()
 
 
 def reduce_frame(spark: Any, shuffles: Sequence[BridgeShuffle], reducer: Reducer,

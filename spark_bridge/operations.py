@@ -69,12 +69,17 @@ def release(df: Any) -> int:
 
 # ---- repartition ------------------------------------------------------------------------------------
 def repartition(df: Any, num_partitions: int, *cols: str,
-                config: ShuffleConfig | None = None) -> Any:
+                config: ShuffleConfig | None = None, direct_scan: bool = True) -> Any:
     """``df.repartition(num_partitions, *cols)`` with the exchange done by hybrid_ray.
 
     Returns a DataFrame with ``df``'s schema and exactly its rows, in ``num_partitions``
     partitions; rows with equal values of ``cols`` are in the same partition. The shuffle's
     report is ``spark_bridge.last_report()``.
+
+    ``direct_scan``: if ``df`` is a plain scan of local parquet files, hybrid_ray's writers
+    read the files instead of Spark's executors handing the rows over (same rows, less
+    CPU; see ``spark_bridge.parquet_scan``). The report's ``map_input`` says which ran.
+    The other operations take it too.
     """
     _check_dataframe(df)
     check_num_partitions(num_partitions)
@@ -83,7 +88,7 @@ def repartition(df: Any, num_partitions: int, *cols: str,
     keys = _check_columns(df, cols, "repartition")
     config = exchange.check_config(config)
     shuffle = exchange.run_map_stage(df, num_partitions, HashPartitioner(keys), config,
-                                     "repartition")
+                                     "repartition", direct_scan=direct_scan)
 
     def passthrough(inputs: list[list[pa.Table]], _sub: int) -> Iterator[pa.Table]:
         for table in inputs[0]:
@@ -156,7 +161,8 @@ def _make_sampler(key: str, per_partition: int):
 
 
 def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
-         num_partitions: int | None = None, config: ShuffleConfig | None = None) -> Any:
+         num_partitions: int | None = None, config: ShuffleConfig | None = None,
+         direct_scan: bool = True) -> Any:
     """``df.orderBy(*cols, ascending=...)`` with the exchange done by hybrid_ray.
 
     Partitions of the result, in order, hold the globally sorted rows (collect() returns
@@ -180,10 +186,13 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
     samples = [exchange.read_ipc(r.sample).column(0) for r in rows]
     boundaries = _boundaries(samples, n, df, keys[0])
     partitioner = SortPartitioner(keys, ascending, boundaries)
-    shuffle = exchange.run_map_stage(df, n, partitioner, config, "sort")
+    shuffle = exchange.run_map_stage(df, n, partitioner, config, "sort",
+                                     direct_scan=direct_scan)
+
+    schema = shuffle.schema  # not the BridgeShuffle itself: it holds a thread Event
 
     def sort_partition(inputs: list[list[pa.Table]], sub: int) -> Iterator[pa.Table]:
-        yield partitioner.finalize(concat_or_empty(inputs[0], shuffle.schema), sub)
+        yield partitioner.finalize(concat_or_empty(inputs[0], schema), sub)
     return exchange.reduce_frame(df.sparkSession, [shuffle], sort_partition, df.schema)
 
 
@@ -281,7 +290,8 @@ def _mean(total: pa.ChunkedArray, count: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, str]],
-              num_partitions: int | None = None, config: ShuffleConfig | None = None) -> Any:
+              num_partitions: int | None = None, config: ShuffleConfig | None = None,
+              direct_scan: bool = True) -> Any:
     """``df.groupBy(*by).agg(...)`` with the exchange done by hybrid_ray.
 
     ``aggs`` maps each output column to ``(input column, function)``; functions are
@@ -321,7 +331,8 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
     shuffled_schema = plan.map_side(input_schema.empty_table()).schema
     out_schema = _spark_schema(plan.reduce_side(shuffled_schema.empty_table()).schema)
     shuffle = exchange.run_map_stage(df, n, HashPartitioner(keys), config, "aggregate",
-                                     transform=plan.map_side, shuffled_schema=shuffled_schema)
+                                     transform=plan.map_side, shuffled_schema=shuffled_schema,
+                                     direct_scan=direct_scan)
 
     def reduce(inputs: list[list[pa.Table]], _sub: int) -> Iterator[pa.Table]:
         yield plan.reduce_side(concat_or_empty(inputs[0], shuffled_schema))
@@ -341,7 +352,8 @@ JOIN_TYPES = {
 
 
 def join(left: Any, right: Any, on: str | Sequence[str], how: str = "inner",
-         num_partitions: int | None = None, config: ShuffleConfig | None = None) -> Any:
+         num_partitions: int | None = None, config: ShuffleConfig | None = None,
+         direct_scan: bool = True) -> Any:
     """``left.join(right, on, how)`` (an equi-join on same-named columns) with both sides
     exchanged through hybrid_ray and each partition pair joined in the executors.
 
@@ -386,9 +398,11 @@ def join(left: Any, right: Any, on: str | Sequence[str], how: str = "inner",
     out_schema = _spark_schema(join_tables(left_schema.empty_table(),
                                            right_schema.empty_table()).schema)
     partitioner = HashPartitioner(keys)
-    shuffles = [exchange.run_map_stage(left, n, partitioner, config, "join_left")]
+    shuffles = [exchange.run_map_stage(left, n, partitioner, config, "join_left",
+                                       direct_scan=direct_scan)]
     try:
-        shuffles.append(exchange.run_map_stage(right, n, partitioner, config, "join_right"))
+        shuffles.append(exchange.run_map_stage(right, n, partitioner, config, "join_right",
+                                               direct_scan=direct_scan))
     except BaseException:
         exchange.release(shuffles[0].shuffle_id)
         raise

@@ -76,6 +76,15 @@ def test_release_on_consumption_and_unknown_shuffle(registry):
         registry.poll("s", 0, {})
 
 
+def test_readers_of_a_shuffle_released_for_a_failure_are_told_why(registry):
+    assert registry.release("s", "its map stage failed: OSError: disk gone")
+    assert registry.released_ids == ["s"]
+    with pytest.raises(ShuffleNotFoundError, match="released because its map stage failed: "
+                                                   "OSError: disk gone"):
+        registry.poll("s", 0, {})
+    assert not registry.release("s", "again")  # once only
+
+
 def test_orphans_expire_after_ttl_without_heartbeat(registry):
     registry.clock.now += 30
     registry.heartbeat("s")

@@ -285,3 +285,161 @@ def test_executors_run_the_bridge_python_daemon(spark):
     patched = {g[0].startswith("_make_zip_invalidation_lazy.") for g in got}
     assert patched == {sys.version_info < (3, 12)}, got
     assert all(count > 10_000 and preloaded for _, count, preloaded in got), got
+
+
+# ---- direct parquet scan ------------------------------------------------------------------------
+def _write_typed_parquet(directory) -> pa.Table:
+    """Three files, several row groups, the types the direct path reads itself (with the
+    pyarrow-only spellings Spark maps onto them: unsigned, large, fixed-size, dictionary)."""
+    import datetime
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    directory.mkdir()
+    tables = []
+    for f in range(3):
+        n = 40_000 + 1000 * f
+        rng = np.random.default_rng(f)
+        ids = np.arange(n, dtype=np.int64) + 100_000 * f
+        table = pa.table({
+            "id": ids,
+            "k8": pa.array(rng.integers(-100, 100, n), pa.int8()),
+            "u16": pa.array(rng.integers(0, 1 << 16, n), pa.uint16()),
+            "u32": pa.array(rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)),
+            "f": pa.array(rng.random(n), pa.float32()),
+            "flag": pa.array(ids % 3 == 0),
+            "name": pa.array([None if i % 11 == 0 else f"n{i % 313}" for i in ids],
+                             pa.large_string()),
+            "tag": pa.array([f"t{i % 7}" for i in ids]).dictionary_encode(),
+            "raw": pa.FixedSizeBinaryArray.from_buffers(
+                pa.binary(6), n, [None, pa.py_buffer(rng.bytes(6 * n))]),
+            "day": pa.array([datetime.date(2020, 1, 1) + datetime.timedelta(days=int(i % 900))
+                             for i in ids], pa.date32()),
+        })
+        pq.write_table(table, directory / f"part-{f}.parquet", row_group_size=15_000)
+        tables.append(table)
+    return pa.concat_tables(tables)
+
+
+def test_plain_parquet_scan_is_read_by_writers_and_matches_spark(spark, tmp_path):
+    path = tmp_path / "typed"
+    _write_typed_parquet(path)
+    df = spark.read.parquet(str(path))
+    cfg = base_config(tmp_path, memory_capacity_bytes=2 * MiB)
+    want = sorted(df.repartition(5, "name").collect())
+    out = spark_bridge.repartition(df, 5, "name", config=cfg)
+    report = spark_bridge.last_report()
+    assert report.map_input == "parquet files", report.map_input
+    assert report.num_maps == 3 and report.rows == len(want)
+    assert out.schema == df.schema
+    assert sorted(out.collect()) == want  # same values and types as Spark's own reader
+    tiers = report.bytes_per_tier()
+    assert tiers["memory"] > 0 and tiers["disk"] > 0, tiers
+    # Forced through the executors: the same rows.
+    via_spark = spark_bridge.repartition(df, 5, "name", config=cfg, direct_scan=False)
+    assert spark_bridge.last_report().map_input == "spark executors (direct_scan=False)"
+    assert sorted(via_spark.collect()) == want
+    # A pipeline on the direct path: groupBy through hybrid_ray, as Spark computes it.
+    from pyspark.sql import functions as F
+
+    summary = spark_bridge.aggregate(df, "tag", {"n": ("*", "count"), "s": ("u32", "sum"),
+                                                 "top": ("day", "max")}, config=cfg)
+    assert spark_bridge.last_report().map_input == "parquet files"
+    expected = df.groupBy("tag").agg(F.count("*").alias("n"), F.sum("u32").alias("s"),
+                                     F.max("day").alias("top"))
+    assert sorted(summary.collect()) == sorted(expected.collect())
+    for frame in (out, via_spark, summary):
+        spark_bridge.release(frame)
+    assert_no_leftovers(cfg, ray)
+
+
+def test_scans_spark_must_read_itself_go_through_the_executors(spark, tmp_path):
+    """Cached, projected, partitioned, option-carrying, timestamped or gap-filled scans are
+    read by Spark; the report says why, and the rows are still Spark's."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "typed"
+    _write_typed_parquet(path)
+    (tmp_path / "hive" / "year=2024").mkdir(parents=True)
+    pq.write_table(pa.table({"id": [1, 2, 3]}), tmp_path / "hive" / "year=2024" / "a.parquet")
+    (tmp_path / "ts").mkdir()
+    pq.write_table(pa.table({"id": [1, 2], "at": pa.array([0, 10**9], pa.timestamp("us"))}),
+                   tmp_path / "ts" / "a.parquet")
+    cached = spark.read.parquet(str(path)).cache()
+    cases = {
+        "cached": (cached, "InMemoryRelation"),
+        "projected": (spark.read.parquet(str(path)).select("id", "name"), "Project"),
+        "partitioned": (spark.read.parquet(str(tmp_path / "hive")), "partitioned"),
+        "option": (spark.read.option("mergeSchema", "true").parquet(str(path)), "mergeschema"),
+        "timestamp": (spark.read.parquet(str(tmp_path / "ts")), "column 'at' is timestamp"),
+        "gap": (spark.read.schema("id long, extra string").parquet(str(path)),
+                "no column 'extra'"),
+    }
+    cfg = base_config(tmp_path)
+    for name, (df, reason) in cases.items():
+        out = spark_bridge.repartition(df, 3, "id", config=cfg)
+        map_input = spark_bridge.last_report().map_input
+        assert map_input.startswith("spark executors") and reason in map_input, (name, map_input)
+        assert sorted(out.collect()) == sorted(df.collect()), name
+        spark_bridge.release(out)
+    cached.unpersist()
+    assert_no_leftovers(cfg, ray)
+
+
+def test_direct_scan_map_failure_fails_loudly_and_cleans_up(spark, tmp_path):
+    from spark_bridge import exchange
+
+    class ExplodesOnSecondChunk(HashPartitioner):  # local: pickled by value to the writers
+        calls = 0
+
+        def assign(self, table, map_index, num_partitions):
+            type(self).calls += 1
+            if map_index == 2 and type(self).calls > 1:
+                raise RuntimeError("injected map failure")
+            return super().assign(table, map_index, num_partitions)
+
+    path = tmp_path / "typed"
+    _write_typed_parquet(path)
+    df = spark.read.parquet(str(path))
+    cfg = base_config(tmp_path, map_chunk_bytes=256 * 1024)
+    shuffle = exchange.run_map_stage(df, 4, ExplodesOnSecondChunk(["id"]), cfg, "fail-test")
+    out = exchange.reduce_frame(spark, [shuffle], _passthrough, df.schema)
+    with pytest.raises(ShuffleFailedError, match="injected map failure"):
+        shuffle.report  # noqa: B018 - waits for the background map stage
+    with pytest.raises(ShuffleFailedError, match="injected map failure"):
+        spark_bridge.last_report()
+    assert spark_bridge.held_shuffles() == []
+    assert_no_leftovers(cfg, ray)
+    # Reduce tasks are told why the data is gone.
+    with pytest.raises(Exception, match="map stage failed: RuntimeError: injected map failure"):
+        out.collect()
+
+
+def _passthrough(inputs, _sub):
+    yield from inputs[0]
+
+
+def test_direct_scan_reducers_consume_while_maps_still_write(spark, tmp_path):
+    from spark_bridge import exchange
+
+    class LastMapSlow(HashPartitioner):  # local: pickled by value to the writers
+        def assign(self, table, map_index, num_partitions):
+            if map_index == 2:
+                import time
+
+                time.sleep(3.0)
+            return super().assign(table, map_index, num_partitions)
+
+    path = tmp_path / "typed"
+    table = _write_typed_parquet(path)
+    df = spark.read.parquet(str(path))
+    cfg = base_config(tmp_path)
+    shuffle = exchange.run_map_stage(df, 4, LastMapSlow(["id"]), cfg, "overlap-test")
+    assert not shuffle.map_stage_done  # returned while the maps run
+    out = exchange.reduce_frame(spark, [shuffle], _passthrough, df.schema)
+    assert out.count() == table.num_rows
+    assert sorted(out.collect()) == sorted(df.collect())
+    assert shuffle.report.hybrid_overlap, shuffle.report.table()
+    spark_bridge.release(out)
+    assert_no_leftovers(cfg, ray)

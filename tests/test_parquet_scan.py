@@ -1,0 +1,45 @@
+"""The direct parquet scan's file checks and map planning (no Spark needed)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spark_bridge.parquet_scan import MAP_TARGET_BYTES, _pieces, converts_losslessly
+
+
+@pytest.mark.parametrize("source,target,ok", [
+    (pa.int64(), pa.int64(), True),
+    (pa.uint8(), pa.int16(), True),       # Spark reads UINT_8 as ShortType
+    (pa.uint32(), pa.int64(), True),
+    (pa.uint32(), pa.int32(), False),     # would overflow
+    (pa.uint64(), pa.int64(), False),     # Spark: decimal(20,0)
+    (pa.int32(), pa.int64(), False),      # a user schema widening: Spark's business
+    (pa.large_string(), pa.string(), True),
+    (pa.dictionary(pa.int32(), pa.string()), pa.string(), True),
+    (pa.binary(10), pa.binary(), True),
+    (pa.string(), pa.binary(), False),
+    (pa.timestamp("us"), pa.int64(), False),
+])
+def test_converts_losslessly(source, target, ok):
+    assert converts_losslessly(source, target) is ok
+
+
+def test_pieces_group_row_groups_and_refuse_what_spark_would_read_differently(tmp_path):
+    path = str(tmp_path / "a.parquet")
+    n = 100_000
+    pq.write_table(pa.table({"id": pa.array(range(n), pa.int64()),
+                             "s": pa.array([str(i) for i in range(n)])}),
+                   path, row_group_size=30_000)
+    schema = pa.schema([("id", pa.int64()), ("s", pa.string())])
+    pieces = _pieces(path, schema, chunk_bytes=64 * 1024)
+    assert len(pieces) == 1 and pieces[0].row_groups == (0, 1, 2, 3)  # 4 small groups
+    assert 0 < pieces[0].batch_rows < n  # batches of about chunk_bytes
+    assert "no column 'x'" in _pieces(path, schema.append(pa.field("x", pa.int64())), 1 << 20)
+    assert "column 'id'" in _pieces(path, pa.schema([("id", pa.int32())]), 1 << 20)
+    legacy = str(tmp_path / "legacy.parquet")
+    pq.write_table(pa.table({"id": [1]}).replace_schema_metadata(
+        {"org.apache.spark.legacyDateTime": ""}), legacy)
+    assert "legacy calendar" in _pieces(legacy, pa.schema([("id", pa.int64())]), 1 << 20)
+    assert MAP_TARGET_BYTES >= 64 * 1024 * 1024  # maps of whole row groups, Spark-sized
