@@ -1,8 +1,8 @@
 """Segments: the unit of storage and of tier switching (FLIP-301).
 
 A segment holds continuous records of one subpartition of one map partition, encoded as an
-Arrow IPC stream (optionally lz4/zstd compressed) behind a small header carrying a CRC32 of
-the body. The checksum is verified on every read, so a corrupt or truncated segment is
+Arrow IPC stream (optionally lz4/zstd compressed) behind a small header carrying an XXH3-64
+checksum of the body. The checksum is verified on every read, so a corrupt or truncated segment is
 reported with its id and tier instead of silently yielding wrong rows.
 """
 
@@ -11,19 +11,25 @@ from __future__ import annotations
 import dataclasses
 import struct
 import threading
-import zlib
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from hybrid_ray.config import Compression, TierName
 from hybrid_ray.errors import CorruptSegmentError
 
-# magic, format version, codec, reserved, crc32 of body, body length, number of rows
-_HEADER = struct.Struct("<4sBBHIQQ")
+# magic, format version, codec, reserved, checksum of body, body length, number of rows
+# 32 bytes, so the IPC body (and its buffers) stays 8-byte aligned.
+_HEADER = struct.Struct("<4sBBHQQQ")
 _MAGIC = b"HRSG"
-_VERSION = 1
+# Version 2: XXH3-64 replaced zlib's CRC32. Every byte is checksummed twice (written, read)
+# and zlib's CRC32 ran at ~2 GB/s: 10% of a shuffle's CPU in perf. XXH3 runs at memory
+# speed (~14 GB/s here) and detects corruption as well for this purpose (zstd frames use
+# the same family).
+_VERSION = 2
+_checksum = xxhash.xxh3_64_intdigest
 HEADER_BYTES = _HEADER.size
 _CODECS = {Compression.NONE: 0, Compression.LZ4: 1, Compression.ZSTD: 2}
 _IPC_COMPRESSION = {Compression.NONE: None, Compression.LZ4: "lz4", Compression.ZSTD: "zstd"}
@@ -147,7 +153,7 @@ def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4,
         out = memoryview(stream.getvalue()).cast("B")  # mutable: header written in place
     body = out[HEADER_BYTES:]
     _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _CODECS[compression], 0,
-                      zlib.crc32(body), len(body), table.num_rows)
+                      _checksum(body), len(body), table.num_rows)
     return out
 
 
@@ -160,14 +166,18 @@ def decode_segment(data: Any, segment: SegmentId | str, tier: TierName | str) ->
     where = f"{segment} in the {TierName.parse(tier).value} tier"
     if len(view) < HEADER_BYTES:
         raise CorruptSegmentError(f"{where} is truncated: {len(view)} bytes, no header")
-    magic, version, _codec, _, crc, length, num_rows = _HEADER.unpack_from(view)
-    if magic != _MAGIC or version != _VERSION:
+    magic, version, _codec, _, checksum, length, num_rows = _HEADER.unpack_from(view)
+    if magic != _MAGIC:
         raise CorruptSegmentError(f"{where} has no segment header (magic {magic!r})")
+    if version != _VERSION:
+        raise CorruptSegmentError(
+            f"{where} has segment format version {version}, this hybrid_ray reads version "
+            f"{_VERSION}: it was written by another hybrid_ray version; run the shuffle again")
     body = view[HEADER_BYTES:]
     if len(body) != length:
         raise CorruptSegmentError(
             f"{where} is truncated: body has {len(body)} bytes, header says {length}")
-    if zlib.crc32(body) != crc:
+    if _checksum(body) != checksum:
         raise CorruptSegmentError(f"{where} failed its checksum: the stored bytes are corrupt")
     try:
         table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()

@@ -21,20 +21,31 @@ def test_compression_shrinks_repetitive_data():
     assert len(encode_segment(t, "zstd")) < len(encode_segment(t, "none")) / 10
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "version"])
 def test_corruption_is_detected_and_names_segment_and_tier(damage):
     data = bytearray(encode_segment(_table(), "lz4"))
     if damage == "flip":
         data[len(data) // 2] ^= 0xFF
     elif damage == "truncate":
         data = data[:-10]
-    else:
+    elif damage == "header":
         data[0:4] = b"XXXX"
+    else:
+        data[4] = 1  # a segment of the CRC32 format (version 1)
     sid = SegmentId("shf", 3, 5, 7, attempt=1)
     with pytest.raises(CorruptSegmentError) as info:
         decode_segment(bytes(data), sid, "remote")
     msg = str(info.value)
     assert "map=3" in msg and "sub=5" in msg and "index=7" in msg and "remote tier" in msg
+    if damage == "version":
+        assert "format version 1" in msg and "run the shuffle again" in msg
+
+
+def test_segment_body_is_8_byte_aligned_after_the_header():
+    # Arrow reads buffers in place; an unaligned body would make every column unaligned.
+    data = encode_segment(_table(), "none")
+    from hybrid_ray.segment import HEADER_BYTES
+    assert HEADER_BYTES % 8 == 0 and len(data) > HEADER_BYTES
 
 
 def test_scratch_arena_segments_of_a_batch_never_overlap_even_across_growth():
