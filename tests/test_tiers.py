@@ -180,6 +180,32 @@ class TestDiskTier(TierConformance):
             assert stat.S_IMODE(os.stat(os.path.dirname(m.location)).st_mode) == 0o700
         tier.release_shuffle("perm")
 
+    def test_spill_dir_removed_between_shuffles_is_recreated(self, tmp_path):
+        # A long-lived tier manager outlives its spill dir (a tmp cleaner, a user's rm -rf
+        # between jobs): the next shuffle must recreate it, not fail on statvfs.
+        import shutil
+
+        spill = tmp_path / "spill"
+        tier = DiskTier(MiB, [str(spill)])
+        shutil.rmtree(spill)
+        table, payload = _payload(7)
+        grant = tier.try_reserve("again", len(payload))
+        assert grant is not None
+        meta = tier.write(SegmentId("again", 0, 0, 0), payload, grant)
+        assert decode_segment(tier.read(meta), meta.id, "disk").equals(table)
+        assert stat.S_IMODE(os.stat(spill / "hybrid_ray").st_mode) == 0o700
+        tier.release_shuffle("again")
+
+    def test_spill_dir_that_cannot_be_recreated_is_refused_with_the_reason(self, tmp_path):
+        blocker = tmp_path / "not-a-dir"
+        tier = DiskTier(MiB, [str(tmp_path / "spill")])
+        os.rename(tmp_path / "spill", tmp_path / "moved")
+        blocker.write_text("x")
+        os.symlink(blocker, tmp_path / "spill")  # the spill dir is now a file
+        assert tier.try_reserve("s", MiB) is None
+        reason = tier.describe_refusal(MiB)
+        assert str(tmp_path / "spill") in reason and "cannot be used" in reason
+
     def test_byte_cap(self, tmp_path):
         tier = DiskTier(MiB, [str(tmp_path)], capacity_bytes=3 * MiB)
         assert tier.try_reserve("s", 2 * MiB) is not None

@@ -60,6 +60,21 @@ class DiskTier(Tier):
     def capacity_bytes(self) -> int | None:
         return self._capacity
 
+    @staticmethod
+    def _unusable(spill_dir: str) -> str | None:
+        """Why ``spill_dir`` cannot take files, or None. A missing directory is recreated
+        (0700): the tier lives as long as its node's tier manager, and a spill dir can be
+        removed under it between shuffles (a tmp cleaner, a user's ``rm -rf``)."""
+        data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
+        if os.path.isdir(data_dir):
+            return None
+        try:
+            _make_private_dir(data_dir)
+        except OSError as exc:
+            return (f"spill dir {spill_dir} cannot be used: {exc.strerror or exc}; point "
+                    "spill_dirs at a writable directory")
+        return None
+
     def _free_after(self, spill_dir: str, nbytes: int) -> tuple[int, int, int]:
         st = os.statvfs(spill_dir)
         free = st.f_bavail * st.f_frsize
@@ -76,6 +91,8 @@ class DiskTier(Tier):
         n = len(self.spill_dirs)
         for i in range(n):
             spill_dir = self.spill_dirs[(start + i) % n]
+            if self._unusable(spill_dir) is not None:
+                continue
             free_after, reserve, _ = self._free_after(spill_dir, nbytes)
             if free_after >= reserve:
                 key = (spill_dir, shuffle_id)
@@ -96,11 +113,18 @@ class DiskTier(Tier):
             return (f"disk tier cap reached: {self.used_bytes} of disk_capacity_bytes="
                     f"{self._capacity} used, segment needs {nbytes} bytes")
         parts = []
+        unusable = False
         for d in self.spill_dirs:
+            problem = self._unusable(d)
+            if problem is not None:
+                parts.append(problem)
+                unusable = True
+                continue
             _, reserve, free = self._free_after(d, nbytes)
             parts.append(f"{d}: {free} bytes free, reserve {reserve} bytes "
                          f"(min_reserve_fraction={self.min_reserve_fraction})")
-        return "disk tier full: " + "; ".join(parts) + f"; segment needs {nbytes} bytes"
+        what = "disk tier unavailable" if unusable else "disk tier full"
+        return f"{what}: {'; '.join(parts)}; segment needs {nbytes} bytes"
 
     # ---- I/O ------------------------------------------------------------------------------
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
