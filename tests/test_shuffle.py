@@ -315,3 +315,22 @@ def test_killed_writer_loses_finished_maps_which_are_rerun_exactly(ray_local, tm
     report = result["report"]
     assert report.lost_maps_rerun >= 1 and report.bytes_per_tier()["disk"] == 0
     assert_no_leftovers(cfg, ray_local)
+
+
+def test_writer_and_reader_processes_keep_freed_memory_warm(ray_local):
+    """Writers and readers run with a mimalloc purge delay (see actors.WORKER_ENV): the
+    variable must reach the processes, before pyarrow loads its allocator."""
+    from hybrid_ray.actors import WORKER_ENV, get_readers, get_writers
+    from hybrid_ray.config import DEFAULT_NAMESPACE
+
+    def probe():
+        import os
+
+        import pyarrow as pa
+
+        return os.environ.get("MIMALLOC_PURGE_DELAY"), pa.default_memory_pool().backend_name
+
+    workers = [w for _, w in get_writers(DEFAULT_NAMESPACE)] + get_readers(DEFAULT_NAMESPACE, 1)
+    for value, backend in ray_local.get([w.run.remote(probe) for w in workers]):
+        assert value == WORKER_ENV["MIMALLOC_PURGE_DELAY"]
+        assert backend == "mimalloc"
