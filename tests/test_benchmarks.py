@@ -12,7 +12,7 @@ import sys
 import pyarrow as pa
 import pytest
 
-from benchmarks.suite import CaseResult, goals, markdown, parse_size
+from benchmarks.suite import CaseResult, best_round, goals, markdown, parse_size
 from benchmarks.workloads import WORKLOADS, checksum, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +65,20 @@ def test_goals_use_the_main_size_and_report_missing_sides():
     assert "| hybrid_memory_disk vs Ray Data default (SHUFFLE_V2) | 3.00x | 3.20x | yes |" in text
 
 
+def test_best_round_keeps_the_fastest_verified_round_and_never_hides_a_failure():
+    def case(mb_s, verified=True):
+        return CaseResult("c", "hybrid_ray", "gensort", 10, 1, mb_s=mb_s, verified=verified,
+                          error=None if verified else "checksum mismatch")
+
+    best = best_round([case(50.0), case(80.0)])
+    assert best.mb_s == 80.0 and "best of 2 rounds (50.0 / 80.0 MB/s)" in best.note
+    mixed = best_round([case(90.0), case(None, verified=False)])
+    assert not mixed.verified and mixed.error == "checksum mismatch"
+    assert "(90.0 / failed MB/s)" in mixed.note
+    single = best_round([case(70.0)])
+    assert single.mb_s == 70.0 and single.note == ""
+
+
 @pytest.mark.slow
 def test_bench_command_runs_verifies_and_writes_outputs(tmp_path):
     out = tmp_path / "out"
@@ -80,6 +94,7 @@ def test_bench_command_runs_verifies_and_writes_outputs(tmp_path):
     by_case = {r["case"]: r for r in data["results"]}
     assert by_case["hybrid_memory_disk"]["verified"] and by_case["raydata_hash"]["verified"]
     assert by_case["hybrid_memory_disk"]["tier_bytes"]["disk"] > 0  # memory budget = data/2
+    assert "best of 2 rounds" in by_case["hybrid_memory_disk"]["note"]  # --rounds default
     assert by_case["raydata_sort_pull"]["verified"]  # as a sort by key
     assert not by_case["hybrid_disk_capped"]["verified"]
     assert "RemoteTierError" in by_case["hybrid_disk_capped"]["error"]
