@@ -803,7 +803,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": args.cpus,
             "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB,
             "size_bytes": args.size, "partitions": args.partitions, "seed": args.seed,
-            "command": " ".join(["hybrid-ray", "bench"] + sys.argv[2:]),
+            # As typed: `hybrid-ray bench ...` puts the options after argv[1], `python -m
+            # benchmarks ...` after argv[0] (main() records that form).
+            "command": getattr(args, "command_line", None)
+            or " ".join(["hybrid-ray", "bench"] + sys.argv[2:]),
             "run_id": uuid.uuid4().hex[:8]}
     bench = Bench(args)
     try:
@@ -820,4 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.command_line = " ".join(["python -m benchmarks"]
+                                 + list(sys.argv[1:] if argv is None else argv))
+    return run_from_args(args)

@@ -100,6 +100,7 @@ def test_bench_command_runs_verifies_and_writes_outputs(tmp_path):
     assert "RemoteTierError" in by_case["hybrid_disk_capped"]["error"]
     assert (out / "results.png").stat().st_size > 1000
     assert "hybrid_memory_disk vs Ray Data default" in (out / "results.md").read_text()
+    assert data["meta"]["command"].startswith("python -m benchmarks --size 16MB --partitions 4")
 
 
 def test_bench_rejects_unknown_scenarios():
