@@ -177,9 +177,10 @@ class ShuffleMasterActor:
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
                                    recoverable)
 
-    def seal(self, shuffle_id: str, num_maps: int) -> None:
+    def seal(self, shuffle_id: str, num_maps: int,
+             attempts: dict[int, int] | None = None) -> None:
         with self._lock:
-            self.registry.seal(shuffle_id, num_maps)
+            self.registry.seal(shuffle_id, num_maps, attempts)
 
     def heartbeat(self, shuffle_id: str) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
@@ -31,6 +31,9 @@ class MapState:
     # attempt -> subpartition -> segments ordered by index
     segments: dict[int, dict[int, list[SegmentMeta]]] = dataclasses.field(default_factory=dict)
     stats: Any = None
+    # Open shuffles (Spark's executors): attempts that finished writing, awaiting the
+    # driver's choice at seal: attempt -> (finish time, stats).
+    done_attempts: dict[int, tuple[float, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -122,17 +125,41 @@ class ShuffleRegistry:
             [MapState() for _ in range(num_maps or 0)], sealed=num_maps is not None,
             recoverable=recoverable)
 
-    def seal(self, shuffle_id: str, num_maps: int) -> None:
-        """Fix the map count of an open shuffle once its map stage ran; every map in
-        ``[0, num_maps)`` must have finished and no other map may have written."""
+    def seal(self, shuffle_id: str, num_maps: int,
+             attempts: Mapping[int, int] | None = None) -> None:
+        """Fix the map count of an open shuffle once its map stage ran, keeping for each map
+        the attempt whose task succeeded (``attempts``: map -> attempt, as Spark reports
+        it; None: the one attempt that finished). Every map in ``[0, num_maps)`` must have
+        that attempt finished and no other map may have written. The other attempts'
+        segments are deleted."""
         state = self._get(shuffle_id)
         extra = [i for i, m in enumerate(state.maps[num_maps:], num_maps) if m.current_attempt >= 0]
-        missing = [i for i in range(num_maps)
-                   if i >= len(state.maps) or state.maps[i].finished_attempt is None]
-        if extra or missing:
+        chosen: dict[int, int] = {}
+        missing, ambiguous = [], []
+        for i in range(num_maps):
+            done = state.maps[i].done_attempts if i < len(state.maps) else {}
+            pick = attempts.get(i) if attempts is not None else \
+                (next(iter(done)) if len(done) == 1 else None)
+            if attempts is None and len(done) > 1:
+                ambiguous.append(i)
+            elif pick is None or pick not in done:
+                missing.append(i if attempts is None else f"{i} (attempt {pick})")
+            else:
+                chosen[i] = pick
+        if extra or missing or ambiguous:
             raise ValueError(f"cannot seal shuffle {shuffle_id!r} at {num_maps} maps: maps "
-                             f"{missing} did not finish, maps {extra} are beyond the count")
+                             f"{missing} did not finish, maps {extra} are beyond the count"
+                             + (f", maps {ambiguous} finished more than one attempt (name "
+                                "the one that counts)" if ambiguous else ""))
         del state.maps[num_maps:]
+        for i, pick in chosen.items():
+            m = state.maps[i]
+            for attempt in [a for a in m.segments if a != pick]:
+                self._drop_attempt(state, m, attempt)
+                state.superseded_attempts += 1
+            m.current_attempt = m.finished_attempt = pick
+            m.finished, m.stats = m.done_attempts[pick]
+            m.done_attempts = {}
         state.num_maps, state.sealed = num_maps, True
 
     def heartbeat(self, shuffle_id: str) -> None:
@@ -152,6 +179,17 @@ class ShuffleRegistry:
             raise ValueError(f"map index {map_index} is outside [0, {len(state.maps)}) of "
                              f"shuffle {shuffle_id!r}")
         m = state.maps[map_index]
+        if not state.sealed:
+            # Open shuffle (Spark's executors): attempts of a task may run side by side
+            # (speculation), and an attempt may finish writing and still fail its Spark
+            # task (an upstream error can end its input cleanly, at a message boundary).
+            # So every attempt writes all its rows, none is dropped here, and ``seal``
+            # keeps the attempt whose task Spark reports as succeeded.
+            m.current_attempt += 1
+            m.segments[m.current_attempt] = collections.defaultdict(list)
+            m.pid, m.node_id, m.started = pid, node_id, self._clock()
+            state.nodes.add(node_id)
+            return m.current_attempt
         if m.finished_attempt is not None:
             return None
         if m.current_attempt >= 0:
@@ -168,7 +206,9 @@ class ShuffleRegistry:
         """Publish finished segments of an attempt; False (and deleted) if it was superseded."""
         state = self._get(shuffle_id)
         m = state.maps[map_index]
-        if attempt != m.current_attempt or m.finished_attempt is not None:
+        live = (attempt in m.segments and attempt not in m.done_attempts) if not state.sealed \
+            else (attempt == m.current_attempt and m.finished_attempt is None)
+        if not live:
             self._delete_segments(state, metas)
             return False
         subs = m.segments[attempt]
@@ -184,9 +224,15 @@ class ShuffleRegistry:
         return True
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any = None) -> bool:
-        """Mark an attempt complete. The first attempt to finish wins."""
+        """Mark an attempt complete. The first attempt to finish wins (in an open shuffle,
+        the attempt named at ``seal``)."""
         state = self._get(shuffle_id)
         m = state.maps[map_index]
+        if not state.sealed:  # open shuffle: seal chooses among the finished attempts
+            if attempt not in m.segments or attempt in m.done_attempts:
+                return False
+            m.done_attempts[attempt] = (self._clock(), stats)
+            return True
         if m.finished_attempt is not None or attempt != m.current_attempt:
             return False
         m.finished_attempt, m.finished, m.stats = attempt, self._clock(), stats

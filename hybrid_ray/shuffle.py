@@ -53,7 +53,8 @@ def last_report() -> ShuffleReport | None:
 def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Table],
                         num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
                         master: Any, raise_if_superseded: bool = False,
-                        own_memory_segments: bool = False) -> WriteStats | None:
+                        own_memory_segments: bool = False,
+                        on_attempt: Callable[[int], None] | None = None) -> WriteStats | None:
     """Write one map partition through this node's tiers, committing chunk by chunk.
 
     Runs in any process connected to the Ray cluster (a writer actor, or a Spark executor's
@@ -64,11 +65,15 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     ``own_memory_segments``: this process owns the memory-tier objects it writes (it must
     outlive the shuffle: a writer actor). Otherwise the node's tier manager owns them,
     at the cost of a second object-store copy (see ``put_many_owned_by``).
+    ``on_attempt``: told the attempt number the master gave this run (the Spark bridge
+    reports it, so the driver can seal with the attempts whose Spark tasks succeeded).
     """
     node_id = ray.get_runtime_context().get_node_id()
     attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, os.getpid()))
     if attempt is None:
         return None
+    if on_attempt is not None:
+        on_attempt(attempt)
     tm = get_tier_manager(node_id, config.namespace)
     ray.get(tm.register_shuffle.remote(shuffle_id, config))
     superseded = []

@@ -41,7 +41,7 @@ from hybrid_ray.shuffle import (
 )
 from spark_bridge import parquet_scan
 
-MAP_RESULT_SCHEMA = "map_index int, skipped boolean, rows long, bytes long"
+MAP_RESULT_SCHEMA = "map_index int, attempt int, rows long, bytes long"
 # Batches handed back to the JVM are cut to this many rows: Spark converts each batch to
 # rows in one go, and very large batches only raise its peak memory.
 MAX_ROWS_PER_OUTPUT_BATCH = 1 << 17
@@ -105,13 +105,19 @@ def make_map_function(address: str, shuffle_id: str, num_partitions: int,
                 yield batch
 
         master = get_master(config.namespace)
+        attempts: list[int] = []
         stats = write_map_partition(
             shuffle_id, map_index, _arrow_chunks(counted(), config.map_chunk_bytes, transform),
-            num_partitions, partitioner, config, master, raise_if_superseded=True)
+            num_partitions, partitioner, config, master, raise_if_superseded=True,
+            on_attempt=attempts.append)
+        if stats is None or not attempts:  # the shuffle is open: every attempt writes
+            raise ShuffleFailedError(f"map {map_index} of {shuffle_id} wrote nothing")
+        # The attempt goes back with Spark's result: the driver keeps the segments of the
+        # attempt whose task succeeded, not of whichever attempt finished writing first.
         yield pa.RecordBatch.from_pydict(
-            {"map_index": [map_index], "skipped": [stats is None],
-             "rows": [stats.rows if stats else 0], "bytes": [input_bytes]},
-            schema=pa.schema([("map_index", pa.int32()), ("skipped", pa.bool_()),
+            {"map_index": [map_index], "attempt": [attempts[0]],
+             "rows": [stats.rows], "bytes": [input_bytes]},
+            schema=pa.schema([("map_index", pa.int32()), ("attempt", pa.int32()),
                               ("rows", pa.int64()), ("bytes", pa.int64())]))
 
     return map_partition
@@ -331,7 +337,8 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
         if sorted(r.map_index for r in rows) != list(range(num_maps)):
             raise ShuffleFailedError(f"map stage of {shuffle.shuffle_id} returned map "
                                      f"indices {sorted(r.map_index for r in rows)}")
-        ray.get(master.seal.remote(shuffle.shuffle_id, num_maps))
+        ray.get(master.seal.remote(shuffle.shuffle_id, num_maps,
+                                   {r.map_index: r.attempt for r in rows}))
         return f"spark executors ({why_not})", num_maps, sum(r.bytes for r in rows)
     _map_stage(shuffle, master, operation, started, run_in_executors)
     shuffle.report  # raises if the map stage failed  # noqa: B018

@@ -129,6 +129,30 @@ def test_open_map_count_grows_until_sealed(registry):
         registry.begin_map("open", 3, "n1")  # sealed: no more maps
 
 
+def test_open_shuffle_keeps_the_attempt_spark_reports_not_the_first_to_finish(registry):
+    """An attempt can finish writing and still fail its Spark task (an upstream error that
+    ends its input cleanly): it must not shadow the retry. Every attempt of an open shuffle
+    writes; seal keeps the attempt Spark says succeeded and deletes the others."""
+    registry.register("open", num_maps=None, num_subpartitions=1, config=ShuffleConfig())
+    partial = registry.begin_map("open", 0, "n1")
+    registry.commit("open", 0, partial, [meta("open", 0, 0, 0, partial)])
+    assert registry.finish_map("open", 0, partial)  # finished, then its Spark task failed
+    retry = registry.begin_map("open", 0, "n1")
+    assert retry is not None and retry != partial  # not "already finished": it writes
+    full = [meta("open", 0, 0, i, retry) for i in range(3)]
+    assert registry.commit("open", 0, retry, full)
+    assert registry.finish_map("open", 0, retry)
+    with pytest.raises(ValueError, match="more than one attempt"):
+        registry.seal("open", 1)  # ambiguous without Spark's answer
+    with pytest.raises(ValueError, match=r"did not finish"):
+        registry.seal("open", 1, {0: retry + 1})
+    registry.seal("open", 1, {0: retry})
+    res = registry.poll("open", 0, {})
+    assert res.done and [(m, a, len(segs)) for m, a, _, segs in res.updates] == [(0, retry, 3)]
+    assert registry.deleted == [meta("open", 0, 0, 0, partial)]
+    assert registry.summary("open")["superseded_attempts"] == 1
+
+
 def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
     a = registry.begin_map("s", 0, "n1")
     registry.commit("s", 0, a, [meta("s", 0, 0, 0, a), meta("s", 0, 1, 0, a),
