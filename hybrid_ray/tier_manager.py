@@ -66,6 +66,10 @@ class TierManager:
         self._disks: dict[tuple, DiskTier] = {}
         self._remotes: dict[tuple, RemoteTier] = {}
         self._shuffles: dict[str, dict[str, Any]] = {}
+        # Segments already freed, per shuffle: a failed attempt's segments are freed by its
+        # writer's abort and again when the master drops the attempt; space must come
+        # back once, or the tier under-counts and overshoots its budget.
+        self._freed: dict[str, set[Any]] = {}
 
     # ---- registration and quotas -----------------------------------------------------------
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
@@ -154,9 +158,11 @@ class TierManager:
         """Delete segments stored on this node (abandoned attempts, consumed data). Data is
         deleted even if the shuffle was already released here (a late writer's files)."""
         registered = shuffle_id in self._shuffles
+        freed = self._freed.setdefault(shuffle_id, set()) if registered else set()
         for meta in metas:
-            if meta.tier == TierName.REMOTE:
+            if meta.tier == TierName.REMOTE or meta.id in freed:
                 continue
+            freed.add(meta.id)
             if meta.tier == TierName.DISK:
                 unlink_quietly(meta.location)
             if registered:
@@ -167,6 +173,7 @@ class TierManager:
     def release_shuffle(self, shuffle_id: str) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node."""
         info = self._shuffles.pop(shuffle_id, None)
+        self._freed.pop(shuffle_id, None)
         self.memory.release_shuffle(shuffle_id)
         for disk in self._disks.values():
             disk.release_shuffle(shuffle_id)

@@ -212,3 +212,22 @@ def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     # An unfinished attempt is being retried by its producer: wait for it.
     b0 = registry.begin_map("s", 1, "n1")
     assert registry.report_lost("s", 1, b0) is True
+
+
+def test_tier_manager_gives_back_a_segment_s_space_once(tmp_path):
+    """A failed attempt's segments are freed by its writer's abort and again when the
+    master drops the attempt: the space must come back once, not twice."""
+    tm = TierManager("n1", object_store_bytes=1000)
+    tm.register_shuffle("a", ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)]))
+    grants = [p.grant for p in tm.reserve("a", [100, 100])]
+    assert all(g.tier == TierName.DISK or g.tier == TierName.MEMORY for g in grants)
+    tm.settle("a", [(g, 100) for g in grants])
+    used = {g.tier: 0 for g in grants}
+    for g in grants:
+        used[g.tier] += 100
+    first = SegmentMeta(SegmentId("a", 0, 0, 0, 0), grants[0].tier, 100, 1, "n1",
+                        str(tmp_path / "seg0"))
+    tm.free_segments("a", [first])
+    tm.free_segments("a", [first])  # the master's drop of the same attempt
+    tier = tm.memory if grants[0].tier == TierName.MEMORY else tm._tier("a", TierName.DISK)
+    assert tier.used_by("a") == used[grants[0].tier] - 100
