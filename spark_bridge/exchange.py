@@ -6,8 +6,9 @@ Python workers. Each worker connects to
 the Ray cluster once (workers are reused) and writes its partition's Arrow batches through
 hybrid_ray's write client on its own node: memory tier (objects owned by the node's tier
 manager, so they outlive the worker), local disk, remote store. Spark's task partition id is
-the map index; a retried or speculative Spark task is a new map attempt and the shuffle
-master keeps exactly one attempt per map.
+the map index; a retried or speculative Spark task is a new map attempt that writes all its
+rows, and the driver seals the shuffle with the attempt of each task that Spark reports as
+succeeded (``ShuffleRegistry.seal``), so exactly one attempt per map counts.
 
 Reduce side: ``spark.range(n, numPartitions=n).mapInArrow(...)`` gives Spark task i the
 subpartition i, which it reads through the read client and hands back to the JVM as Arrow.
