@@ -17,6 +17,7 @@ else goes through the executors (the report's ``map_input`` says which path ran 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +88,8 @@ def plan_scan(df: Any, chunk_bytes: int) -> tuple[ParquetScan | None, str]:
     schema = to_arrow_schema(df.schema)
     pieces = []
     for uri in df.inputFiles():
+        if _is_summary_file(uri):
+            continue
         parsed = urllib.parse.urlparse(uri)
         if parsed.scheme != "file":
             return None, f"{uri} is not a local file"
@@ -103,10 +106,50 @@ def plan_scan(df: Any, chunk_bytes: int) -> tuple[ParquetScan | None, str]:
     return ParquetScan(pieces, schema), ""
 
 
+def _is_summary_file(uri: str) -> bool:
+    """``_metadata``/``_common_metadata`` (parquet summary files): ``inputFiles()`` lists
+    them, Spark's scan skips every ``_``/``.`` file that is not a ``key=value`` dir."""
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    return name.startswith(".") or (name.startswith("_") and "=" not in name)
+
+
+def _dates_need_rebase(path: str, metadata: Any, schema: pa.Schema) -> str | None:
+    """Why Spark would not read this file's dates as pyarrow does, or None. Spark rebases
+    dates of files written by Spark 2.x (Julian calendar), and by default refuses dates
+    before 1582-10-15 in files of unknown origin; pyarrow does neither."""
+    date_columns = [f.name for f in schema if f.type == pa.date32()]
+    if not date_columns:
+        return None
+    version = (metadata.metadata or {}).get(b"org.apache.spark.version")
+    if version is not None:
+        major = version.decode(errors="replace").split(".")[0]
+        if not major.isdigit() or int(major) < 3:
+            return f"{path} was written by Spark {version.decode(errors='replace')} " \
+                   "(dates in the legacy calendar)"
+        return None
+    file_columns = metadata.schema.to_arrow_schema().names
+    for name in date_columns:
+        index = file_columns.index(name) if name in file_columns else -1
+        for g in range(metadata.num_row_groups):
+            if index < 0:
+                continue
+            stats = metadata.row_group(g).column(index).statistics
+            if stats is None or not stats.has_min_max:
+                return f"{path}: column {name!r} has no statistics to rule out dates " \
+                       "before 1582-10-15"
+            if stats.min < datetime.date(1582, 10, 15):
+                return f"{path}: column {name!r} holds dates before 1582-10-15 (Spark " \
+                       "rebases or refuses them)"
+    return None
+
+
 def _pieces(path: str, schema: pa.Schema, chunk_bytes: int) -> list[ParquetPiece] | str:
     metadata = pq.read_metadata(path)
     if any(k in (metadata.metadata or {}) for k in _LEGACY_KEYS):
         return f"{path} was written with Spark's legacy calendar"
+    rebase = _dates_need_rebase(path, metadata, schema)
+    if rebase:
+        return rebase
     file_schema = pq.read_schema(path)
     for field in schema:
         index = file_schema.get_field_index(field.name)

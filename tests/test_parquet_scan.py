@@ -43,3 +43,34 @@ def test_pieces_group_row_groups_and_refuse_what_spark_would_read_differently(tm
         {"org.apache.spark.legacyDateTime": ""}), legacy)
     assert "legacy calendar" in _pieces(legacy, pa.schema([("id", pa.int64())]), 1 << 20)
     assert MAP_TARGET_BYTES >= 64 * 1024 * 1024  # maps of whole row groups, Spark-sized
+
+
+def test_summary_files_are_not_data():
+    from spark_bridge.parquet_scan import _is_summary_file
+
+    assert _is_summary_file("file:///d/_metadata")
+    assert _is_summary_file("file:///d/_common_metadata")
+    assert _is_summary_file("file:///d/.part-0.parquet.crc")
+    assert not _is_summary_file("file:///d/part-00000.parquet")
+
+
+def test_dates_spark_would_rebase_or_refuse_go_through_the_executors(tmp_path):
+    import datetime
+
+    schema = pa.schema([("d", pa.date32())])
+    modern = pa.table({"d": [datetime.date(2020, 1, 1), datetime.date(1970, 1, 2)]})
+    pq.write_table(modern, tmp_path / "modern.parquet")
+    assert not isinstance(_pieces(str(tmp_path / "modern.parquet"), schema, 1 << 20), str)
+    # pyarrow-written (no Spark version): Spark's default refuses dates before 1582-10-15.
+    old = pa.table({"d": [datetime.date(1000, 1, 1)]})
+    pq.write_table(old, tmp_path / "old.parquet")
+    reason = _pieces(str(tmp_path / "old.parquet"), schema, 1 << 20)
+    assert isinstance(reason, str) and "1582-10-15" in reason
+    # Written by Spark 2.x: Spark rebases every date from the Julian calendar.
+    spark2 = modern.replace_schema_metadata({"org.apache.spark.version": "2.4.8"})
+    pq.write_table(spark2, tmp_path / "spark2.parquet")
+    reason = _pieces(str(tmp_path / "spark2.parquet"), schema, 1 << 20)
+    assert isinstance(reason, str) and "Spark 2.4.8" in reason
+    spark3 = modern.replace_schema_metadata({"org.apache.spark.version": "3.5.7"})
+    pq.write_table(spark3, tmp_path / "spark3.parquet")
+    assert not isinstance(_pieces(str(tmp_path / "spark3.parquet"), schema, 1 << 20), str)
