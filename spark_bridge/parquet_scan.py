@@ -127,12 +127,14 @@ def _dates_need_rebase(path: str, metadata: Any, schema: pa.Schema) -> str | Non
             return f"{path} was written by Spark {version.decode(errors='replace')} " \
                    "(dates in the legacy calendar)"
         return None
-    file_columns = metadata.schema.to_arrow_schema().names
+    # Row-group statistics are indexed by parquet leaf column, not by Arrow field: a nested
+    # column before a date column has several leaves.
+    leaves = {metadata.schema.column(i).path: i for i in range(metadata.num_columns)}
     for name in date_columns:
-        index = file_columns.index(name) if name in file_columns else -1
+        index = leaves.get(name)
+        if index is None:
+            continue  # missing from this file: _pieces refuses it
         for g in range(metadata.num_row_groups):
-            if index < 0:
-                continue
             stats = metadata.row_group(g).column(index).statistics
             if stats is None or not stats.has_min_max:
                 return f"{path}: column {name!r} has no statistics to rule out dates " \

@@ -71,6 +71,12 @@ def test_dates_spark_would_rebase_or_refuse_go_through_the_executors(tmp_path):
     pq.write_table(spark2, tmp_path / "spark2.parquet")
     reason = _pieces(str(tmp_path / "spark2.parquet"), schema, 1 << 20)
     assert isinstance(reason, str) and "Spark 2.4.8" in reason
+    # The statistics of the date column itself, though a nested column comes first (its
+    # leaves shift the parquet column index; Spark read only "d" via a user schema).
+    nested = pa.table({"s": pa.array([{"a": 1, "b": 2}]), "d": [datetime.date(1000, 1, 1)]})
+    pq.write_table(nested, tmp_path / "nested.parquet")
+    reason = _pieces(str(tmp_path / "nested.parquet"), schema, 1 << 20)
+    assert isinstance(reason, str) and "1582-10-15" in reason
     spark3 = modern.replace_schema_metadata({"org.apache.spark.version": "3.5.7"})
     pq.write_table(spark3, tmp_path / "spark3.parquet")
     assert not isinstance(_pieces(str(tmp_path / "spark3.parquet"), schema, 1 << 20), str)
