@@ -138,14 +138,14 @@ class ShuffleRegistry:
         missing, ambiguous = [], []
         for i in range(num_maps):
             done = state.maps[i].done_attempts if i < len(state.maps) else {}
-            pick = attempts.get(i) if attempts is not None else \
-                (next(iter(done)) if len(done) == 1 else None)
             if attempts is None and len(done) > 1:
                 ambiguous.append(i)
-            elif pick is None or pick not in done:
-                missing.append(i if attempts is None else f"{i} (attempt {pick})")
-            else:
+                continue
+            pick = attempts.get(i) if attempts is not None else next(iter(done), None)
+            if pick in done:
                 chosen[i] = pick
+            else:
+                missing.append(i if attempts is None else f"{i} (attempt {pick})")
         if extra or missing or ambiguous:
             raise ValueError(f"cannot seal shuffle {shuffle_id!r} at {num_maps} maps: maps "
                              f"{missing} did not finish, maps {extra} are beyond the count"
