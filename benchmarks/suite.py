@@ -190,6 +190,10 @@ class Bench:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", 0))
                     port = s.getsockname()[1]
+                # moto spools every object over 5 MiB into a temp file on this machine's
+                # disk and reads it back to hash it. A remote store does not use the local
+                # disk (the very disk the capped scenario limits), so objects stay in memory.
+                os.environ.setdefault("MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(4 << 30))
                 os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
                 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
                 self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=port,
