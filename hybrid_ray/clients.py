@@ -6,12 +6,17 @@ tier when no local tier can), and hands the committed segment metadata to a comm
 shuffle master on a cluster). The segment size follows the tier the subpartition is on, and
 every new segment asks the higher tiers again, so writing switches back up when room frees.
 
-The read client reads segments in order from whichever tier holds each one.
+Remote-tier segments are uploaded in the background (``ShuffleConfig.remote_transfers`` at
+a time) while the writer goes on; a segment is committed only once its upload finished.
+
+The read client reads segments in order from whichever tier holds each one, fetching
+remote-tier segments ahead while it decodes.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -27,6 +32,7 @@ from hybrid_ray.segment import (
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import map_segment_file
+from hybrid_ray.tiers.remote import RemoteTier
 
 # Compression that does not pay is switched off for a while (Arrow's IPC writer would only
 # drop the compressed buffer after paying for compressing it): a segment that shrank by less
@@ -113,6 +119,10 @@ class WriteClient:
         self._skip_compression = 0  # segments left to write uncompressed
         self._uncommitted: list[SegmentMeta] = []
         self.written: list[SegmentMeta] = []
+        # Remote uploads still running, oldest first; their segments are counted in the
+        # stats already but committed only once the upload finished.
+        self._uploads: collections.deque[concurrent.futures.Future[SegmentMeta]] = \
+            collections.deque()
         self._closed = False
 
     # ---- public API ----------------------------------------------------------------------------
@@ -137,8 +147,11 @@ class WriteClient:
                 ready.extend(self._cut(subpartition, final=False))
         self._place(ready)
 
-    def flush(self) -> list[SegmentMeta]:
-        """Commit the segments written so far (they become visible to readers)."""
+    def flush(self, wait_uploads: bool = False) -> list[SegmentMeta]:
+        """Commit the segments written so far (they become visible to readers). Remote
+        uploads still running are committed by a later flush or by ``close``, unless
+        ``wait_uploads``."""
+        self._collect_uploads(keep_in_flight=0, wait=wait_uploads)
         committed, self._uncommitted = self._uncommitted, []
         if committed and self.on_commit is not None:
             self.on_commit(committed)
@@ -154,12 +167,22 @@ class WriteClient:
         if self._unsettled:
             self.storage.settle(self.shuffle_id, self._unsettled)
             self._unsettled = []
-        self.flush()
+        self.flush(wait_uploads=True)
         self._closed = True
         return list(self.written)
 
     def abort(self) -> None:
         """Delete everything this client wrote and give its space back (failed producer)."""
+        # Let running uploads end first: an object landing after the delete below would
+        # outlive the attempt. (Uploads not started yet are cancelled.)
+        for upload in self._uploads:
+            upload.cancel()
+        for upload in self._uploads:
+            try:
+                self.written.append(upload.result())
+            except Exception:  # failed or cancelled: nothing to delete
+                pass
+        self._uploads.clear()
         if self._unsettled:
             self.storage.settle(self.shuffle_id, self._unsettled)
             self._unsettled = []
@@ -230,7 +253,14 @@ class WriteClient:
         for i, ((sub, table), payload, placement) in enumerate(zip(pieces, payloads,
                                                                    placements)):
             meta = metas.get(i) or self._write_one(sids[i], payload, placement)
-            self._record(sub, meta, table.num_rows)
+            if isinstance(meta, concurrent.futures.Future):
+                self._count(sub, TierName.REMOTE, len(payload), table.num_rows)
+                self._uploads.append(meta)
+                # Bound the payloads held for uploads: wait for the oldest.
+                self._collect_uploads(keep_in_flight=self.config.remote_transfers, wait=True)
+            else:
+                self._count(sub, meta.tier, meta.nbytes, table.num_rows)
+                self._keep(meta)
 
     def _encode(self, table: pa.Table, arena: ScratchArena) -> memoryview:
         """Encode a segment, compressing only while compression pays (see
@@ -246,7 +276,17 @@ class WriteClient:
             self._skip_compression = COMPRESSION_BACKOFF_SEGMENTS
         return payload
 
-    def _write_one(self, sid: SegmentId, payload: bytes, placement: Placement) -> SegmentMeta:
+    def _collect_uploads(self, keep_in_flight: int, wait: bool) -> None:
+        """Keep the segments of finished uploads (oldest first); with ``wait``, wait until
+        at most ``keep_in_flight`` are running. A failed upload raises here."""
+        while self._uploads and (self._uploads[0].done()
+                                 or (wait and len(self._uploads) > keep_in_flight)):
+            meta = self._uploads[0].result()
+            self._uploads.popleft()
+            self._keep(meta)
+
+    def _write_one(self, sid: SegmentId, payload: bytes, placement: Placement
+                   ) -> SegmentMeta | concurrent.futures.Future[SegmentMeta]:
         refusals = list(placement.refusals)
         if placement.grant is not None:
             grant = placement.grant
@@ -263,18 +303,23 @@ class WriteClient:
                 f"no tier can take {sid} ({len(payload)} bytes): " + "; ".join(refusals)
                 + ". Configure a remote tier (ShuffleConfig(remote_path='s3://bucket/prefix')), "
                 "add spill_dirs, or free disk space.")
+        if isinstance(remote, RemoteTier):
+            return remote.write_async(sid, payload, self.node_id)
         return remote.write(sid, payload, None, self.node_id)
 
-    def _record(self, sub: int, meta: SegmentMeta, rows: int) -> None:
-        tier = meta.tier
+    def _count(self, sub: int, tier: TierName, nbytes: int, rows: int) -> None:
+        """Account a placed segment: stats, and the tier the subpartition is now on."""
         if tier != self._current_tier[sub]:
             self.stats.tier_switches += 1
             self._current_tier[sub] = tier
         if tier != self._top_tier:
             self.stats.spill_events += 1
-        self.stats.bytes_per_tier[tier.value] += meta.nbytes
+        self.stats.bytes_per_tier[tier.value] += nbytes
         self.stats.segments_per_tier[tier.value] += 1
         self.stats.rows += rows
+
+    def _keep(self, meta: SegmentMeta) -> None:
+        """A segment is complete in its tier: delete it on abort, commit it on flush."""
         self.written.append(meta)
         self._uncommitted.append(meta)
 
@@ -314,5 +359,33 @@ class ReadClient:
 
     def read_segments(self, metas: Iterable[SegmentMeta]) -> Iterator[pa.Table]:
         """Decode segments in the order of their ids (map partition, subpartition, index)."""
-        for meta in sorted(metas, key=lambda m: m.id):
-            yield self.read(meta)
+        yield from self.read_in_order(sorted(metas, key=lambda m: m.id))
+
+    def read_in_order(self, metas: Sequence[SegmentMeta], ahead: int = 4
+                      ) -> Iterator[pa.Table]:
+        """Decode ``metas`` in the given order while the remote-tier segments among the
+        next ``ahead`` are fetched in the background. A segment that cannot be read raises
+        when its turn comes, as ``read`` would; fetches not yet used are then cancelled."""
+        remote = self.io_tiers.get(TierName.REMOTE)
+        if not isinstance(remote, RemoteTier) or ahead < 1:
+            for meta in metas:
+                yield self.read(meta)
+            return
+        fetches: dict[int, concurrent.futures.Future[bytes]] = {}
+        started = 0  # metas[:started] have been considered for a background fetch
+        try:
+            for i, meta in enumerate(metas):
+                while started < len(metas) and started < i + ahead:
+                    if metas[started].tier == TierName.REMOTE:
+                        fetches[started] = remote.read_async(metas[started])
+                    started += 1
+                fetch = fetches.pop(i, None)
+                if fetch is None:
+                    yield self.read(meta)
+                    continue
+                data = fetch.result()
+                self.bytes_read[meta.tier.value] += meta.nbytes
+                yield decode_segment(data, meta.id, meta.tier)
+        finally:
+            for fetch in fetches.values():
+                fetch.cancel()

@@ -116,6 +116,12 @@ def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
+def _require_count(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ShuffleConfig:
     """How a shuffle stores its segments. Every field is validated on construction.
@@ -156,6 +162,10 @@ class ShuffleConfig:
             write, so this also bounds the processes that wait.
         map_chunk_bytes: a map partitions and commits its block in chunks of about
             this size; smaller chunks make data visible to hybrid readers sooner.
+        remote_transfers: remote-tier transfers each writer or reader process keeps in
+            flight while it goes on partitioning or decoding (an object store's latency
+            and per-connection bandwidth are hidden by concurrency). A writer holds at most
+            this many remote segments in memory until their uploads finish.
     """
 
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
@@ -176,6 +186,7 @@ class ShuffleConfig:
     progress: bool = True
     max_concurrent_reducers: int | None = None
     map_chunk_bytes: int = 32 * MiB
+    remote_transfers: int = 4
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -188,8 +199,9 @@ class ShuffleConfig:
         if self.disk_capacity_bytes is not None:
             _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes)
         _require_bytes("map_chunk_bytes", self.map_chunk_bytes, 1)
+        _require_count("remote_transfers", self.remote_transfers)
         if self.max_concurrent_reducers is not None:
-            _require_bytes("max_concurrent_reducers", self.max_concurrent_reducers, 1)
+            _require_count("max_concurrent_reducers", self.max_concurrent_reducers)
 
         if isinstance(self.spill_dirs, (str, os.PathLike)):
             raise ConfigError(

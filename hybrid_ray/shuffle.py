@@ -174,21 +174,25 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors, os.getpid()))
         got = False
         try:
-            for map_index, attempt, reset, metas in result.updates:
+            for map_index, attempt, reset, _ in result.updates:
                 if reset:
                     per_map[map_index] = []
                     cursors[map_index] = (attempt, 0)
-                for meta in metas:
-                    try:
-                        per_map[map_index].append(reader.read(meta))
-                    except SegmentNotFoundError:
-                        if meta.tier == TierName.MEMORY and not ray.get(
-                                master.report_lost.remote(shuffle_id, map_index, attempt)):
-                            raise
-                        raise _AwaitingAttempt() from None
-                    _, nxt = cursors.get(map_index, (attempt, 0))
-                    cursors[map_index] = (attempt, nxt + 1)
-                    got = True
+            # One pass over every new segment, so remote ones are fetched ahead across maps.
+            todo = [(map_index, attempt, meta)
+                    for map_index, attempt, _, metas in result.updates for meta in metas]
+            tables = reader.read_in_order([meta for _, _, meta in todo], config.remote_transfers)
+            for map_index, attempt, meta in todo:
+                try:
+                    per_map[map_index].append(next(tables))
+                except SegmentNotFoundError:
+                    if meta.tier == TierName.MEMORY and not ray.get(
+                            master.report_lost.remote(shuffle_id, map_index, attempt)):
+                        raise
+                    raise _AwaitingAttempt() from None
+                _, nxt = cursors.get(map_index, (attempt, 0))
+                cursors[map_index] = (attempt, nxt + 1)
+                got = True
             missing_since = None
         except _AwaitingAttempt:
             now = time.monotonic()

@@ -47,7 +47,8 @@ def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int 
     if config.remote_path is not None:
         tiers[TierName.REMOTE] = RemoteTier(seg[TierName.REMOTE], config.remote_path,
                                             config.job_id, config.storage_options,
-                                            check_reachable=check_remote)
+                                            check_reachable=check_remote,
+                                            io_threads=config.remote_transfers)
     return tiers
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import numpy as np
@@ -13,6 +14,7 @@ from hybrid_ray import (
     MiB, OutOfSpaceError, ReadClient, SegmentId, ShuffleConfig, TierManager, TierName, WriteClient,
     build_io_tiers,
 )
+from hybrid_ray.errors import RemoteTierError, SegmentNotFoundError
 from hybrid_ray.tiers import DiskTier
 
 
@@ -81,7 +83,7 @@ def test_spills_memory_then_disk_then_remote_and_switches_back(ray_local, small_
             index += 1
     for t in data[12:16]:
         client.write(0, t)
-    client.flush()
+    client.flush(wait_uploads=True)
     first_phase = list(client.written)
     order = [m.tier.priority for m in first_phase]
     assert order == sorted(order), "tiers must be used in priority order while filling"
@@ -202,3 +204,95 @@ def test_compression_backs_off_only_where_it_does_not_pay(ray_local, tmp_path, c
     out = pa.concat_tables(ReadClient(io).read_segments(metas))
     assert out.column("v").to_pylist() == values.tolist()  # exact, in order, either way
     tm.release_shuffle(shuffle)
+
+
+def _remote_only(tmp_path, transfers):
+    """Memory off and a zero disk cap: every segment goes to a local-file remote tier."""
+    return ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                         disk_capacity_bytes=0, remote_path=f"file://{tmp_path}/remote",
+                         compression="none", segment_bytes={"remote": MiB},
+                         remote_transfers=transfers)
+
+
+def test_remote_uploads_run_in_the_background(ray_local, tmp_path, monkeypatch):
+    cfg = _remote_only(tmp_path, transfers=2)
+    tm = TierManager("node-a", 0)
+    shuffle = f"up-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=2)
+    fs = io[TierName.REMOTE].fs
+    # Each upload waits until a second one is running: uploads one at a time would time out.
+    both_running = threading.Barrier(2, timeout=10)
+    real_pipe = fs.pipe_file
+
+    def pipe_when_two_run(path, data, **kw):
+        both_running.wait()
+        return real_pipe(path, data, **kw)
+
+    monkeypatch.setattr(fs, "pipe_file", pipe_when_two_run)
+    tables = [random_table(20_000, seed=s) for s in range(2)]
+    client.write_many(enumerate(tables))
+    metas = client.close()  # commits only once both uploads finished
+    assert sorted(m.id.subpartition for m in metas) == [0, 1]
+    assert {m.tier for m in metas} == {TierName.REMOTE}
+    assert client.stats.bytes_per_tier["remote"] == sum(m.nbytes for m in metas)
+    assert row_fingerprint(ReadClient(io).read_segments(metas)) == row_fingerprint(tables)
+    tm.release_shuffle(shuffle)
+    io[TierName.REMOTE].remove_shuffle_data(shuffle)
+    assert files_under(str(tmp_path / "remote")) == []
+
+
+def test_failed_upload_fails_the_writer_and_abort_leaves_no_object(ray_local, tmp_path,
+                                                                   monkeypatch):
+    cfg = _remote_only(tmp_path, transfers=4)
+    tm = TierManager("node-a", 0)
+    shuffle = f"upf-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=3)
+    fs = io[TierName.REMOTE].fs
+    real_pipe = fs.pipe_file
+
+    def fail_subpartition_1(path, data, **kw):
+        if "/sub-00001/" in path:
+            raise OSError("injected: connection reset")
+        return real_pipe(path, data, **kw)
+
+    monkeypatch.setattr(fs, "pipe_file", fail_subpartition_1)
+    client.write_many((s, random_table(20_000, seed=s)) for s in range(3))
+    with pytest.raises(RemoteTierError, match="injected: connection reset"):
+        client.close()
+    assert files_under(str(tmp_path / "remote")), "the other uploads did land"
+    client.abort()
+    assert files_under(str(tmp_path / "remote")) == []
+    tm.release_shuffle(shuffle)
+
+
+def test_reader_fetches_remote_segments_ahead_in_order(ray_local, tmp_path, monkeypatch):
+    cfg = _remote_only(tmp_path, transfers=2)
+    tm = TierManager("node-a", 0)
+    shuffle = f"ra-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=3)
+    tables = [random_table(20_000, seed=s) for s in range(3)]
+    client.write_many(enumerate(tables))
+    metas = sorted(client.close(), key=lambda m: m.id)
+    fs = io[TierName.REMOTE].fs
+    real_cat = fs.cat_file
+    both_running = threading.Barrier(2, timeout=10)
+
+    def cat_when_two_run(path, **kw):
+        if "/sub-00002/" not in path:  # the first two wait for each other
+            both_running.wait()
+        return real_cat(path, **kw)
+
+    monkeypatch.setattr(fs, "cat_file", cat_when_two_run)
+    reader = ReadClient(io)
+    out = list(reader.read_in_order(metas, ahead=2))
+    assert [t.equals(x) for t, x in zip(out, tables)] == [True] * 3
+    # A segment that is gone raises when its turn comes, after the ones before it.
+    monkeypatch.setattr(fs, "cat_file", real_cat)
+    fs.rm_file(metas[1].location)
+    got = reader.read_in_order(metas, ahead=2)
+    assert next(got).equals(tables[0])
+    with pytest.raises(SegmentNotFoundError):
+        next(got)
+    tm.release_shuffle(shuffle)
+    io[TierName.REMOTE].remove_shuffle_data(shuffle)
+    assert files_under(str(tmp_path / "remote")) == []

@@ -34,6 +34,8 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("segment_bytes", {"disk": 0}, "segment_bytes['disk']"),
     ("memory_weight", 0, "memory_weight"),
     ("job_id", "a/b", "job_id"),
+    ("remote_transfers", 0, "remote_transfers must be an integer >= 1"),
+    ("max_concurrent_reducers", 2.5, "max_concurrent_reducers must be an integer >= 1"),
 ])
 def test_bad_values_name_the_field(field, value, needle):
     with pytest.raises(ConfigError, match=None) as info:

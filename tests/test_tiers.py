@@ -260,6 +260,23 @@ class TestRemoteTierS3(TierConformance):
                 "endpoint_url": "http://127.0.0.1:9", "key": "a", "secret": "b",
                 "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
 
+    def test_s3_checksums_only_where_required_unless_overridden(self, tier, s3_bucket):
+        # Segments carry their own XXH3 checksum (test_corrupt_segment_detected), so the
+        # per-request CRC32 of botocore is asked for only where S3 requires it.
+        assert tier.fs.config_kwargs["request_checksum_calculation"] == "when_required"
+        assert tier.fs.config_kwargs["response_checksum_validation"] == "when_required"
+        path, options = s3_bucket
+        mine = RemoteTier(MiB, path, "job-2", {**options, "config_kwargs": {
+            "request_checksum_calculation": "when_supported", "connect_timeout": 5}})
+        assert mine.fs.config_kwargs == {"request_checksum_calculation": "when_supported",
+                                         "response_checksum_validation": "when_required",
+                                         "connect_timeout": 5}
+        _, payload = _payload(5)
+        meta = mine.write(SegmentId("ck", 0, 0, 0), payload)
+        assert bytes(mine.read(meta)) == payload
+        mine.release_shuffle("ck")
+        self.assert_no_data(mine, "ck")
+
     def test_missing_bucket_is_explained(self, s3_bucket):
         _, options = s3_bucket
         with pytest.raises(RemoteTierError, match="bucket/directory exists"):

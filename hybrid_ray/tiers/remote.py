@@ -7,7 +7,10 @@ partial writes (local files) the segment is written under a temporary name and m
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import posixpath
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +24,14 @@ from hybrid_ray.tiers.base import Grant, Tier
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
+# Background transfers of one process run on at most this many threads (see ``io_pool``).
+DEFAULT_IO_THREADS = 4
+# botocore computes a CRC32 of every PUT body and validates one on every GET (and moto or
+# S3 checks it again). A segment already carries an XXH3-64 of its body, verified on every
+# read (hybrid_ray.segment), and S3 is reached over TLS, so hybrid_ray asks for these
+# checksums only where S3 requires them; storage_options["config_kwargs"] overrides this.
+S3_CHECKSUM_DEFAULTS = {"request_checksum_calculation": "when_required",
+                        "response_checksum_validation": "when_required"}
 # Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 
@@ -32,12 +43,20 @@ class RemoteTier(Tier):
 
     def __init__(self, segment_bytes: int, remote_path: str, job_id: str,
                  storage_options: Mapping[str, Any] | None = None,
-                 check_reachable: bool = True) -> None:
+                 check_reachable: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> None:
         super().__init__(segment_bytes)
         self.remote_path = remote_path
+        self.io_threads = io_threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
         self.job_id = job_id
+        options = dict(storage_options or {})
+        if remote_path.split("://", 1)[0] in ("s3", "s3a"):
+            options["config_kwargs"] = {**S3_CHECKSUM_DEFAULTS,
+                                        **dict(options.get("config_kwargs") or {})}
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(remote_path, **dict(storage_options or {}))
+            self.fs, self.root = fsspec.core.url_to_fs(remote_path, **options)
         except Exception as exc:  # fsspec raises many types for bad options
             raise RemoteTierError(
                 f"cannot open remote_path {remote_path!r}: {exc}; check the URL and "
@@ -97,9 +116,36 @@ class RemoteTier(Tier):
         return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
                            node_id=node_id, location=path)
 
+    # ---- background transfers ---------------------------------------------------------------
+    # An object store answers one request at a time per connection, with a round trip of
+    # milliseconds (S3) and a per-connection bandwidth far below the node's. Writers and
+    # readers therefore keep a few transfers in flight and go on partitioning or decoding
+    # meanwhile, as S3A's fast upload and Flink's remote tier do.
+    def io_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """This process's transfer threads (created on first use, again after a fork)."""
+        with self._pool_lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self.io_threads, thread_name_prefix="hybrid-ray-remote")
+                self._pool_pid = os.getpid()
+            return self._pool
+
+    def write_async(self, segment: SegmentId, payload: bytes | memoryview,
+                    node_id: str = "") -> concurrent.futures.Future[SegmentMeta]:
+        """Start ``write`` in the background; the payload is copied first, so the caller
+        may reuse its buffer at once. The future raises what ``write`` would."""
+        data = bytes(payload)
+        return self.io_pool().submit(self.write, segment, data, None, node_id)
+
+    def read_async(self, meta: SegmentMeta) -> concurrent.futures.Future[bytes]:
+        """Start ``read`` in the background (a reader's read-ahead)."""
+        return self.io_pool().submit(self.read, meta)
+
     def read(self, meta: SegmentMeta) -> bytes:
         try:
-            return self.fs.cat_file(meta.location)
+            # The size is known: a ranged read is one GET (s3fs otherwise sends a HEAD
+            # first to decide whether to split the download).
+            return self.fs.cat_file(meta.location, start=0, end=meta.nbytes)
         except FileNotFoundError as exc:
             raise SegmentNotFoundError(
                 f"{meta.id} is gone from the remote tier ({meta.location})") from exc
