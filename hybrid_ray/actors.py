@@ -219,9 +219,9 @@ class ShuffleMasterActor:
         with self._lock:
             return self.registry.consumed(shuffle_id, subpartition)
 
-    def release(self, shuffle_id: str, reason: str = "") -> bool:
+    def release(self, shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
         with self._lock:
-            return self.registry.release(shuffle_id, reason)
+            return self.registry.release(shuffle_id, reason, failed)
 
     def expire(self) -> list[str]:
         with self._lock:

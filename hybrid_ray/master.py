@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleNotFoundError
+from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError
 from hybrid_ray.segment import SegmentMeta
 
 
@@ -97,15 +97,18 @@ class ShuffleRegistry:
         self._release_data = release_data
         self._clock = clock
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
-        # Why a recently released shuffle was released, if its driver said (a failed map
-        # stage): readers still running then fail with that reason.
-        self.release_reasons: dict[str, str] = {}
+        # Why a recently released shuffle was released, if its driver said, and whether it
+        # failed (a failed map stage): readers still running then fail with that reason.
+        self.release_reasons: dict[str, tuple[str, bool]] = {}
 
     def _get(self, shuffle_id: str) -> ShuffleState:
         try:
             return self._shuffles[shuffle_id]
         except KeyError:
-            reason = self.release_reasons.get(shuffle_id)
+            reason, failed = self.release_reasons.get(shuffle_id, ("", False))
+            if failed:
+                raise ShuffleFailedError(
+                    f"shuffle {shuffle_id!r} failed and was released: {reason}") from None
             hint = (f" (it was released because {reason})" if reason else
                     " (it was released: its data is gone; re-run the shuffle)"
                     if shuffle_id in self.released else "")
@@ -331,17 +334,18 @@ class ShuffleRegistry:
         return False
 
     # ---- release --------------------------------------------------------------------------------
-    def release(self, shuffle_id: str, reason: str = "") -> bool:
-        """Delete all data of a shuffle on every node and the remote tier. ``reason`` (e.g.
-        "its map stage failed: ...") is what readers of the shuffle are told afterwards."""
+    def release(self, shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
+        """Delete all data of a shuffle on every node and the remote tier. ``reason`` is
+        what its readers are told afterwards; with ``failed`` (e.g. its map stage failed)
+        they get ``ShuffleFailedError`` instead of ``ShuffleNotFoundError``."""
         state = self._shuffles.pop(shuffle_id, None)
         if state is None:
             return False
         if len(self.released) == self.released.maxlen:
             self.release_reasons.pop(self.released[0], None)
         self.released.append(shuffle_id)
-        if reason:
-            self.release_reasons[shuffle_id] = reason
+        if reason or failed:
+            self.release_reasons[shuffle_id] = (reason, failed)
         self._release_data(state)
         return True
 

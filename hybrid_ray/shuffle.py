@@ -248,16 +248,19 @@ class _MapDispatcher:
 
     def __init__(self, writers: list[tuple[str, Any]], inputs: Sequence[Any],
                  shuffle_id: str, master: Any, map_fn: Callable[..., Any],
-                 map_args: tuple, input_nodes: Sequence[str | None] | None = None) -> None:
+                 map_args: tuple, input_nodes: Sequence[str | None] | None = None,
+                 maps: Sequence[int] | None = None) -> None:
         """Runs ``map_fn(shuffle_id, map_index, inputs[map_index], *map_args)`` for every
-        input; ``input_nodes[i]`` is the node holding input i (None: anywhere)."""
+        input (or the inputs ``maps``); ``input_nodes[i]`` is the node holding input i
+        (None: anywhere)."""
         self._writers = writers
         self._blocks = inputs
         self._map_fn = map_fn
         self._args = map_args
         self._shuffle_id = shuffle_id
         self._master = master
-        self._queue: collections.deque[int] = collections.deque(range(len(inputs)))
+        self._queue: collections.deque[int] = collections.deque(
+            range(len(inputs)) if maps is None else maps)
         self._running: dict[int, tuple[int, ray.ObjectRef]] = {}  # writer -> (map, ref)
         self._block_nodes = list(input_nodes) if input_nodes is not None \
             else [None] * len(inputs)

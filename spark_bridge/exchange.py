@@ -10,6 +10,11 @@ the map index; a retried or speculative Spark task is a new map attempt that wri
 rows, and the driver seals the shuffle with the attempt of each task that Spark reports as
 succeeded (``ShuffleRegistry.seal``), so exactly one attempt per map counts.
 
+On the direct path the writer actors own the memory-tier segments they wrote. A writer that
+dies (and is restarted by Ray) takes them along: a reader that finds one gone reports it, and
+the driver runs that map again (``_LiveShuffles``) for as long as it holds the shuffle, since
+Spark may run the reduce stage any time, and again.
+
 Reduce side: ``spark.range(n, numPartitions=n).mapInArrow(...)`` gives Spark task i the
 subpartition i, which it reads through the read client and hands back to the JVM as Arrow.
 The map stage runs eagerly (one Spark job) so the report is ready when the call returns; the
@@ -146,9 +151,9 @@ def make_reduce_function(address: str, shuffles: Sequence[BridgeShuffle], reduce
                     try:
                         inputs.append(read_subpartition(shuffle_id, subpartition, config,
                                                         get_master(config.namespace)))
+                    except ShuffleFailedError as exc:  # its map stage failed: say why
+                        raise ShuffleFailedError(str(exc)) from None
                     except ShuffleNotFoundError as exc:
-                        if "map stage failed" in str(exc):
-                            raise ShuffleFailedError(str(exc)) from None
                         raise ShuffleNotFoundError(
                             f"{exc}. The hybrid_ray shuffle behind this DataFrame was released "
                             "(spark_bridge.release/stop_spark, or its driver stopped "
@@ -195,12 +200,19 @@ class BridgeShuffle:
         return self._done.is_set()
 
 
+# How often the driver asks the master for maps to run again (their output died with its
+# writer); readers wait for the new attempt meanwhile.
+RECOVERY_POLL_S = 1.0
+
+
 class _LiveShuffles:
-    """Shuffles the bridge holds, kept alive by heartbeats from a daemon thread."""
+    """Shuffles the bridge holds, kept alive by heartbeats from a daemon thread, which also
+    runs again the maps of direct-path shuffles whose output was lost (``recover_with``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._shuffles: dict[str, ShuffleConfig] = {}
+        self._rerun: dict[str, Callable[[list[int]], Any]] = {}
         self._thread: threading.Thread | None = None
 
     def add(self, shuffle_id: str, config: ShuffleConfig) -> None:
@@ -211,8 +223,15 @@ class _LiveShuffles:
                                                 name="hybrid_ray-bridge-heartbeat")
                 self._thread.start()
 
+    def recover_with(self, shuffle_id: str, rerun: Callable[[list[int]], Any]) -> None:
+        """From now on, maps of ``shuffle_id`` reported lost are run with ``rerun(maps)``."""
+        with self._lock:
+            if shuffle_id in self._shuffles:
+                self._rerun[shuffle_id] = rerun
+
     def remove(self, shuffle_id: str) -> ShuffleConfig | None:
         with self._lock:
+            self._rerun.pop(shuffle_id, None)
             return self._shuffles.pop(shuffle_id, None)
 
     def ids(self) -> list[str]:
@@ -220,17 +239,39 @@ class _LiveShuffles:
             return list(self._shuffles)
 
     def _beat(self) -> None:
+        last_beat = time.monotonic()
         while True:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(RECOVERY_POLL_S)
             with self._lock:
                 live = list(self._shuffles.items())
-            if not live:
+                recoverable = [(s, self._shuffles[s], r) for s, r in self._rerun.items()]
+            for shuffle_id, config, rerun in recoverable:
+                self._recover(shuffle_id, config, rerun)
+            if not live or time.monotonic() - last_beat < HEARTBEAT_S:
                 continue
+            last_beat = time.monotonic()
             try:
                 for shuffle_id, config in live:
                     get_master(config.namespace).heartbeat.remote(shuffle_id)
             except Exception:  # Ray shut down or the master restarting: try again later
                 pass
+
+    def _recover(self, shuffle_id: str, config: ShuffleConfig,
+                 rerun: Callable[[list[int]], Any]) -> None:
+        try:
+            lost = ray.get(get_master(config.namespace).take_lost.remote(shuffle_id))
+        except ShuffleNotFoundError:  # released meanwhile
+            return
+        except Exception:  # Ray shut down or the master restarting: try again later
+            return
+        if not lost:
+            return
+        try:
+            rerun(lost)
+        except Exception as exc:
+            # Readers wait for the new attempts: tell them, rather than let them time out.
+            release(shuffle_id, f"re-running maps {lost}, whose output died with their "
+                                f"writer, failed: {_explain_spark_failure(exc)}", failed=True)
 
 
 _live = _LiveShuffles()
@@ -243,12 +284,14 @@ def last_report() -> ShuffleReport | None:
     return _last_shuffle.report if _last_shuffle is not None else None
 
 
-def release(shuffle_id: str, reason: str = "") -> bool:
-    """Delete a held shuffle's data on every node and the remote tier."""
+def release(shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
+    """Delete a held shuffle's data on every node and the remote tier (readers still
+    running are told ``reason``; with ``failed``, as a ``ShuffleFailedError``)."""
     config = _live.remove(shuffle_id)
     if config is None or not ray.is_initialized():
         return False
-    return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id, reason)))
+    return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id, reason,
+                                                                     failed)))
 
 
 def release_all() -> int:
@@ -311,15 +354,20 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
     scan, why_not = parquet_scan.plan_scan(df, config.map_chunk_bytes) if direct_scan \
         else (None, "direct_scan=False")
     if scan is not None:
-        # The map count is known: readers can tell when the shuffle is complete.
+        # The map count is known: readers can tell when the shuffle is complete. Lost maps
+        # (their writer died with their memory-tier segments) can be run again.
         ray.get(master.register.remote(shuffle.shuffle_id, len(scan.pieces), num_partitions,
-                                       config))
+                                       config, True))
         _live.add(shuffle.shuffle_id, config)
 
         def run_direct() -> tuple[str, int, int]:
             num_maps, input_bytes = parquet_scan.run_maps(
                 scan, shuffle.shuffle_id, num_partitions, partitioner, config, master,
                 transform)
+            # While the stage ran, its dispatcher re-ran lost maps; from now on, the bridge.
+            _live.recover_with(shuffle.shuffle_id, lambda lost: parquet_scan.run_maps(
+                scan, shuffle.shuffle_id, num_partitions, partitioner, config, master,
+                transform, only=lost))
             return "parquet files", num_maps, input_bytes
         threading.Thread(target=_map_stage, daemon=True, name=f"{shuffle.shuffle_id}-maps",
                          args=(shuffle, master, operation, started, run_direct)).start()
@@ -360,13 +408,19 @@ def _map_stage(shuffle: BridgeShuffle, master: Any, operation: str, started: flo
         report.map_input = map_input
         shuffle._report = report
     except BaseException as exc:
-        why = _explain_spark_failure(exc)
-        try:
-            release(shuffle.shuffle_id, f"its map stage failed: {why}")
-        except Exception:  # Ray going down: the master's orphan TTL removes the data
-            pass
-        error = ShuffleFailedError(f"spark_bridge {operation}: the map stage of hybrid_ray "
-                                   f"shuffle {shuffle.shuffle_id} failed and its data was "
+        if shuffle.shuffle_id not in _live.ids():
+            # Released by the user (release(df), release_all, stop_spark) while the maps
+            # ran: that, not the maps' resulting "unknown shuffle", is what happened.
+            why = ("it was released (spark_bridge.release, release_all or stop_spark) "
+                   "while its map stage ran; run the operation again")
+        else:
+            why = f"its map stage failed: {_explain_spark_failure(exc)}"
+            try:
+                release(shuffle.shuffle_id, why, failed=True)
+            except Exception:  # Ray going down: the master's orphan TTL removes the data
+                pass
+        error = ShuffleFailedError(f"spark_bridge {operation}: hybrid_ray shuffle "
+                                   f"{shuffle.shuffle_id} did not complete and its data was "
                                    f"removed: {why}")
         error.__cause__ = exc
         shuffle._error = error

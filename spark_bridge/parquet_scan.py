@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -216,12 +216,15 @@ def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, sche
 
 def run_maps(scan: ParquetScan, shuffle_id: str, num_partitions: int,
              partitioner: Partitioner, config: ShuffleConfig, master: Any,
-             transform: Callable[[pa.Table], pa.Table] | None) -> tuple[int, int]:
-    """Run every piece's map on the writer actors; returns (maps, input bytes). Raises the
-    first map's error (a writer that died is retried by Ray, as a new map attempt)."""
+             transform: Callable[[pa.Table], pa.Table] | None,
+             only: Sequence[int] | None = None) -> tuple[int, int]:
+    """Run every piece's map (or the maps ``only``) on the writer actors; returns (maps,
+    input bytes). Raises the first map's error (a writer that died is retried by Ray, as a
+    new map attempt)."""
     maps = _MapDispatcher(get_writers(config.namespace), scan.pieces, shuffle_id, master,
                           map_parquet_piece,
-                          (scan.schema, num_partitions, partitioner, config, master, transform))
+                          (scan.schema, num_partitions, partitioner, config, master, transform),
+                          maps=only)
     while not maps.done:
         maps.poll()
         running = maps.running_refs()

@@ -19,10 +19,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def ray_local():
+def start_local_ray():
     """A local single-node Ray shared by the session (start-up costs ~5 s); started again
-    only if a multi-node module shut it down."""
+    only if a multi-node module shut it down. Every module starts it this way, so which
+    module runs first does not matter."""
     import ray
 
     if not ray.is_initialized():
@@ -32,6 +32,12 @@ def ray_local():
                  log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
     return ray  # left running for later tests; Ray shuts down at interpreter exit
+
+
+@pytest.fixture
+def ray_local():
+    """The session's local Ray (``start_local_ray``)."""
+    return start_local_ray()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_ray import SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, TierName
+from hybrid_ray import (
+    SegmentId, SegmentMeta, ShuffleConfig, ShuffleFailedError, ShuffleNotFoundError, TierName,
+)
 from hybrid_ray.master import ShuffleRegistry
 from hybrid_ray.tier_manager import TierManager
 
@@ -77,10 +79,10 @@ def test_release_on_consumption_and_unknown_shuffle(registry):
 
 
 def test_readers_of_a_shuffle_released_for_a_failure_are_told_why(registry):
-    assert registry.release("s", "its map stage failed: OSError: disk gone")
+    assert registry.release("s", "its map stage failed: OSError: disk gone", failed=True)
     assert registry.released_ids == ["s"]
-    with pytest.raises(ShuffleNotFoundError, match="released because its map stage failed: "
-                                                   "OSError: disk gone"):
+    with pytest.raises(ShuffleFailedError, match="failed and was released: its map stage "
+                                                 "failed: OSError: disk gone"):
         registry.poll("s", 0, {})
     assert not registry.release("s", "again")  # once only
 

@@ -4,14 +4,17 @@ cleanup and bad input. One Spark session for the module: starting it costs ~40 s
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 
 import pyarrow as pa
 import pytest
 import ray
 
 import spark_bridge
-from conftest import assert_no_leftovers, base_config
+from conftest import assert_no_leftovers, base_config, start_local_ray
 from hybrid_ray import (
     ConfigError, HashPartitioner, MiB, RemoteTierError, ShuffleFailedError,
 )
@@ -19,13 +22,20 @@ from hybrid_ray import (
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _ship_this_module_by_value():
+    """Spark's Python workers cannot import this test module: its partitioners go by value
+    (whichever test runs first, alone or with -k)."""
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+
+
 @pytest.fixture(scope="module")
 def spark(request):
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=2 * 1024**3, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+    start_local_ray()
     session = spark_bridge.init_spark("hybrid_ray-tests", num_executors=2, executor_cores=1,
                                       executor_memory="1GB",
                                       configs={"spark.sql.shuffle.partitions": "4"})
@@ -187,11 +197,8 @@ class FailFirstAttempt(HashPartitioner):
 
 
 def test_retried_spark_task_leaves_output_exact(spark, orders, tmp_path):
-    from pyspark import cloudpickle
-
     from spark_bridge import exchange
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     cfg = base_config(tmp_path, map_chunk_bytes=1 * MiB)
     shuffle = exchange.run_map_stage(orders, 3, FailFirstAttempt(["id"]), cfg, "retry-test")
     assert shuffle.report.superseded_attempts >= 1
@@ -414,6 +421,53 @@ def test_direct_scan_map_failure_fails_loudly_and_cleans_up(spark, tmp_path):
     # Reduce tasks are told why the data is gone.
     with pytest.raises(Exception, match="map stage failed: RuntimeError: injected map failure"):
         out.collect()
+
+
+def test_release_during_the_direct_map_stage_says_so(spark, tmp_path):
+    from spark_bridge import exchange
+
+    class Slow(HashPartitioner):  # local: pickled by value to the writers
+        def assign(self, table, map_index, num_partitions):
+            time.sleep(0.5)
+            return super().assign(table, map_index, num_partitions)
+
+    path = tmp_path / "typed"
+    _write_typed_parquet(path)
+    df = spark.read.parquet(str(path))
+    cfg = base_config(tmp_path, map_chunk_bytes=64 * 1024)
+    shuffle = exchange.run_map_stage(df, 4, Slow(["id"]), cfg, "release-test")
+    assert not shuffle.map_stage_done
+    assert spark_bridge.release_all() == 1
+    with pytest.raises(ShuffleFailedError, match=r"it was released \(spark_bridge.release"):
+        shuffle.report  # noqa: B018 - waits for the background map stage
+    assert_no_leftovers(cfg, ray)
+
+
+def test_direct_scan_maps_lost_with_their_writer_are_rerun_exactly(spark, tmp_path):
+    """The writers own the direct path's memory-tier segments. Killing the writer of a
+    finished map after the map stage loses them: readers report the loss, the bridge runs
+    those maps again, and the reduce stage's rows are still exact."""
+    from hybrid_ray.actors import get_master
+    from spark_bridge import exchange
+
+    path = tmp_path / "typed"
+    _write_typed_parquet(path)
+    df = spark.read.parquet(str(path))
+    cfg = base_config(tmp_path, map_chunk_bytes=256 * 1024)
+    shuffle = exchange.run_map_stage(df, 4, HashPartitioner(["id"]), cfg, "lost-test")
+    assert shuffle.report.map_input == "parquet files"
+    assert shuffle.report.bytes_per_tier()["memory"] > 0
+    master = get_master(cfg.namespace)
+    before = ray.get(master.progress.remote(shuffle.shuffle_id))["maps"]
+    victim = before[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    out = exchange.reduce_frame(spark, [shuffle], _passthrough, df.schema)
+    assert sorted(out.collect()) == sorted(df.collect())
+    after = ray.get(master.progress.remote(shuffle.shuffle_id))["maps"]
+    rerun = [i for i, (b, a) in enumerate(zip(before, after)) if a["attempt"] > b["attempt"]]
+    assert 0 in rerun and all(before[i]["pid"] == victim for i in rerun)
+    assert spark_bridge.release_all() == 1
+    assert_no_leftovers(cfg, ray)
 
 
 def _passthrough(inputs, _sub):
