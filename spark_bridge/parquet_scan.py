@@ -49,6 +49,14 @@ _WIDENED = {pa.uint8(): pa.int16(), pa.uint16(): pa.int32(), pa.uint32(): pa.int
 _LEGACY_KEYS = (b"org.apache.spark.legacyDateTime", b"org.apache.spark.legacyINT96")
 # A map reads about this much (uncompressed) of one file, as Spark's maxPartitionBytes.
 MAP_TARGET_BYTES = 128 * 1024 * 1024
+# Session settings, at their defaults, under which pyarrow reads what Spark's scan reads.
+# Otherwise only Spark's reader does what the user asked (skip corrupt or vanished files,
+# match columns by parquet field id), so the executors read.
+SPARK_READER_DEFAULTS = {
+    "spark.sql.files.ignoreCorruptFiles": "false",
+    "spark.sql.files.ignoreMissingFiles": "false",
+    "spark.sql.parquet.fieldId.read.enabled": "false",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,12 @@ def plan_scan(df: Any, chunk_bytes: int) -> tuple[ParquetScan | None, str]:
     for field in df.schema.fields:
         if type(field.dataType).__name__ not in SAFE_TYPES:
             return None, f"column {field.name!r} is {field.dataType.simpleString()}"
+    conf = df.sparkSession.conf
+    for key, default in SPARK_READER_DEFAULTS.items():
+        value = conf.get(key, default)
+        if str(value).strip().lower() != default:
+            return None, f"{key}={value}"
+    case_sensitive = str(conf.get("spark.sql.caseSensitive", "false")).strip().lower() == "true"
     schema = to_arrow_schema(df.schema)
     pieces = []
     for uri in df.inputFiles():
@@ -95,7 +109,7 @@ def plan_scan(df: Any, chunk_bytes: int) -> tuple[ParquetScan | None, str]:
             return None, f"{uri} is not a local file"
         path = urllib.parse.unquote(parsed.path)
         try:
-            piece_or_reason = _pieces(path, schema, chunk_bytes)
+            piece_or_reason = _pieces(path, schema, chunk_bytes, case_sensitive)
         except (OSError, pa.ArrowException) as exc:  # Spark's reader will say what is wrong
             return None, f"pyarrow cannot read {path}: {exc}"
         if isinstance(piece_or_reason, str):
@@ -145,7 +159,9 @@ def _dates_need_rebase(path: str, metadata: Any, schema: pa.Schema) -> str | Non
     return None
 
 
-def _pieces(path: str, schema: pa.Schema, chunk_bytes: int) -> list[ParquetPiece] | str:
+def _pieces(path: str, schema: pa.Schema, chunk_bytes: int,
+            case_sensitive: bool = False) -> list[ParquetPiece] | str:
+    """The map pieces of one file, or why Spark's reader must read it."""
     metadata = pq.read_metadata(path)
     if any(k in (metadata.metadata or {}) for k in _LEGACY_KEYS):
         return f"{path} was written with Spark's legacy calendar"
@@ -153,6 +169,14 @@ def _pieces(path: str, schema: pa.Schema, chunk_bytes: int) -> list[ParquetPiece
     if rebase:
         return rebase
     file_schema = pq.read_schema(path)
+    if not case_sensitive:
+        # Spark (spark.sql.caseSensitive=false) matches columns ignoring case, and fails on
+        # a file holding e.g. both "id" and "ID"; pyarrow would read one of them.
+        for field in schema:
+            same = [n for n in file_schema.names if n.lower() == field.name.lower()]
+            if len(same) > 1:
+                return f"{path} has columns {same}, equal but for case " \
+                       "(spark.sql.caseSensitive=false)"
     for field in schema:
         index = file_schema.get_field_index(field.name)
         if index < 0:

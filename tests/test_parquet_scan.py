@@ -80,3 +80,13 @@ def test_dates_spark_would_rebase_or_refuse_go_through_the_executors(tmp_path):
     spark3 = modern.replace_schema_metadata({"org.apache.spark.version": "3.5.7"})
     pq.write_table(spark3, tmp_path / "spark3.parquet")
     assert not isinstance(_pieces(str(tmp_path / "spark3.parquet"), schema, 1 << 20), str)
+
+
+def test_columns_equal_but_for_case_are_left_to_spark(tmp_path):
+    path = str(tmp_path / "cases.parquet")
+    pq.write_table(pa.table({"id": [1, 2], "ID": [3, 4], "v": [5, 6]}), path)
+    schema = pa.schema([("id", pa.int64()), ("v", pa.int64())])
+    reason = _pieces(path, schema, 1 << 20)
+    assert isinstance(reason, str) and "['id', 'ID']" in reason and "caseSensitive" in reason
+    pieces = _pieces(path, schema, 1 << 20, case_sensitive=True)  # Spark reads "id" exactly
+    assert not isinstance(pieces, str) and len(pieces) == 1

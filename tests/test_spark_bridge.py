@@ -391,6 +391,17 @@ def test_scans_spark_must_read_itself_go_through_the_executors(spark, tmp_path):
         assert sorted(out.collect()) == sorted(df.collect()), name
         spark_bridge.release(out)
     cached.unpersist()
+    # A session setting only Spark's reader honours.
+    spark.conf.set("spark.sql.files.ignoreMissingFiles", "true")
+    try:
+        df = spark.read.parquet(str(path))
+        out = spark_bridge.repartition(df, 3, "id", config=cfg)
+        map_input = spark_bridge.last_report().map_input
+        assert "spark.sql.files.ignoreMissingFiles=true" in map_input, map_input
+        assert sorted(out.collect()) == sorted(df.collect())
+        spark_bridge.release(out)
+    finally:
+        spark.conf.unset("spark.sql.files.ignoreMissingFiles")
     assert_no_leftovers(cfg, ray)
 
 
