@@ -240,6 +240,19 @@ class WriteClient:
             sids.append(SegmentId(self.shuffle_id, self.map_partition, sub,
                                   self._next_index[sub], self.attempt))
             self._next_index[sub] += 1
+        # Grants not yet settled: if a write raises, they are given back (with abort).
+        granted = {i for i, p in enumerate(placements) if p.grant is not None}
+        try:
+            self._write_placed(pieces, payloads, placements, sids, granted)
+        except BaseException:
+            self._unsettled.extend((placements[i].grant, None) for i in sorted(granted))
+            raise
+
+    def _write_placed(self, pieces: list[tuple[int, pa.Table]], payloads: list[Any],
+                      placements: list[Placement], sids: list[SegmentId],
+                      granted: set[int]) -> None:
+        """Write each piece where it was placed; ``granted`` loses each index whose grant
+        went into ``_unsettled``."""
         # Memory-tier segments go to the node's object store in one round trip.
         metas: dict[int, SegmentMeta] = {}
         in_memory = [i for i, p in enumerate(placements)
@@ -249,9 +262,12 @@ class WriteClient:
                 [(sids[i], payloads[i]) for i in in_memory], self.node_id)
             for i, meta in zip(in_memory, written):
                 self._unsettled.append((placements[i].grant, len(payloads[i])))
+                granted.discard(i)
                 metas[i] = meta
         for i, ((sub, table), payload, placement) in enumerate(zip(pieces, payloads,
                                                                    placements)):
+            if i not in metas:
+                granted.discard(i)  # _write_one settles the grant, whatever happens
             meta = metas.get(i) or self._write_one(sids[i], payload, placement)
             if isinstance(meta, concurrent.futures.Future):
                 self._count(sub, TierName.REMOTE, len(payload), table.num_rows)
@@ -290,13 +306,18 @@ class WriteClient:
         refusals = list(placement.refusals)
         if placement.grant is not None:
             grant = placement.grant
+            # The grant is settled here whatever happens (see _place).
             try:
                 meta = self.io_tiers[grant.tier].write(sid, payload, grant, self.node_id)
-                self._unsettled.append((grant, len(payload)))
-                return meta
             except OutOfSpaceError as exc:  # the disk filled behind our back: fall through
                 self._unsettled.append((grant, None))
                 refusals.append(str(exc))
+            except BaseException:
+                self._unsettled.append((grant, None))
+                raise
+            else:
+                self._unsettled.append((grant, len(payload)))
+                return meta
         remote = self.io_tiers.get(TierName.REMOTE)
         if remote is None:
             raise OutOfSpaceError(

@@ -296,3 +296,28 @@ def test_reader_fetches_remote_segments_ahead_in_order(ray_local, tmp_path, monk
     tm.release_shuffle(shuffle)
     io[TierName.REMOTE].remove_shuffle_data(shuffle)
     assert files_under(str(tmp_path / "remote")) == []
+
+
+def test_a_failed_write_gives_every_grant_of_its_batch_back(ray_local, tmp_path, monkeypatch):
+    spill = str(tmp_path / "spill")
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[spill], compression="none",
+                        segment_bytes={"disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"gr-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=4)
+    disk = io[TierName.DISK]
+    real_write = disk.write
+    calls = []
+
+    def fail_second(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise PermissionError("injected: spill dir turned read-only")
+        return real_write(*args, **kw)
+
+    monkeypatch.setattr(disk, "write", fail_second)
+    with pytest.raises(PermissionError, match="injected"):
+        client.write_many((s, random_table(20_000, seed=s)) for s in range(4))  # 4 segments
+    client.abort()
+    assert files_under(spill) == []
+    assert tm.usage().tiers[1].used_bytes == 0  # the grants of segments 2-4 too
