@@ -432,13 +432,22 @@ def _map_stage(shuffle: BridgeShuffle, master: Any, operation: str, started: flo
 
 def reduce_frame(spark: Any, shuffles: Sequence[BridgeShuffle], reducer: Reducer,
                  out_spark_schema: Any) -> Any:
-    """A DataFrame with one partition per subpartition, produced by ``reducer``."""
+    """A DataFrame with one partition per subpartition, produced by ``reducer``. If it
+    cannot be built, ``shuffles`` are released: no DataFrame will ever hold them."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    address = ray.get_runtime_context().gcs_address
-    n = shuffles[0].num_partitions
-    fn = make_reduce_function(address, shuffles, reducer, to_arrow_schema(out_spark_schema))
-    out = spark.range(0, n, 1, n).mapInArrow(fn, out_spark_schema)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        n = shuffles[0].num_partitions
+        fn = make_reduce_function(address, shuffles, reducer, to_arrow_schema(out_spark_schema))
+        out = spark.range(0, n, 1, n).mapInArrow(fn, out_spark_schema)
+    except BaseException:
+        for shuffle in shuffles:
+            try:
+                release(shuffle.shuffle_id, "its reduce stage could not be built", failed=True)
+            except Exception:  # Ray going down: the master's orphan TTL removes the data
+                pass
+        raise
     out._hybrid_ray_shuffles = [s.shuffle_id for s in shuffles]  # for release(df)
     return out
 

@@ -434,6 +434,19 @@ def test_direct_scan_map_failure_fails_loudly_and_cleans_up(spark, tmp_path):
         out.collect()
 
 
+def test_a_reduce_stage_that_cannot_be_built_releases_its_shuffle(spark, orders, tmp_path):
+    from spark_bridge import exchange
+
+    cfg = base_config(tmp_path)
+    shuffle = exchange.run_map_stage(orders, 3, HashPartitioner(["id"]), cfg, "bad-reduce",
+                                     direct_scan=False)
+    assert shuffle.shuffle_id in spark_bridge.held_shuffles()
+    with pytest.raises(Exception):  # not a Spark schema
+        exchange.reduce_frame(spark, [shuffle], _passthrough, "not a schema")
+    assert spark_bridge.held_shuffles() == []
+    assert_no_leftovers(cfg, ray)
+
+
 def test_release_during_the_direct_map_stage_says_so(spark, tmp_path):
     from spark_bridge import exchange
 
