@@ -8,14 +8,19 @@ and disk tiers so that concurrent writers on the node never overshoot a budget t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import ShuffleNotFoundError
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import unlink_quietly, read_segment_file
+
+# Released shuffle ids a tier manager remembers (see TierManager.register_shuffle).
+RELEASED_MEMORY = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +76,19 @@ class TierManager:
         # writer's abort and again when the master drops the attempt; space must come
         # back once, or the tier under-counts and overshoots its budget.
         self._freed: dict[str, set[Any]] = {}
+        # Shuffles released here: a map that began just before its shuffle was released must
+        # not register it again (its space would stay counted, its quota taken, for good).
+        self._released: collections.deque[str] = collections.deque(maxlen=RELEASED_MEMORY)
 
     # ---- registration and quotas -----------------------------------------------------------
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
-        """Register a shuffle writing on this node; returns its memory quota in bytes."""
+        """Register a shuffle writing on this node; returns its memory quota in bytes.
+        Raises ``ShuffleNotFoundError`` for a shuffle already released here."""
         if shuffle_id in self._shuffles:
             return self.memory.quota(shuffle_id)
+        if shuffle_id in self._released:
+            raise ShuffleNotFoundError(f"shuffle {shuffle_id!r} was released on node "
+                                       f"{self.node_id}; a map of it cannot start writing")
         spill_dirs = config.spill_dirs_for(self.node_id)
         disk_key = (spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
         if disk_key not in self._disks:
@@ -175,6 +187,8 @@ class TierManager:
         """Forget a shuffle: give back its quota and remove its files on this node."""
         info = self._shuffles.pop(shuffle_id, None)
         self._freed.pop(shuffle_id, None)
+        if shuffle_id not in self._released:
+            self._released.append(shuffle_id)
         self.memory.release_shuffle(shuffle_id)
         for disk in self._disks.values():
             disk.release_shuffle(shuffle_id)

@@ -233,3 +233,15 @@ def test_tier_manager_gives_back_a_segment_s_space_once(tmp_path):
     tm.free_segments("a", [first])  # the master's drop of the same attempt
     tier = tm.memory if grants[0].tier == TierName.MEMORY else tm._tier("a", TierName.DISK)
     assert tier.used_by("a") == used[grants[0].tier] - 100
+
+
+def test_a_released_shuffle_cannot_register_again_on_a_node(tmp_path):
+    """A map that began just before its shuffle was released must not register it on its
+    node's tier manager again: the registration, and its space, would stay for good."""
+    tm = TierManager("n1", object_store_bytes=1000)
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
+    tm.register_shuffle("s", cfg)
+    tm.release_shuffle("s")
+    with pytest.raises(ShuffleNotFoundError, match="was released on node n1"):
+        tm.register_shuffle("s", cfg)
+    assert tm.usage().shuffles == ()

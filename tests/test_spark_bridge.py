@@ -464,6 +464,11 @@ def test_release_during_the_direct_map_stage_says_so(spark, tmp_path):
     assert spark_bridge.release_all() == 1
     with pytest.raises(ShuffleFailedError, match=r"it was released \(spark_bridge.release"):
         shuffle.report  # noqa: B018 - waits for the background map stage
+    # Maps that were running go on until their next commit fails; a writer runs one task
+    # at a time, so a no-op on each waits for them (later tests then get idle writers).
+    from hybrid_ray.actors import get_writers
+
+    ray.get([writer.run.remote(len, ()) for _, writer in get_writers(cfg.namespace)])
     assert_no_leftovers(cfg, ray)
 
 
