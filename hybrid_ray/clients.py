@@ -374,7 +374,9 @@ class ReadClient:
 
     def read(self, meta: SegmentMeta) -> pa.Table:
         """Read and decode one segment."""
-        data = self.read_bytes(meta)
+        return self._decode(meta, self.read_bytes(meta))
+
+    def _decode(self, meta: SegmentMeta, data: Any) -> pa.Table:
         self.bytes_read[meta.tier.value] += meta.nbytes
         return decode_segment(data, meta.id, meta.tier)
 
@@ -404,9 +406,7 @@ class ReadClient:
                 if fetch is None:
                     yield self.read(meta)
                     continue
-                data = fetch.result()
-                self.bytes_read[meta.tier.value] += meta.nbytes
-                yield decode_segment(data, meta.id, meta.tier)
+                yield self._decode(meta, fetch.result())
         finally:
             for fetch in fetches.values():
                 fetch.cancel()

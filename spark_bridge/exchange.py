@@ -270,8 +270,8 @@ class _LiveShuffles:
             rerun(lost)
         except Exception as exc:
             # Readers wait for the new attempts: tell them, rather than let them time out.
-            release(shuffle_id, f"re-running maps {lost}, whose output died with their "
-                                f"writer, failed: {_explain_spark_failure(exc)}", failed=True)
+            _release_failed(shuffle_id, f"re-running maps {lost}, whose output died with "
+                                        f"their writer, failed: {_explain_spark_failure(exc)}")
 
 
 _live = _LiveShuffles()
@@ -292,6 +292,15 @@ def release(shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
         return False
     return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id, reason,
                                                                      failed)))
+
+
+def _release_failed(shuffle_id: str, why: str) -> None:
+    """Release a shuffle that failed, telling its readers ``why``; if Ray is going down,
+    the master's orphan TTL removes the data instead."""
+    try:
+        release(shuffle_id, why, failed=True)
+    except Exception:
+        pass
 
 
 def release_all() -> int:
@@ -415,10 +424,7 @@ def _map_stage(shuffle: BridgeShuffle, master: Any, operation: str, started: flo
                    "while its map stage ran; run the operation again")
         else:
             why = f"its map stage failed: {_explain_spark_failure(exc)}"
-            try:
-                release(shuffle.shuffle_id, why, failed=True)
-            except Exception:  # Ray going down: the master's orphan TTL removes the data
-                pass
+            _release_failed(shuffle.shuffle_id, why)
         error = ShuffleFailedError(f"spark_bridge {operation}: hybrid_ray shuffle "
                                    f"{shuffle.shuffle_id} did not complete and its data was "
                                    f"removed: {why}")
@@ -443,10 +449,7 @@ def reduce_frame(spark: Any, shuffles: Sequence[BridgeShuffle], reducer: Reducer
         out = spark.range(0, n, 1, n).mapInArrow(fn, out_spark_schema)
     except BaseException:
         for shuffle in shuffles:
-            try:
-                release(shuffle.shuffle_id, "its reduce stage could not be built", failed=True)
-            except Exception:  # Ray going down: the master's orphan TTL removes the data
-                pass
+            _release_failed(shuffle.shuffle_id, "its reduce stage could not be built")
         raise
     out._hybrid_ray_shuffles = [s.shuffle_id for s in shuffles]  # for release(df)
     return out

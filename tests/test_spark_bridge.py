@@ -295,6 +295,12 @@ def test_executors_run_the_bridge_python_daemon(spark):
 
 
 # ---- direct parquet scan ------------------------------------------------------------------------
+def _typed_scan(spark, tmp_path):
+    """A plain scan of ``_write_typed_parquet``'s files under tmp_path/typed, and their rows."""
+    table = _write_typed_parquet(tmp_path / "typed")
+    return spark.read.parquet(str(tmp_path / "typed")), table
+
+
 def _write_typed_parquet(directory) -> pa.Table:
     """Three files, several row groups, the types the direct path reads itself (with the
     pyarrow-only spellings Spark maps onto them: unsigned, large, fixed-size, dictionary)."""
@@ -330,9 +336,7 @@ def _write_typed_parquet(directory) -> pa.Table:
 
 
 def test_plain_parquet_scan_is_read_by_writers_and_matches_spark(spark, tmp_path):
-    path = tmp_path / "typed"
-    _write_typed_parquet(path)
-    df = spark.read.parquet(str(path))
+    df, _ = _typed_scan(spark, tmp_path)
     cfg = base_config(tmp_path, memory_capacity_bytes=2 * MiB)
     want = sorted(df.repartition(5, "name").collect())
     out = spark_bridge.repartition(df, 5, "name", config=cfg)
@@ -417,9 +421,7 @@ def test_direct_scan_map_failure_fails_loudly_and_cleans_up(spark, tmp_path):
                 raise RuntimeError("injected map failure")
             return super().assign(table, map_index, num_partitions)
 
-    path = tmp_path / "typed"
-    _write_typed_parquet(path)
-    df = spark.read.parquet(str(path))
+    df, _ = _typed_scan(spark, tmp_path)
     cfg = base_config(tmp_path, map_chunk_bytes=256 * 1024)
     shuffle = exchange.run_map_stage(df, 4, ExplodesOnSecondChunk(["id"]), cfg, "fail-test")
     out = exchange.reduce_frame(spark, [shuffle], _passthrough, df.schema)
@@ -455,9 +457,7 @@ def test_release_during_the_direct_map_stage_says_so(spark, tmp_path):
             time.sleep(0.5)
             return super().assign(table, map_index, num_partitions)
 
-    path = tmp_path / "typed"
-    _write_typed_parquet(path)
-    df = spark.read.parquet(str(path))
+    df, _ = _typed_scan(spark, tmp_path)
     cfg = base_config(tmp_path, map_chunk_bytes=64 * 1024)
     shuffle = exchange.run_map_stage(df, 4, Slow(["id"]), cfg, "release-test")
     assert not shuffle.map_stage_done
@@ -479,9 +479,7 @@ def test_direct_scan_maps_lost_with_their_writer_are_rerun_exactly(spark, tmp_pa
     from hybrid_ray.actors import get_master
     from spark_bridge import exchange
 
-    path = tmp_path / "typed"
-    _write_typed_parquet(path)
-    df = spark.read.parquet(str(path))
+    df, _ = _typed_scan(spark, tmp_path)
     cfg = base_config(tmp_path, map_chunk_bytes=256 * 1024)
     shuffle = exchange.run_map_stage(df, 4, HashPartitioner(["id"]), cfg, "lost-test")
     assert shuffle.report.map_input == "parquet files"
@@ -514,9 +512,7 @@ def test_direct_scan_reducers_consume_while_maps_still_write(spark, tmp_path):
                 time.sleep(3.0)
             return super().assign(table, map_index, num_partitions)
 
-    path = tmp_path / "typed"
-    table = _write_typed_parquet(path)
-    df = spark.read.parquet(str(path))
+    df, table = _typed_scan(spark, tmp_path)
     cfg = base_config(tmp_path)
     shuffle = exchange.run_map_stage(df, 4, LastMapSlow(["id"]), cfg, "overlap-test")
     assert not shuffle.map_stage_done  # returned while the maps run
