@@ -6,7 +6,8 @@ from hybrid_ray.config import (
 )
 from hybrid_ray.errors import (
     ConfigError, CorruptSegmentError, HybridRayError, OutOfSpaceError, RemoteTierError,
-    SegmentNotFoundError, ShuffleFailedError, ShuffleNotFoundError, UnknownTierError,
+    SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError, ShuffleNotFoundError,
+    UnknownTierError,
 )
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
 from hybrid_ray.tier_manager import TierManager, build_io_tiers

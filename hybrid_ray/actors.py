@@ -26,6 +26,9 @@ from hybrid_ray.tier_manager import NodeUsage, Placement, TierManager
 from hybrid_ray.tiers import Grant, RemoteTier
 
 MASTER_NAME = "hybrid_ray_shuffle_master"
+# A custom resource only the head node has (Ray 2.x): actors that ask for a sliver of it run
+# there.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 TIER_MANAGER_PREFIX = "hybrid_ray_tier_manager_"
 READER_PREFIX = "hybrid_ray_reader_"
 WRITER_PREFIX = "hybrid_ray_writer_"
@@ -41,6 +44,48 @@ WORKER_MAX_RETRIES = 3
 WORKER_ENV = {"MIMALLOC_PURGE_DELAY": "1000"}
 # How often the master looks for shuffles whose driver stopped heartbeating.
 EXPIRY_CHECK_INTERVAL_S = 30.0
+# Tier managers release shuffles the master no longer holds (see sweep_orphans).
+ORPHAN_SWEEP_INTERVAL_S = 30.0
+ORPHAN_SWEEP_GRACE = 2
+# Bound on one control call to the shuffle master from a tier manager or the CLI.
+MASTER_CALL_TIMEOUT_S = 30.0
+# How often the master retries deletions that failed (each has its own backoff).
+DELETION_CHECK_INTERVAL_S = 1.0
+# Bound on waiting for a node's tier manager to delete a shuffle's data.
+NODE_DELETE_TIMEOUT_S = 60.0
+
+
+def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str) -> None:
+    """Wait (bounded) for tier-manager calls; raise naming the nodes where they failed.
+    A tier manager that died with its node is not an error: its data went with it."""
+    problems = []
+    for node_id, ref in waits:
+        try:
+            ray.get(ref, timeout=NODE_DELETE_TIMEOUT_S)
+        except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+            if _node_alive(node_id):
+                problems.append(f"node {node_id}: its tier manager is unavailable")
+        except ray.exceptions.GetTimeoutError:
+            problems.append(f"node {node_id}: no answer in {NODE_DELETE_TIMEOUT_S:.0f} s")
+        except Exception as exc:  # noqa: BLE001 - collected and raised together below
+            problems.append(f"node {node_id}: {type(exc).__name__}: {exc}")
+    if problems:
+        raise OSError(f"{what} failed on {len(problems)} node(s): " + "; ".join(problems))
+
+
+def _node_alive(node_id: str) -> bool:
+    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+
+
+def _call_periodically(actor: Any, interval_s: float) -> None:
+    """Call ``actor.sweep_orphans`` every ``interval_s`` through the actor's own queue, so
+    the sweep never runs beside another call on the actor's single-threaded state."""
+    while True:
+        time.sleep(interval_s)
+        try:
+            ray.get(actor.sweep_orphans.remote(), timeout=interval_s)
+        except Exception:  # noqa: BLE001 - the next sweep tries again
+            pass
 
 
 def _node_object_store_bytes(node_id: str) -> int:
@@ -55,8 +100,44 @@ class TierManagerActor:
     """Owns one node's memory-tier objects and disk-tier accounting; serves its disk
     segments to readers on other nodes."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, namespace: str) -> None:
         self.tm = TierManager(node_id, _node_object_store_bytes(node_id))
+        self.namespace = namespace
+        # Shuffle -> consecutive sweeps that found the master without it.
+        self._unknown_to_master: dict[str, int] = {}
+        me = ray.get_runtime_context().current_actor
+        threading.Thread(target=_call_periodically, args=(me, ORPHAN_SWEEP_INTERVAL_S),
+                         daemon=True, name="hybrid-ray-orphan-sweep").start()
+
+    def sweep_orphans(self) -> list[str]:
+        """Release the shuffles registered here that the namespace's master no longer
+        holds (released while this node could not be told, or the master died with its
+        node, taking the books with it): their space and memory quota would otherwise
+        stay taken for good. A shuffle goes after ``ORPHAN_SWEEP_GRACE`` consecutive
+        sweeps without it; a master that does not answer in time releases nothing."""
+        from hybrid_ray.errors import ShuffleMasterLostError
+
+        try:
+            live = set(ray.get(master_handle(self.namespace).live_shuffles.remote(),
+                               timeout=MASTER_CALL_TIMEOUT_S))
+        except ShuffleMasterLostError:
+            live = set()
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            return []
+        except ray.exceptions.ActorDiedError:
+            live = set()
+        released = []
+        for shuffle_id in self.tm.shuffle_ids():
+            if shuffle_id in live:
+                self._unknown_to_master.pop(shuffle_id, None)
+                continue
+            misses = self._unknown_to_master.get(shuffle_id, 0) + 1
+            self._unknown_to_master[shuffle_id] = misses
+            if misses >= ORPHAN_SWEEP_GRACE:
+                self.tm.release_shuffle(shuffle_id)
+                self._unknown_to_master.pop(shuffle_id, None)
+                released.append(shuffle_id)
+        return released
 
     def put_objects(self, values: list[Any]) -> list[ray.ObjectRef]:
         """Put each value as an object this actor owns (memory-tier segments). The refs
@@ -116,7 +197,7 @@ def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,
 def get_tier_manager(node_id: str, namespace: str) -> Any:
     """The tier manager of ``node_id``, started (pinned to that node) if not running yet."""
     return _get_or_start(
-        TierManagerActor, TIER_MANAGER_PREFIX + node_id, namespace, node_id,
+        TierManagerActor, TIER_MANAGER_PREFIX + node_id, namespace, node_id, namespace,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
@@ -129,45 +210,101 @@ def existing_tier_manager(node_id: str, namespace: str) -> Any | None:
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)
 class ShuffleMasterActor:
-    """One per namespace. Calls are serialised by a lock (a thread also expires orphans)."""
+    """One per namespace. Calls are serialised by a lock; a background thread expires
+    orphans and retries deletions that failed. Deleting data (tier managers, the remote
+    store) never happens under the lock: the registry queues it and ``_run_deletions``
+    performs it, so a slow or failing store never blocks registrations, commits or polls.
+    """
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._lock = threading.RLock()
-        self.registry = ShuffleRegistry(self._delete_segments, self._release_data)
-        threading.Thread(target=self._expiry_loop, daemon=True).start()
+        # One deletion runner at a time (the background thread, or a release call).
+        self._deletion_lock = threading.Lock()
+        self._wake = threading.Event()
+        self.registry = ShuffleRegistry(self._delete_segments, self._release_data,
+                                        delete_inline=False)
+        self.loop_errors = 0
+        self.last_loop_error = ""
+        threading.Thread(target=self._background_loop, daemon=True,
+                         name="hybrid-ray-master-background").start()
 
-    # ---- deletion I/O ----------------------------------------------------------------------
+    # ---- deletion I/O (called by _run_deletions, never under the lock) ---------------------
     def _delete_segments(self, state: ShuffleState, metas: Sequence[SegmentMeta]) -> None:
+        """Delete segments on their nodes and in the remote tier; raises if any deletion
+        failed on a node that is alive (a dead node's data went with it)."""
+        waits = []
         for node_id, local in metas_by_node(metas).items():
             tm = existing_tier_manager(node_id, self.namespace)
             if tm is not None:
-                tm.free_segments.remote(state.shuffle_id, local)
+                waits.append((node_id, tm.free_segments.remote(state.shuffle_id, local)))
         remote = [m for m in metas if m.tier == TierName.REMOTE]
         if remote:
             tier = self._remote_tier(state.config)
             for meta in remote:
                 tier.delete(meta)
+        _wait_for_nodes(waits, f"deleting segments of shuffle {state.shuffle_id}")
 
     def _release_data(self, state: ShuffleState) -> None:
+        """Remove all of a shuffle's data on every node it used and in the remote tier;
+        raises if some of it could not be removed (the registry retries)."""
         waits = []
         for node_id in state.nodes:
             tm = existing_tier_manager(node_id, self.namespace)
             if tm is not None:
-                waits.append(tm.release_shuffle.remote(state.shuffle_id))
+                waits.append((node_id, tm.release_shuffle.remote(state.shuffle_id)))
+        remote_error = None
         if state.config.remote_path:
-            self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
-        ray.wait(waits, num_returns=len(waits), timeout=60)
+            try:
+                self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
+            except Exception as exc:  # noqa: BLE001 - reported after the nodes' outcome
+                remote_error = exc
+        _wait_for_nodes(waits, f"releasing shuffle {state.shuffle_id}")
+        if remote_error is not None:
+            raise remote_error
 
     def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:
         return RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path,
                           config.job_id, config.storage_options, check_reachable=False)
 
-    def _expiry_loop(self) -> None:
-        while True:
-            time.sleep(EXPIRY_CHECK_INTERVAL_S)
+    def _run_deletions(self) -> None:
+        """Perform the registry's due deletions outside the lock; failures stay queued."""
+        with self._deletion_lock:
             with self._lock:
-                self.registry.expire()
+                due = self.registry.take_due_deletions()
+            for deletion in due:
+                error = self.registry.perform_deletion(deletion)
+                with self._lock:
+                    self.registry.deletion_done(deletion, error)
+
+    def _background_loop(self) -> None:
+        """Expire orphans every ``EXPIRY_CHECK_INTERVAL_S``; run queued and failed
+        deletions as they come due. An error is counted and kept for ``status``, never
+        allowed to end the loop."""
+        last_expiry = time.monotonic()
+        while True:
+            self._wake.wait(DELETION_CHECK_INTERVAL_S)
+            self._wake.clear()
+            try:
+                if time.monotonic() - last_expiry >= EXPIRY_CHECK_INTERVAL_S:
+                    last_expiry = time.monotonic()
+                    with self._lock:
+                        self.registry.expire()
+                self._run_deletions()
+            except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
+                self.loop_errors += 1
+                self.last_loop_error = f"{type(exc).__name__}: {exc}"
+
+    def _queued(self) -> None:
+        """A call may have queued deletions: let the background thread run them now."""
+        if self.registry.pending:
+            self._wake.set()
+
+    def run_deletions(self) -> list[dict[str, Any]]:
+        """Run due deletions now; returns those still pending (for tests and operators)."""
+        self._run_deletions()
+        with self._lock:
+            return self.registry.pending_deletions()
 
     # ---- the API (each a locked call into the registry) --------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
@@ -176,11 +313,13 @@ class ShuffleMasterActor:
             self.registry.expire()
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
                                    recoverable)
+        self._queued()
 
     def seal(self, shuffle_id: str, num_maps: int,
              attempts: dict[int, int] | None = None) -> None:
         with self._lock:
             self.registry.seal(shuffle_id, num_maps, attempts)
+        self._queued()
 
     def heartbeat(self, shuffle_id: str) -> None:
         with self._lock:
@@ -188,12 +327,16 @@ class ShuffleMasterActor:
 
     def begin_map(self, shuffle_id: str, map_index: int, node_id: str, pid: int) -> int | None:
         with self._lock:
-            return self.registry.begin_map(shuffle_id, map_index, node_id, pid)
+            result = self.registry.begin_map(shuffle_id, map_index, node_id, pid)
+        self._queued()
+        return result
 
     def commit(self, shuffle_id: str, map_index: int, attempt: int,
                metas: list[SegmentMeta]) -> bool:
         with self._lock:
-            return self.registry.commit(shuffle_id, map_index, attempt, metas)
+            result = self.registry.commit(shuffle_id, map_index, attempt, metas)
+        self._queued()
+        return result
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any) -> bool:
         with self._lock:
@@ -213,19 +356,35 @@ class ShuffleMasterActor:
 
     def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
         with self._lock:
-            return self.registry.free_subpartition(shuffle_id, subpartition)
+            result = self.registry.free_subpartition(shuffle_id, subpartition)
+        self._queued()
+        return result
 
     def consumed(self, shuffle_id: str, subpartition: int) -> bool:
         with self._lock:
-            return self.registry.consumed(shuffle_id, subpartition)
+            result = self.registry.consumed(shuffle_id, subpartition)
+        self._queued()
+        return result
 
     def release(self, shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
+        """Forget the shuffle and delete its data before returning; a deletion that fails
+        (storage down) never raises here: it stays queued and is retried until the data is
+        gone (``status()['pending_deletions']``), so a caller's own error is not masked."""
         with self._lock:
-            return self.registry.release(shuffle_id, reason, failed)
+            released = self.registry.release(shuffle_id, reason, failed)
+        self._run_deletions()
+        return released
+
+    def live_shuffles(self) -> list[str]:
+        """Ids of the shuffles the master holds (registered, not released)."""
+        with self._lock:
+            return self.registry.shuffle_ids()
 
     def expire(self) -> list[str]:
         with self._lock:
-            return self.registry.expire()
+            result = self.registry.expire()
+        self._queued()
+        return result
 
     def summary(self, shuffle_id: str) -> dict[str, Any]:
         with self._lock:
@@ -258,7 +417,12 @@ class ShuffleMasterActor:
             tm = existing_tier_manager(node["NodeID"], self.namespace)
             if tm is not None:
                 usage.append(ray.get(tm.usage.remote(), timeout=30))
-        return {"shuffles": shuffles, "nodes": usage, "active_nodes": sorted(nodes)}
+        with self._lock:
+            pending = self.registry.pending_deletions()
+        return {"shuffles": shuffles, "nodes": usage, "active_nodes": sorted(nodes),
+                "pending_deletions": pending,
+                "background_errors": {"count": self.loop_errors,
+                                      "last": self.last_loop_error}}
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=WORKER_MAX_RETRIES)
@@ -304,10 +468,15 @@ def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
 def get_readers(namespace: str, count: int) -> list[Any]:
     """``count`` reader actors spread evenly over the alive nodes with CPUs, started (and
     kept) on first use. Reader ``k`` of a node keeps its name across shuffles."""
+    return [actor for _, actor in get_reader_slots(namespace, count)]
+
+
+def get_reader_slots(namespace: str, count: int) -> list[tuple[str, Any]]:
+    """``get_readers`` as (node id, actor) pairs."""
     nodes = [n["NodeID"] for n in _alive_cpu_nodes()] or \
         [ray.get_runtime_context().get_node_id()]
     slots = [(node, k) for k in range(-(-count // len(nodes))) for node in nodes][:count]
-    return [_worker(READER_PREFIX, node, k, namespace) for node, k in slots]
+    return [(node, _worker(READER_PREFIX, node, k, namespace)) for node, k in slots]
 
 
 def get_writers(namespace: str) -> list[tuple[str, Any]]:
@@ -323,5 +492,22 @@ def get_writers(namespace: str) -> list[tuple[str, Any]]:
 
 
 def get_master(namespace: str) -> Any:
-    """The namespace's shuffle master, started on first use."""
-    return _get_or_start(ShuffleMasterActor, MASTER_NAME, namespace, namespace)
+    """The namespace's shuffle master, started on first use, on the head node: the
+    cluster ends with the head node anyway, so pinning it there means no other node's
+    loss can take the books of every shuffle with it."""
+    return _get_or_start(ShuffleMasterActor, MASTER_NAME, namespace, namespace,
+                         resources={HEAD_NODE_RESOURCE: 0.001})
+
+
+def master_handle(namespace: str) -> Any:
+    """The running master of ``namespace`` (never starts one); raises
+    ``ShuffleMasterLostError`` if there is none."""
+    from hybrid_ray.errors import ShuffleMasterLostError
+
+    try:
+        return ray.get_actor(MASTER_NAME, namespace=namespace)
+    except ValueError:
+        raise ShuffleMasterLostError(
+            f"the hybrid_ray shuffle master of namespace {namespace!r} is gone (its node "
+            "died or it was killed); the shuffles it tracked cannot finish: run them "
+            "again") from None

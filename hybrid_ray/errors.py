@@ -38,9 +38,18 @@ class SegmentNotFoundError(HybridRayError, LookupError):
     """A segment the index names is gone from its tier (released, or its node died)."""
 
 
+class SegmentLostWithNodeError(SegmentNotFoundError):
+    """A segment's node died (its tier manager and files, or its object store, with it)."""
+
+
 class ShuffleNotFoundError(HybridRayError, LookupError):
     """The shuffle master knows no shuffle with this id (never registered, or released)."""
 
 
 class ShuffleFailedError(HybridRayError, RuntimeError):
     """A shuffle could not complete; its data has been cleaned up."""
+
+
+class ShuffleMasterLostError(ShuffleFailedError):
+    """The namespace's shuffle master is gone (its node died or it was killed): the books
+    of every shuffle in flight went with it."""

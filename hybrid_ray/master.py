@@ -86,16 +86,45 @@ Deleter = Callable[[ShuffleState, Sequence[SegmentMeta]], None]
 Releaser = Callable[[ShuffleState], None]
 
 
+# Backoff between attempts to delete data whose deletion failed (storage down, node busy).
+DELETE_RETRY_MIN_S, DELETE_RETRY_MAX_S = 1.0, 300.0
+
+
+@dataclasses.dataclass
+class PendingDeletion:
+    """Data to delete: ``metas`` of ``state``'s shuffle, or (``metas`` None) all of it."""
+
+    state: ShuffleState
+    metas: tuple[SegmentMeta, ...] | None
+    attempts: int = 0
+    last_error: str = ""
+    not_before: float = 0.0
+
+    @property
+    def what(self) -> str:
+        return (f"shuffle {self.state.shuffle_id}" if self.metas is None else
+                f"{len(self.metas)} segment(s) of shuffle {self.state.shuffle_id}")
+
+
 class ShuffleRegistry:
     """All shuffles of a namespace. ``delete_segments`` and ``release_data`` perform the I/O
     of deleting, so this class is testable without a cluster."""
 
     def __init__(self, delete_segments: Deleter, release_data: Releaser,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, delete_inline: bool = True) -> None:
+        """``delete_inline``: run queued deletions at the end of each call that queued one
+        (plain use and tests). The master actor passes False and runs ``run_deletions``
+        itself, outside its lock, so slow or failing storage never blocks the books."""
         self._shuffles: dict[str, ShuffleState] = {}
-        self._delete_segments = delete_segments
-        self._release_data = release_data
+        self._delete_segments_io = delete_segments
+        self._release_data_io = release_data
         self._clock = clock
+        self._delete_inline = delete_inline
+        # Deletions not done yet: queued by state changes, run by ``run_deletions``,
+        # retried with backoff until the data is gone (a shuffle is forgotten by the books
+        # at release, but its deletion stays here until it succeeded).
+        self.pending: collections.deque[PendingDeletion] = collections.deque()
+        self.deletion_failures = 0
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
         # Why a recently released shuffle was released, if its driver said, and whether it
         # failed (a failed map stage): readers still running then fail with that reason.
@@ -346,7 +375,14 @@ class ShuffleRegistry:
         self.released.append(shuffle_id)
         if reason or failed:
             self.release_reasons[shuffle_id] = (reason, failed)
-        self._release_data(state)
+        # The master's references to memory-tier objects go now, whatever the storage does.
+        for m in state.maps:
+            for subs in m.segments.values():
+                for metas in subs.values():
+                    for meta in metas:
+                        if meta.object_ref:
+                            meta.object_ref.clear()
+        self._queue(PendingDeletion(state, None))
         return True
 
     def expire(self) -> list[str]:
@@ -364,6 +400,63 @@ class ShuffleRegistry:
                    if sub not in state.freed for meta in metas]
         if dropped:
             self._delete_segments(state, dropped)
+
+    # ---- deletion: queued by state changes, performed and retried apart from them -----------
+    def _delete_segments(self, state: ShuffleState, metas: Sequence[SegmentMeta]) -> None:
+        if metas:
+            self._queue(PendingDeletion(state, tuple(metas)))
+
+    def _queue(self, deletion: PendingDeletion) -> None:
+        self.pending.append(deletion)
+        if self._delete_inline:
+            self.run_deletions()
+
+    def run_deletions(self) -> list[PendingDeletion]:
+        """Perform the queued deletions that are due; a failed one stays queued and is
+        retried with exponential backoff (``DELETE_RETRY_MIN_S`` .. ``DELETE_RETRY_MAX_S``)
+        until the data is gone. Returns the deletions that failed this time."""
+        failed = []
+        for deletion in self.take_due_deletions():
+            error = self.perform_deletion(deletion)
+            self.deletion_done(deletion, error)
+            if error is not None:
+                failed.append(deletion)
+        return failed
+
+    def take_due_deletions(self) -> list[PendingDeletion]:
+        """Remove and return the queued deletions due now (a caller holding a lock performs
+        them outside it, then reports each with ``deletion_done``)."""
+        now = self._clock()
+        due = [d for d in self.pending if d.not_before <= now]
+        self.pending = collections.deque(d for d in self.pending if d.not_before > now)
+        return due
+
+    def perform_deletion(self, deletion: PendingDeletion) -> Exception | None:
+        """Run one deletion's I/O; returns its error instead of raising it."""
+        try:
+            if deletion.metas is None:
+                self._release_data_io(deletion.state)
+            else:
+                self._delete_segments_io(deletion.state, deletion.metas)
+        except Exception as exc:  # storage errors of any kind: reported, retried later
+            return exc
+        return None
+
+    def deletion_done(self, deletion: PendingDeletion, error: Exception | None) -> None:
+        """Record a deletion's outcome: on ``error`` it is queued again with backoff."""
+        if error is None:
+            return
+        deletion.attempts += 1
+        deletion.last_error = f"{type(error).__name__}: {error}"
+        deletion.not_before = self._clock() + min(
+            DELETE_RETRY_MIN_S * 2 ** (deletion.attempts - 1), DELETE_RETRY_MAX_S)
+        self.deletion_failures += 1
+        self.pending.append(deletion)
+
+    def pending_deletions(self) -> list[dict[str, Any]]:
+        """Deletions not done yet, with their last error (for status and tests)."""
+        return [{"shuffle_id": d.state.shuffle_id, "what": d.what, "attempts": d.attempts,
+                 "last_error": d.last_error} for d in self.pending]
 
     # ---- introspection --------------------------------------------------------------------------
     def shuffle_ids(self) -> list[str]:

@@ -195,6 +195,10 @@ class TierManager:
         if info is not None:
             self._rebalance_quotas()
 
+    def shuffle_ids(self) -> list[str]:
+        """The shuffles registered on this node (not released)."""
+        return list(self._shuffles)
+
     def read_disk_segment(self, meta: SegmentMeta) -> bytes:
         """Serve a disk segment of this node to a reader on another node."""
         return read_segment_file(meta)

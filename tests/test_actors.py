@@ -1,0 +1,120 @@
+"""The actors on a real local Ray: the master's deletions survive a storage outage, tier
+managers give back what a vanished master can no longer release."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import pyarrow as pa
+import pytest
+import ray
+
+from conftest import S3_KEY, S3_SECRET, TcpProxy, base_config
+from hybrid_ray import HashPartitioner, ShuffleConfig, ShuffleFailedError
+from hybrid_ray.actors import get_master, get_tier_manager
+
+
+class FailsAfterTheStoreGoesDown(HashPartitioner):
+    """Map 1 waits until the test has taken the S3 endpoint down, then fails: the shuffle
+    is released while its remote segments cannot be deleted."""
+
+    def __init__(self, keys, flag):
+        super().__init__(keys)
+        self.flag = flag
+
+    def assign(self, table, map_index, num_partitions):
+        if map_index == 1:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise RuntimeError("boom: the map's own failure")
+        return super().assign(table, map_index, num_partitions)
+
+
+def _objects(fs, bucket):
+    fs.invalidate_cache()
+    return [p for p in fs.find(bucket) if p.endswith(".seg")]
+
+
+def test_release_while_the_store_is_down_keeps_the_cause_and_deletes_later(
+        ray_local, moto_endpoint, tmp_path):
+    import s3fs
+
+    from hybrid_ray.shuffle import run_shuffle
+
+    direct = s3fs.S3FileSystem(endpoint_url=moto_endpoint, key=S3_KEY, secret=S3_SECRET)
+    bucket = f"hr-{uuid.uuid4().hex[:10]}"
+    direct.mkdir(bucket)
+    proxy = TcpProxy(int(moto_endpoint.rsplit(":", 1)[1]))
+    namespace = f"outage-{uuid.uuid4().hex[:6]}"
+    cfg = base_config(tmp_path, memory_fraction=0.0, disk_capacity_bytes=0,
+                      remote_path=f"s3://{bucket}/shuffle", namespace=namespace,
+                      storage_options={"endpoint_url": proxy.endpoint, "key": S3_KEY,
+                                       "secret": S3_SECRET,
+                                       "config_kwargs": {"connect_timeout": 2,
+                                                         "read_timeout": 2,
+                                                         "retries": {"max_attempts": 1}}})
+    flag = str(tmp_path / "store-is-down")
+    table = pa.table({"key": list(range(20_000)), "v": list(range(20_000))})
+
+    def take_the_store_down():
+        deadline = time.monotonic() + 60
+        while not _objects(direct, bucket) and time.monotonic() < deadline:
+            time.sleep(0.1)  # map 0's segments are in S3
+        proxy.down()
+        open(flag, "w").close()
+
+    downer = threading.Thread(target=take_the_store_down, daemon=True)
+    downer.start()
+    try:
+        with pytest.raises(ShuffleFailedError, match="boom: the map's own failure"):
+            run_shuffle([ray.put(table), ray.put(table)], 2,
+                        FailsAfterTheStoreGoesDown(["key"], flag), table.schema, cfg)
+        downer.join(timeout=10)
+        master = get_master(namespace)
+        status = ray.get(master.status.remote())
+        assert status["shuffles"] == []  # forgotten by the books...
+        pending = status["pending_deletions"]  # ...but not its data
+        assert len(pending) == 1 and pending[0]["attempts"] >= 1, pending
+        assert pending[0]["last_error"]
+        assert _objects(direct, bucket), "segments vanished although S3 was down"
+        proxy.up()
+        deadline = time.monotonic() + 30
+        while ray.get(master.run_deletions.remote()) and time.monotonic() < deadline:
+            time.sleep(0.5)  # retried with backoff (1 s, 2 s, ...)
+        assert ray.get(master.run_deletions.remote()) == []
+        assert _objects(direct, bucket) == []
+    finally:
+        proxy.close()
+        direct.rm(bucket, recursive=True)
+
+
+def test_tier_manager_releases_shuffles_its_master_no_longer_holds(ray_local, tmp_path):
+    namespace = f"sweep-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace)
+    node = ray.get_runtime_context().get_node_id()
+    tm = get_tier_manager(node, namespace)
+    master = get_master(namespace)
+    ray.get(master.register.remote("shf-live", 1, 1, cfg))
+    for shuffle_id in ("shf-live", "shf-orphan"):
+        assert ray.get(tm.register_shuffle.remote(shuffle_id, cfg)) > 0
+    # One sweep is grace (a shuffle may be in the middle of being registered)...
+    assert ray.get(tm.sweep_orphans.remote()) == []
+    # ...the second releases what the master does not hold, and gives its quota back.
+    assert ray.get(tm.sweep_orphans.remote()) == ["shf-orphan"]
+    usage = ray.get(tm.usage.remote())
+    assert usage.shuffles == ("shf-live",) and set(usage.quotas) == {"shf-live"}
+    # The master dies (its node, in a real cluster): nobody is left to release the rest.
+    ray.kill(master)
+    deadline = time.monotonic() + 30
+    released: list = []
+    while not released and time.monotonic() < deadline:
+        released = ray.get(tm.sweep_orphans.remote())
+    assert released == ["shf-live"]
+    usage = ray.get(tm.usage.remote())
+    assert usage.shuffles == () and usage.quotas == {}
+    assert all(t.used_bytes == 0 for t in usage.tiers)
