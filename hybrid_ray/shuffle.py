@@ -21,12 +21,16 @@ import pyarrow as pa
 import ray
 
 from hybrid_ray.actors import (
-    ActorNodeStorage, get_master, get_readers, get_tier_manager, get_writers,
+    MASTER_CALL_TIMEOUT_S, ActorNodeStorage, existing_tier_manager, get_master,
+    get_reader_slots, get_tier_manager, get_writers,
 )
 from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, ShuffleMode, TierName
 from hybrid_ray.tiers import RemoteTier
-from hybrid_ray.errors import ConfigError, SegmentNotFoundError, ShuffleFailedError
+from hybrid_ray.errors import (
+    ConfigError, SegmentLostWithNodeError, SegmentNotFoundError, ShuffleFailedError,
+    ShuffleMasterLostError,
+)
 from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
     split_by_partition,
@@ -94,10 +98,13 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             client.write_many(split_by_partition(chunk, np.asarray(parts), num_partitions))
             client.flush()
             if superseded:
-                raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded")
-        client.close()
+                break
+        if not superseded:
+            client.close()  # commits the last segments (and may learn it was superseded)
         if superseded:
-            raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded")
+            # A newer attempt of this map runs (a lost map run again): the master refused
+            # and deleted this attempt's segments; its work is simply not needed.
+            client.abort()
     except BaseException:
         client.abort()
         raise
@@ -108,6 +115,11 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         memory = client.io_tiers.get(TierName.MEMORY)
         if memory is not None:
             memory.remove_shuffle_data(shuffle_id)
+    if superseded:
+        if raise_if_superseded:
+            raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded "
+                                     "before it finished; its segments do not count")
+        return None
     finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
     if not finished and raise_if_superseded:
         # Spark runs speculative attempts side by side: report failure so Spark keeps the
@@ -159,8 +171,18 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     node_id = ray.get_runtime_context().get_node_id()
 
     def fetch_from_node(meta):
-        return ray.get(get_tier_manager(meta.node_id, config.namespace)
-                       .read_disk_segment.remote(meta))
+        # Never start a tier manager here: one pinned to a dead node would never run.
+        tm = existing_tier_manager(meta.node_id, config.namespace)
+        try:
+            if tm is None:
+                raise ray.exceptions.ActorDiedError()
+            return ray.get(tm.read_disk_segment.remote(meta))
+        except WORKER_LOST_ERRORS as exc:
+            if not lost_with_node(meta.node_id, exc):
+                raise
+            raise SegmentLostWithNodeError(
+                f"{meta.id} is gone from the disk tier of node {meta.node_id}: the node "
+                "died") from None
 
     reader = ReadClient(_io_tiers_cached(config, node_id), node_id, fetch_from_node)
     cursors: dict[int, tuple[int, int]] = {}
@@ -185,8 +207,14 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
             for map_index, attempt, meta in todo:
                 try:
                     per_map[map_index].append(next(tables))
-                except SegmentNotFoundError:
-                    if meta.tier == TierName.MEMORY and not ray.get(
+                except SegmentNotFoundError as exc:
+                    # Memory segments die with their owner, any local segment with its
+                    # node: the master has such a map run again (if anyone can).
+                    lost = meta.tier == TierName.MEMORY or isinstance(
+                        exc, SegmentLostWithNodeError)
+                    if not lost:
+                        raise
+                    if not ray.get(
                             master.report_lost.remote(shuffle_id, map_index, attempt)):
                         raise
                     raise _AwaitingAttempt() from None
@@ -264,8 +292,9 @@ class _MapDispatcher:
         self._running: dict[int, tuple[int, ray.ObjectRef]] = {}  # writer -> (map, ref)
         self._block_nodes = list(input_nodes) if input_nodes is not None \
             else [None] * len(inputs)
-        self.refs: list[ray.ObjectRef] = []  # every map run, for surfacing failures
         self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
+        self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
+        self._dead_slots: set[int] = set()
         self._dispatch()
 
     @property
@@ -281,24 +310,54 @@ class _MapDispatcher:
 
     def poll(self) -> None:
         """Collect finished maps (raising a failed one's error), queue lost maps again,
-        and hand out the queue to free writers."""
+        and hand out the queue to free writers.
+
+        A writer that died with its node takes its running map with it: that map goes
+        back to the front of the queue, the node's writers leave the pool, and the map
+        runs again on another node (its dead attempt is superseded at the master). Maps
+        that had finished there and whose segments died with the node come back through
+        ``take_lost`` when a reader misses them.
+        """
         if self._running:
             by_ref = {ref: slot for slot, (_, ref) in self._running.items()}
             ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
                                 fetch_local=False)
             for ref in ready:
                 slot = by_ref[ref]
-                self.results[self._running[slot][0]] = ray.get(ref)
-                del self._running[slot]
-        lost = ray.get(self._master.take_lost.remote(self._shuffle_id))
-        self._queue.extendleft(reversed(lost))
+                map_index = self._running.pop(slot)[0]
+                try:
+                    self.results[map_index] = ray.get(ref)
+                except WORKER_LOST_ERRORS as exc:
+                    node = self._writers[slot][0]
+                    if not lost_with_node(node, exc):
+                        raise
+                    self._drop_node(node)
+                    self._requeue([map_index])
+        self._requeue(ray.get(self._master.take_lost.remote(self._shuffle_id)))
         self._dispatch()
+
+    def _requeue(self, maps: Sequence[int]) -> None:
+        """Put maps at the front of the queue, each once: a map lost with its node can be
+        reported both by its writer's failure and by a reader missing its segments, and two
+        runs at once would supersede each other."""
+        running = {m for m, _ in self._running.values()}
+        fresh = [m for m in maps if m not in running and m not in self._queue]
+        self._queue.extendleft(reversed(fresh))
+
+    def _drop_node(self, node: str) -> None:
+        """Stop using the writers of a node that died (``lost_nodes`` records it)."""
+        self.lost_nodes.add(node)
+        self._dead_slots.update(slot for slot, (n, _) in enumerate(self._writers) if n == node)
+        if len(self._dead_slots) == len(self._writers):
+            raise ShuffleFailedError(
+                f"every node with writers died (last: {node}); no node is left to run the "
+                "maps on")
 
     def _dispatch(self) -> None:
         for slot, (node, writer) in enumerate(self._writers):
             if not self._queue:
                 return
-            if slot in self._running:
+            if slot in self._running or slot in self._dead_slots:
                 continue
             pick = next((m for m in self._queue if self._block_nodes[m] == node),
                         self._queue[0])
@@ -306,7 +365,6 @@ class _MapDispatcher:
             ref = writer.run.remote(self._map_fn, self._shuffle_id, pick, self._blocks[pick],
                                     *self._args)
             self._running[slot] = (pick, ref)
-            self.refs.append(ref)
 
 
 def _block_nodes(blocks: Sequence[ray.ObjectRef]) -> list[str | None]:
@@ -315,6 +373,111 @@ def _block_nodes(blocks: Sequence[ray.ObjectRef]) -> list[str | None]:
 
     locations = get_object_locations(list(blocks)) if blocks else {}
     return [next(iter(locations.get(b, {}).get("node_ids") or []), None) for b in blocks]
+
+
+def node_alive(node_id: str | None) -> bool:
+    """Whether Ray still counts ``node_id`` among its alive nodes (None: unknown, alive)."""
+    if not node_id:
+        return True
+    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+
+
+# What a call to a worker on a node that died raises: the actor died with it, or (hard
+# affinity to the gone node) it cannot be started again.
+WORKER_LOST_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
+# Ray's node table marks a removed node dead a moment after its actors' calls fail.
+NODE_DEATH_WAIT_S = 15.0
+
+
+def lost_with_node(node_id: str | None, exc: BaseException) -> bool:
+    """Whether a worker call failed because ``node_id`` died (waits, bounded, for Ray's
+    node table to agree; an unschedulable hard-pinned actor means the node is gone)."""
+    if not node_id:
+        return False
+    if isinstance(exc, ray.exceptions.ActorUnschedulableError):
+        return True
+    deadline = time.monotonic() + NODE_DEATH_WAIT_S
+    while time.monotonic() < deadline:
+        if not node_alive(node_id):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+class _ReaderPool:
+    """The reader actors reducing one shuffle's subpartitions, one at a time each.
+
+    A reader that died with its node leaves the pool with its node's other readers; a
+    reader on a node still alive takes its place (``get_readers`` over the alive nodes).
+    """
+
+    def __init__(self, namespace: str, window: int) -> None:
+        self._namespace = namespace
+        self._window = window
+        self._readers = get_reader_slots(namespace, window)  # (node, actor)
+        self._busy: dict[str, int] = {}  # reader actor id -> subpartition
+        self._node_of: dict[int, str] = {}  # subpartition -> node of its reader
+        self.lost_nodes: set[str] = set()
+
+    def has_free(self) -> bool:
+        return len(self._busy) < len(self._readers)
+
+    def submit(self, sub: int, fn: Callable[..., Any], *args: Any
+               ) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+        """Run ``fn(*args)`` (reducing ``sub``) on a free reader: (table, stats) refs."""
+        node, reader = next((n, r) for n, r in self._readers
+                            if _actor_key(r) not in self._busy)
+        self._busy[_actor_key(reader)] = sub
+        self._node_of[sub] = node
+        table_ref, stats_ref = reader.run.options(num_returns=2).remote(fn, *args)
+        return table_ref, stats_ref
+
+    def done(self, sub: int) -> None:
+        self._busy = {k: s for k, s in self._busy.items() if s != sub}
+
+    def node_of(self, sub: int) -> str | None:
+        return self._node_of.get(sub)
+
+    def drop_nodes(self, nodes: set[str]) -> None:
+        """Forget readers on ``nodes`` (dead) and fill the pool from the alive nodes."""
+        self.lost_nodes |= set(nodes)
+        self._readers = [(n, r) for n, r in get_reader_slots(self._namespace, self._window)
+                         if n not in self.lost_nodes]
+        keys = {_actor_key(r) for _, r in self._readers}
+        self._busy = {k: s for k, s in self._busy.items() if k in keys}
+
+
+def _actor_key(actor: Any) -> str:
+    return actor._actor_id.hex()
+
+
+def _check_outputs_survived(refs: Sequence[ray.ObjectRef | None], readers: _ReaderPool
+                            ) -> None:
+    """After a node died mid-shuffle: an output block that lived on it is gone, and its
+    subpartition's segments were freed when its reducer finished, so it cannot be made
+    again. Fail now, naming the node, rather than hand out a Dataset with a hole."""
+    if not readers.lost_nodes:
+        return
+    lost = [sub for sub, ref in enumerate(refs)
+            if ref is not None and readers.node_of(sub) in readers.lost_nodes]
+    if lost:
+        nodes = sorted({readers.node_of(sub) for sub in lost})
+        raise ShuffleFailedError(
+            f"node(s) {', '.join(nodes)} died after reducing partitions {lost}: their output "
+            "blocks were stored there and went with the node; run the shuffle again")
+
+
+def _release_quietly(master: Any, shuffle_id: str) -> bool:
+    """Release a failed shuffle; returns False if the master is gone (nothing to release:
+    its books went with it; ``hybrid-ray cleanup`` removes the data left behind)."""
+    try:
+        ray.get(master.release.remote(shuffle_id, "its driver's shuffle failed", True),
+                timeout=MASTER_CALL_TIMEOUT_S)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except Exception:  # noqa: BLE001 - the shuffle's own error is what the caller needs
+        return True
 
 
 @dataclasses.dataclass
@@ -349,8 +512,6 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     # Recoverable: a map whose memory-tier output died with its writer is run again.
     ray.get(master.register.remote(shuffle_id, len(blocks), num_partitions, config, True))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
-    reduce_refs: list[ray.ObjectRef] = []
-    stats_refs: list[ray.ObjectRef] = []
     try:
         maps = _MapDispatcher(get_writers(config.namespace), blocks, shuffle_id, master,
                               map_block, (num_partitions, partitioner, config, master),
@@ -358,58 +519,75 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         hybrid = config.mode == ShuffleMode.HYBRID
         window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
                                                                .get("CPU", 1)))
-        readers = get_readers(config.namespace, window)
-        # Reducer i is tracked by stats_refs[i], its small (rows, bytes, schema) result:
-        # waiting on the tables would pull every output block to the driver's node.
-        in_flight: dict[int, int] = {}  # reader index -> the subpartition it is reducing
+        readers = _ReaderPool(config.namespace, window)
+        # Reducer i is tracked by its small (rows, bytes, schema) result: waiting on the
+        # tables would pull every output block to the driver's node.
+        reduce_refs: list[ray.ObjectRef | None] = [None] * num_partitions
+        stats_refs: list[ray.ObjectRef | None] = [None] * num_partitions
+        running: dict[ray.ObjectRef, int] = {}  # stats ref -> subpartition
         finished: set[int] = set()  # subpartitions whose block is stored
-        next_reducer = 0
+        todo = collections.deque(range(num_partitions))
         last_beat = 0.0
         while True:
             maps.poll()
+            if maps.lost_nodes - readers.lost_nodes:
+                readers.drop_nodes(maps.lost_nodes)
             maps_done = maps.done
-            running = {r: i for i, r in enumerate(stats_refs) if i not in finished}
             if running:
                 ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0,
                                     fetch_local=False)
                 for ref in ready:
-                    ray.get(ref)  # raise a failed reducer's error now
-                    sub = running[ref]
+                    sub = running.pop(ref)
+                    try:
+                        ray.get(ref)  # raise a failed reducer's error now
+                    except WORKER_LOST_ERRORS as exc:
+                        node = readers.node_of(sub)
+                        if not lost_with_node(node, exc):
+                            raise
+                        # Its reader died with its node; the subpartition's segments
+                        # are all still there (not freed): reduce it again elsewhere.
+                        readers.drop_nodes({node})
+                        todo.appendleft(sub)
+                        continue
+                    readers.done(sub)
                     finished.add(sub)
                     # Its block is stored (owned by this driver): its segments can go now.
                     master.free_subpartition.remote(shuffle_id, sub)
             if hybrid or maps_done:
-                for slot in [s for s, sub in in_flight.items() if sub in finished]:
-                    del in_flight[slot]
-                free = [s for s in range(len(readers)) if s not in in_flight]
-                while next_reducer < num_partitions and free:
-                    slot = free.pop(0)
-                    table_ref, stats_ref = readers[slot].run.options(num_returns=2).remote(
-                        reduce_partition, shuffle_id, next_reducer, schema, partitioner,
+                while todo and readers.has_free():
+                    sub = todo.popleft()
+                    table_ref, stats_ref = readers.submit(
+                        sub, reduce_partition, shuffle_id, sub, schema, partitioner,
                         config, master)
-                    reduce_refs.append(table_ref)
-                    stats_refs.append(stats_ref)
-                    in_flight[slot] = next_reducer
-                    next_reducer += 1
+                    reduce_refs[sub], stats_refs[sub] = table_ref, stats_ref
+                    running[stats_ref] = sub
             progress.update(maps.num_finished, len(blocks), len(finished), num_partitions)
             if maps_done and len(finished) == num_partitions:
                 break
             if time.monotonic() - last_beat > HEARTBEAT_S:
                 master.heartbeat.remote(shuffle_id)
                 last_beat = time.monotonic()
-            waiting = maps.running_refs() + [r for i, r in enumerate(stats_refs)
-                                             if i not in finished]
-            for ref in ray.wait(waiting, num_returns=1, timeout=0.5, fetch_local=False)[0]:
-                ray.get(ref)  # raise a failed task's error now
-        ray.get(maps.refs)
+            # Wake on the next map or reducer to finish (or fail: handled above).
+            ray.wait(maps.running_refs() + list(running), num_returns=1, timeout=0.5,
+                     fetch_local=False)
+        _check_outputs_survived(reduce_refs, readers)
         summary = ray.get(master.summary.remote(shuffle_id))
     except BaseException as exc:
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
         # down with it. Released, the shuffle is unknown to the master, so tasks still
         # running fail at their next commit or poll, and a map deletes what it wrote.
-        ray.get(master.release.remote(shuffle_id))
+        # The release never masks the shuffle's own error: a deletion that fails stays
+        # queued at the master, which retries it until the data is gone.
+        master_alive = _release_quietly(master, shuffle_id)
         progress.close()
-        if isinstance(exc, (KeyboardInterrupt, ShuffleFailedError)):
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        if not master_alive:
+            raise ShuffleMasterLostError(
+                f"{operation} shuffle {shuffle_id} failed: the shuffle master of namespace "
+                f"{config.namespace!r} is gone (its node died or it was killed), and with it "
+                "the books of every shuffle in flight; run it again") from exc
+        if isinstance(exc, ShuffleFailedError):
             raise
         raise ShuffleFailedError(
             f"{operation} shuffle {shuffle_id} failed and its data was removed: {exc}") from exc
@@ -418,7 +596,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     progress.close()
     report = _make_report(summary, operation, config, time.monotonic() - started)
     _last_report = report
-    return ShuffleResult(reduce_refs, report, stats_refs)
+    return ShuffleResult(list(reduce_refs), report, list(stats_refs))
 
 
 def _make_report(summary: dict, operation: str, config: ShuffleConfig,
