@@ -248,7 +248,7 @@ def decode_segment(data: Any, segment: SegmentId, tier: TierName | str, *,
             raise CorruptSegmentError(
                 f"{where} holds the bytes of a different segment (swapped, misplaced, or "
                 f"written for another identity, e.g. crafted with encode_segment): its "
-                f"header's identity digest is {digest:#018x}, {segment} has "
+                f"header's identity digest is {digest:#018x}, the expected segment's is "
                 f"{expected:#018x}. The shuffle's storage was changed outside hybrid_ray; "
                 "its output cannot be trusted: run the shuffle again")
         if len(body) == length and _checksum(body, expected) == checksum:
@@ -258,8 +258,8 @@ def decode_segment(data: Any, segment: SegmentId, tier: TierName | str, *,
         raise CorruptSegmentError(
             f"{where} does not hold this segment: its header names another identity "
             f"(digest {digest:#018x}, expected {expected:#018x}) and its body does not "
-            "verify under either; the stored bytes are corrupt or belong to another "
-            "segment: run the shuffle again")
+            "verify under either: the stored bytes belong to a different segment (e.g. a "
+            "swapped file of another size) or are corrupt; run the shuffle again")
     if len(body) != length:
         raise CorruptSegmentError(
             f"{where} is truncated: body has {len(body)} bytes, header says {length}")
