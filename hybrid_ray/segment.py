@@ -1,7 +1,8 @@
 """Segments: the unit of storage and of tier switching (FLIP-301).
 
 A segment holds continuous records of one subpartition of one map partition, encoded as an
-Arrow IPC stream (optionally lz4/zstd compressed) behind a 40-byte header.
+Arrow IPC stream (optionally lz4/zstd compressed) behind a 40-byte header (32 bytes
+until format version 2; the identity digest takes 8 more, keeping the body 8-byte aligned).
 
 Every segment is bound to its identity, (job, shuffle, map partition, attempt, subpartition,
 index): a valid segment read in place of another one (files swapped or misplaced in a spill
