@@ -232,14 +232,16 @@ class WriteClient:
         # memory (see ScratchArena). Tiers copy synchronously, so this batch is safe too.
         arena = thread_scratch_arena()
         arena.reset()
-        payloads = [self._encode(t, arena) for _, t in pieces]
-        settled, self._unsettled = self._unsettled, []
-        placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
+        # Each segment is encoded for its identity (bound into its header, see segment.py).
         sids = []
         for sub, _ in pieces:
             sids.append(SegmentId(self.shuffle_id, self.map_partition, sub,
-                                  self._next_index[sub], self.attempt))
+                                  self._next_index[sub], self.attempt,
+                                  job_id=self.config.job_id or ""))
             self._next_index[sub] += 1
+        payloads = [self._encode(t, sid, arena) for (_, t), sid in zip(pieces, sids)]
+        settled, self._unsettled = self._unsettled, []
+        placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
         # Grants not yet settled: if a write raises, they are given back (with abort).
         granted = {i for i, p in enumerate(placements) if p.grant is not None}
         try:
@@ -278,16 +280,16 @@ class WriteClient:
                 self._count(sub, meta.tier, meta.nbytes, table.num_rows)
                 self._keep(meta)
 
-    def _encode(self, table: pa.Table, arena: ScratchArena) -> memoryview:
-        """Encode a segment, compressing only while compression pays (see
+    def _encode(self, table: pa.Table, sid: SegmentId, arena: ScratchArena) -> memoryview:
+        """Encode segment ``sid``, compressing only while compression pays (see
         ``MIN_COMPRESSION_SAVING``); uncompressed ones go into ``arena``."""
         if self._compression == Compression.NONE:
-            return encode_segment(table, Compression.NONE, arena)
+            return encode_segment(table, sid, Compression.NONE, arena)
         if self._skip_compression > 0:
             self._skip_compression -= 1
             self.stats.uncompressed_segments += 1
-            return encode_segment(table, Compression.NONE, arena)
-        payload = encode_segment(table, self._compression)
+            return encode_segment(table, sid, Compression.NONE, arena)
+        payload = encode_segment(table, sid, self._compression)
         if len(payload) > (1 - MIN_COMPRESSION_SAVING) * max(table.nbytes, 1):
             self._skip_compression = COMPRESSION_BACKOFF_SEGMENTS
         return payload
@@ -346,7 +348,10 @@ class WriteClient:
 
 
 class ReadClient:
-    """Reads segments from whichever tier holds each, verifying every checksum.
+    """Reads segments from whichever tier holds each, verifying every checksum and that
+    each segment's bytes are the segment its metadata names (identity and row count): a
+    swapped, misplaced or crafted segment raises ``CorruptSegmentError``, whatever path
+    its bytes came by (memory, a disk file mapped or fetched from another node, remote).
 
     Args:
         io_tiers: tier objects for I/O in this process (``build_io_tiers``).
@@ -378,7 +383,7 @@ class ReadClient:
 
     def _decode(self, meta: SegmentMeta, data: Any) -> pa.Table:
         self.bytes_read[meta.tier.value] += meta.nbytes
-        return decode_segment(data, meta.id, meta.tier)
+        return decode_segment(data, meta.id, meta.tier, num_rows=meta.num_rows)
 
     def read_segments(self, metas: Iterable[SegmentMeta]) -> Iterator[pa.Table]:
         """Decode segments in the order of their ids (map partition, subpartition, index)."""

@@ -1,9 +1,35 @@
 """Segments: the unit of storage and of tier switching (FLIP-301).
 
 A segment holds continuous records of one subpartition of one map partition, encoded as an
-Arrow IPC stream (optionally lz4/zstd compressed) behind a small header carrying an XXH3-64
-checksum of the body. The checksum is verified on every read, so a corrupt or truncated segment is
-reported with its id and tier instead of silently yielding wrong rows.
+Arrow IPC stream (optionally lz4/zstd compressed) behind a 40-byte header (32 bytes
+until format version 2; the identity digest takes 8 more, keeping the body 8-byte aligned).
+
+Every segment is bound to its identity, (job, shuffle, map partition, attempt, subpartition,
+index): a valid segment read in place of another one (files swapped or misplaced in a spill
+dir or the remote store, an object of another job, a segment crafted with ``encode_segment``
+for another identity) would otherwise be read without error, losing some rows and
+duplicating or inventing others. Format version 3 binds it twice, at the cost of one tiny
+hash per segment (the body is still hashed in one pass):
+
+* ``identity digest``: XXH3-64 of the identity, encoded without ambiguity (ids are
+  length-prefixed, see ``identity_digest``). The reader compares it with the digest of the
+  segment it expects, so a wrong segment is reported as such ("holds the bytes of a
+  different segment"), not as corrupt bytes.
+* ``body checksum``: XXH3-64 of the body *seeded with the identity digest*. A header whose
+  digest was rewritten without the body's checksum being recomputed for that identity
+  still fails, and a bit flip in the body is reported as corrupt bytes.
+
+Both are verified on every read, as are the body length, the row count of the header
+against the reader's metadata (``SegmentMeta.num_rows``) and against the decoded table. So a
+corrupt, truncated or misplaced segment is reported with its id and tier instead of
+silently yielding wrong rows. This detects accidents and tampering by anyone who does not
+know the identity a segment is stored under; it is not a keyed MAC: whoever can write the
+storage and knows the identity can still encode a segment that passes (as with any unkeyed
+checksum).
+
+The job is part of ``SegmentId`` (``job_id``; the writer fills it from
+``ShuffleConfig.job_id``), so the reader's expected identity, ``SegmentMeta.id`` as
+committed by the writer, names the job too.
 """
 
 from __future__ import annotations
@@ -20,16 +46,20 @@ import xxhash
 from hybrid_ray.config import Compression, TierName
 from hybrid_ray.errors import CorruptSegmentError
 
-# magic, format version, codec, reserved, checksum of body, body length, number of rows
-# 32 bytes, so the IPC body (and its buffers) stays 8-byte aligned.
-_HEADER = struct.Struct("<4sBBHQQQ")
+# magic, format version, codec, reserved, identity digest, checksum of body (seeded with
+# the identity digest), body length, number of rows: 40 bytes, a multiple of 8, so the IPC
+# body (and its buffers) stays 8-byte aligned.
+_HEADER = struct.Struct("<4sBBHQQQQ")
 _MAGIC = b"HRSG"
 # Version 2: XXH3-64 replaced zlib's CRC32. Every byte is checksummed twice (written, read)
 # and zlib's CRC32 ran at ~2 GB/s: 10% of a shuffle's CPU in perf. XXH3 runs at memory
 # speed (~14 GB/s here) and detects corruption as well for this purpose (zstd frames use
 # the same family).
-_VERSION = 2
+# Version 3: the segment is bound to its identity (see the module docstring).
+_VERSION = 3
 _checksum = xxhash.xxh3_64_intdigest
+# Separates segment identity digests from any other use of XXH3 on the same strings.
+_IDENTITY_DOMAIN = "hybrid_ray-segment-v3"
 HEADER_BYTES = _HEADER.size
 _CODECS = {Compression.NONE: 0, Compression.LZ4: 1, Compression.ZSTD: 2}
 _IPC_COMPRESSION = {Compression.NONE: None, Compression.LZ4: "lz4", Compression.ZSTD: "zstd"}
@@ -37,10 +67,13 @@ _IPC_COMPRESSION = {Compression.NONE: None, Compression.LZ4: "lz4", Compression.
 
 @dataclasses.dataclass(frozen=True, order=True)
 class SegmentId:
-    """Identity of a segment: (shuffle, map partition, subpartition, index) of one attempt.
+    """Identity of a segment: (shuffle, map partition, subpartition, index) of one attempt
+    of one job.
 
     ``attempt`` names the producing attempt of the map partition, so segments of a crashed
     and retried map task can be told apart and only one attempt's segments are read.
+    ``job_id`` is the writing shuffle's ``ShuffleConfig.job_id`` ("" for segments written
+    outside a shuffle); the whole identity is bound into the segment's header.
     """
 
     shuffle_id: str
@@ -48,6 +81,7 @@ class SegmentId:
     subpartition: int
     index: int
     attempt: int = 0
+    job_id: str = ""
 
     @property
     def file_name(self) -> str:
@@ -55,8 +89,25 @@ class SegmentId:
         return f"m{self.map_partition:06d}-a{self.attempt:03d}-s{self.index:06d}.seg"
 
     def __str__(self) -> str:
-        return (f"segment(shuffle={self.shuffle_id}, map={self.map_partition}, "
+        job = f"job={self.job_id}, " if self.job_id else ""
+        return (f"segment({job}shuffle={self.shuffle_id}, map={self.map_partition}, "
                 f"sub={self.subpartition}, index={self.index}, attempt={self.attempt})")
+
+
+def identity_digest(segment: SegmentId) -> int:
+    """XXH3-64 of ``segment``'s identity (job, shuffle, map, attempt, subpartition, index).
+
+    The string ids are length-prefixed, so no two identities share an encoding whatever
+    characters the ids hold (``job="a/b", shuffle="c"`` differs from ``"a", "b/c"``).
+    """
+    if not isinstance(segment, SegmentId):
+        raise TypeError(f"a segment's identity must be a SegmentId, got "
+                        f"{type(segment).__name__} {segment!r}")
+    job, shuffle = str(segment.job_id), str(segment.shuffle_id)
+    text = (f"{_IDENTITY_DOMAIN}/{len(job)}:{job}/{len(shuffle)}:{shuffle}/"
+            f"{int(segment.map_partition)}/{int(segment.attempt)}/"
+            f"{int(segment.subpartition)}/{int(segment.index)}")
+    return _checksum(text.encode("utf-8", "surrogatepass"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +176,14 @@ def thread_scratch_arena() -> ScratchArena:
     return arena
 
 
-def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4,
+def encode_segment(table: pa.Table, segment: SegmentId,
+                   compression: Compression = Compression.LZ4,
                    arena: ScratchArena | None = None) -> memoryview:
-    """Encode ``table`` as one segment: header + Arrow IPC stream body (a bytes-like view).
+    """Encode ``table`` as the segment ``segment``: header + Arrow IPC stream body (a
+    bytes-like view).
+
+    ``segment`` is the identity the segment will be stored and read under; it is bound into
+    the header, and ``decode_segment`` refuses the bytes under any other identity.
 
     The header is reserved at the start of the output and filled in afterwards, so the body
     is never copied to put the two together. Uncompressed segments are written into
@@ -135,6 +191,12 @@ def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4,
     arena's next reset); compressed ones, whose size is only known after compressing, into
     a buffer of their own.
     """
+    if not isinstance(segment, SegmentId):
+        raise TypeError(
+            f"encode_segment(table, segment, compression, arena) needs the SegmentId the "
+            f"segment will be stored under (it is bound into the segment and checked on "
+            f"read), got {type(segment).__name__} {segment!r}")
+    digest = identity_digest(segment)
     compression = Compression(compression)
     options = pa.ipc.IpcWriteOptions(compression=_IPC_COMPRESSION[compression])
     if arena is not None and compression == Compression.NONE:
@@ -152,21 +214,27 @@ def encode_segment(table: pa.Table, compression: Compression = Compression.LZ4,
             writer.write_table(table)
         out = memoryview(stream.getvalue()).cast("B")  # mutable: header written in place
     body = out[HEADER_BYTES:]
-    _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _CODECS[compression], 0,
-                      _checksum(body), len(body), table.num_rows)
+    _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _CODECS[compression], 0, digest,
+                      _checksum(body, digest), len(body), table.num_rows)
     return out
 
 
-def decode_segment(data: Any, segment: SegmentId | str, tier: TierName | str) -> pa.Table:
-    """Decode segment bytes (any buffer-protocol object), verifying header and checksum.
+def decode_segment(data: Any, segment: SegmentId, tier: TierName | str, *,
+                   num_rows: int | None = None) -> pa.Table:
+    """Decode segment bytes (any buffer-protocol object) read as ``segment`` from ``tier``,
+    verifying the header, that the bytes are ``segment``'s (identity digest), the body's
+    checksum and the row count (``num_rows``: what the segment's metadata says, if known).
 
-    Raises ``CorruptSegmentError`` naming the segment and tier when the bytes are damaged.
+    Raises ``CorruptSegmentError`` naming the segment and tier when the bytes are damaged
+    or belong to another segment.
     """
+    expected = identity_digest(segment)  # also refuses an identity that is no SegmentId
     view = memoryview(data).cast("B")
     where = f"{segment} in the {TierName.parse(tier).value} tier"
     if len(view) < HEADER_BYTES:
         raise CorruptSegmentError(f"{where} is truncated: {len(view)} bytes, no header")
-    magic, version, _codec, _, checksum, length, num_rows = _HEADER.unpack_from(view)
+    magic, version, _codec, _, digest, checksum, length, header_rows = \
+        _HEADER.unpack_from(view)
     if magic != _MAGIC:
         raise CorruptSegmentError(f"{where} has no segment header (magic {magic!r})")
     if version != _VERSION:
@@ -174,21 +242,44 @@ def decode_segment(data: Any, segment: SegmentId | str, tier: TierName | str) ->
             f"{where} has segment format version {version}, this hybrid_ray reads version "
             f"{_VERSION}: it was written by another hybrid_ray version; run the shuffle again")
     body = view[HEADER_BYTES:]
+    if digest != expected:
+        # Tell a whole segment of another identity from a damaged header: the former's body
+        # verifies under its own digest. (An error path: the extra pass costs nothing.)
+        if len(body) == length and _checksum(body, digest) == checksum:
+            raise CorruptSegmentError(
+                f"{where} holds the bytes of a different segment (swapped, misplaced, or "
+                f"written for another identity, e.g. crafted with encode_segment): its "
+                f"header's identity digest is {digest:#018x}, the expected segment's is "
+                f"{expected:#018x}. The shuffle's storage was changed outside hybrid_ray; "
+                "its output cannot be trusted: run the shuffle again")
+        if len(body) == length and _checksum(body, expected) == checksum:
+            raise CorruptSegmentError(
+                f"{where} failed its checksum: the identity digest in its header is "
+                "corrupt (its body verifies); run the shuffle again")
+        raise CorruptSegmentError(
+            f"{where} does not hold this segment: its header names another identity "
+            f"(digest {digest:#018x}, expected {expected:#018x}) and its body does not "
+            "verify under either: the stored bytes belong to a different segment (e.g. a "
+            "swapped file of another size) or are corrupt; run the shuffle again")
     if len(body) != length:
         raise CorruptSegmentError(
             f"{where} is truncated: body has {len(body)} bytes, header says {length}")
-    if _checksum(body) != checksum:
+    if _checksum(body, expected) != checksum:
         raise CorruptSegmentError(f"{where} failed its checksum: the stored bytes are corrupt")
+    if num_rows is not None and header_rows != num_rows:
+        raise CorruptSegmentError(
+            f"{where} has {header_rows} rows, its metadata says {num_rows}: the stored "
+            "bytes do not match what the writer committed; run the shuffle again")
     try:
         table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
     except pa.ArrowException as exc:
         raise CorruptSegmentError(f"{where} cannot be decoded: {exc}") from exc
-    if table.num_rows != num_rows:
+    if table.num_rows != header_rows:
         raise CorruptSegmentError(
-            f"{where} decoded {table.num_rows} rows, header says {num_rows}")
+            f"{where} decoded {table.num_rows} rows, header says {header_rows}")
     return table
 
 
 def segment_num_rows(data: Any) -> int:
     """Rows in an encoded segment, read from its header without decoding."""
-    return _HEADER.unpack_from(memoryview(data).cast("B"))[6]
+    return _HEADER.unpack_from(memoryview(data).cast("B"))[7]

@@ -12,18 +12,20 @@ def _table(n=1000):
 @pytest.mark.parametrize("compression", ["none", "lz4", "zstd"])
 def test_roundtrip_exact(compression):
     t = _table()
-    data = encode_segment(t, compression)
+    data = encode_segment(t, SegmentId("s", 0, 0, 0), compression)
     assert decode_segment(data, SegmentId("s", 0, 0, 0), "disk").equals(t)
 
 
 def test_compression_shrinks_repetitive_data():
     t = pa.table({"x": pa.array([7] * 100_000, pa.int64())})
-    assert len(encode_segment(t, "zstd")) < len(encode_segment(t, "none")) / 10
+    sid = SegmentId("s", 0, 0, 0)
+    assert len(encode_segment(t, sid, "zstd")) < len(encode_segment(t, sid, "none")) / 10
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "version"])
 def test_corruption_is_detected_and_names_segment_and_tier(damage):
-    data = bytearray(encode_segment(_table(), "lz4"))
+    sid = SegmentId("shf", 3, 5, 7, attempt=1)
+    data = bytearray(encode_segment(_table(), sid, "lz4"))
     if damage == "flip":
         data[len(data) // 2] ^= 0xFF
     elif damage == "truncate":
@@ -32,7 +34,6 @@ def test_corruption_is_detected_and_names_segment_and_tier(damage):
         data[0:4] = b"XXXX"
     else:
         data[4] = 1  # a segment of the CRC32 format (version 1)
-    sid = SegmentId("shf", 3, 5, 7, attempt=1)
     with pytest.raises(CorruptSegmentError) as info:
         decode_segment(bytes(data), sid, "remote")
     msg = str(info.value)
@@ -43,7 +44,7 @@ def test_corruption_is_detected_and_names_segment_and_tier(damage):
 
 def test_segment_body_is_8_byte_aligned_after_the_header():
     # Arrow reads buffers in place; an unaligned body would make every column unaligned.
-    data = encode_segment(_table(), "none")
+    data = encode_segment(_table(), SegmentId("s", 0, 0, 0), "none")
     from hybrid_ray.segment import HEADER_BYTES
     assert HEADER_BYTES % 8 == 0 and len(data) > HEADER_BYTES
 
@@ -53,14 +54,16 @@ def test_scratch_arena_segments_of_a_batch_never_overlap_even_across_growth():
 
     arena = ScratchArena(initial_bytes=1024)  # far too small: forces growth mid-batch
     tables = [_table(300 + 50 * i) for i in range(6)]
-    payloads = [encode_segment(t, "none", arena) for t in tables]
+    payloads = [encode_segment(t, SegmentId("s", 0, 0, i), "none", arena)
+                for i, t in enumerate(tables)]
     # Every payload of the batch is still intact after the later ones were written.
     for i, (t, data) in enumerate(zip(tables, payloads)):
         assert decode_segment(data, SegmentId("s", 0, 0, i), "memory").equals(t)
-        assert bytes(data) == bytes(encode_segment(t, "none"))  # same bytes as unpooled
+        # same bytes as unpooled
+        assert bytes(data) == bytes(encode_segment(t, SegmentId("s", 0, 0, i), "none"))
     grown = arena.capacity
     arena.reset()
-    again = encode_segment(tables[0], "none", arena)
+    again = encode_segment(tables[0], SegmentId("s", 0, 0, 0), "none", arena)
     assert arena.capacity == grown  # memory reused, not reallocated
     assert decode_segment(again, SegmentId("s", 0, 0, 0), "memory").equals(tables[0])
 
@@ -70,6 +73,6 @@ def test_compressed_segments_do_not_use_the_arena():
 
     arena = ScratchArena()
     t = _table()
-    data = encode_segment(t, "lz4", arena)
+    data = encode_segment(t, SegmentId("s", 0, 0, 0), "lz4", arena)
     assert arena.capacity == 0
     assert decode_segment(data, SegmentId("s", 0, 0, 0), "disk").equals(t)

@@ -18,10 +18,12 @@ from hybrid_ray import (
 from hybrid_ray.tiers import DiskTier, MemoryTier, RemoteTier
 
 
-def _payload(seed: int, rows: int = 5000) -> tuple[pa.Table, bytes]:
+def _payload(seed: int, sid: SegmentId = SegmentId("any", 0, 0, 0),
+             rows: int = 5000) -> tuple[pa.Table, bytes]:
+    """A table and its segment encoded as ``sid`` (the identity it must be decoded as)."""
     rng = np.random.default_rng(seed)
     table = pa.table({"k": rng.integers(0, 1 << 40, rows), "v": rng.random(rows)})
-    return table, encode_segment(table, "lz4")
+    return table, encode_segment(table, sid, "lz4")
 
 
 class TierConformance:
@@ -34,8 +36,8 @@ class TierConformance:
         shuffle = f"shf-{uuid.uuid4().hex[:6]}"
         written = []
         for i in range(3):
-            table, payload = _payload(i)
             sid = SegmentId(shuffle, 0, 1, i)
+            table, payload = _payload(i, sid)
             grant = tier.try_reserve(shuffle, len(payload))
             assert grant is not None and grant.tier == tier.name
             meta = tier.write(sid, payload, grant)
@@ -80,8 +82,8 @@ class TierConformance:
 
     def test_corrupt_segment_detected(self, tier):
         shuffle = f"c-{uuid.uuid4().hex[:6]}"
-        _, payload = _payload(3)
         sid = SegmentId(shuffle, 0, 0, 0)
+        _, payload = _payload(3, sid)
         meta = tier.write(sid, payload, tier.try_reserve(shuffle, len(payload)))
         meta = self.corrupt(tier, meta, payload)
         with pytest.raises(CorruptSegmentError, match=f"{tier.name.value} tier"):
@@ -188,7 +190,7 @@ class TestDiskTier(TierConformance):
         spill = tmp_path / "spill"
         tier = DiskTier(MiB, [str(spill)])
         shutil.rmtree(spill)
-        table, payload = _payload(7)
+        table, payload = _payload(7, SegmentId("again", 0, 0, 0))
         grant = tier.try_reserve("again", len(payload))
         assert grant is not None
         meta = tier.write(SegmentId("again", 0, 0, 0), payload, grant)
