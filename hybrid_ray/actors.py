@@ -10,6 +10,7 @@ orphaned data after the TTL.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -401,7 +402,11 @@ class ShuffleMasterActor:
             return {
                 "maps": [{"attempt": m.current_attempt, "finished": m.finished_attempt,
                           "pid": m.pid, "node_id": m.node_id,
-                          "segments": sum(len(v) for v in m.segments.get(m.current_attempt, {}).values())}
+                          "segments": sum(len(v) for v in m.segments.get(m.current_attempt, {}).values()),
+                          "segments_per_tier": dict(collections.Counter(
+                              meta.tier.value
+                              for v in m.segments.get(m.current_attempt, {}).values()
+                              for meta in v))}
                          for m in state.maps],
                 "readers": {s: dataclasses.asdict(r) for s, r in state.readers.items()},
             }
