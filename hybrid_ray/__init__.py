@@ -25,10 +25,11 @@ from hybrid_ray.partitioning import (  # noqa: E402
 )
 from hybrid_ray.report import ShuffleReport  # noqa: E402
 from hybrid_ray.shuffle import (  # noqa: E402
-    ShuffleResult, last_report, random_shuffle, repartition, run_shuffle, sort,
+    ShuffleResult, last_report, random_shuffle, repartition, report_of, run_shuffle, sort,
 )
 
 __all__ += [
     "HashPartitioner", "Partitioner", "RandomPartitioner", "RangePartitioner", "ShuffleReport",
-    "ShuffleResult", "last_report", "random_shuffle", "repartition", "run_shuffle", "sort",
+    "ShuffleResult", "last_report", "random_shuffle", "repartition", "report_of", "run_shuffle",
+    "sort",
 ]

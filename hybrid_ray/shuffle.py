@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -45,12 +46,49 @@ HEARTBEAT_S = 5.0
 SAMPLES_PER_BLOCK = 256
 MISSING_SEGMENT_WAIT_S = 60.0
 
-_last_report: ShuffleReport | None = None
+# The report of each thread's most recent shuffle: shuffles run in threads side by side
+# must not see each other's (a process-global once returned another thread's report).
+_reports = threading.local()
 
 
 def last_report() -> ShuffleReport | None:
-    """The report of the most recent shuffle run by this process."""
-    return _last_report
+    """The report of the most recent shuffle run by the calling thread. The report of a
+    particular result is also on it: ``ShuffleResult.report``, ``report_of(dataset)``."""
+    return getattr(_reports, "last", None)
+
+
+def _set_last_report(report: ShuffleReport) -> None:
+    _reports.last = report
+
+
+def report_of(ds: Any) -> ShuffleReport:
+    """The report of the shuffle that produced ``ds`` (a Dataset returned by
+    ``repartition``, ``sort`` or ``random_shuffle``)."""
+    report = getattr(ds, _REPORT_ATTR, None)
+    if report is None:
+        raise ConfigError("this Dataset was not produced by a hybrid_ray shuffle (or was "
+                          "transformed since): keep the Dataset hybrid_ray returned, or use "
+                          "hybrid_ray.last_report() right after the call")
+    return report
+
+
+_REPORT_ATTR = "_hybrid_ray_report"
+
+
+def describe_cause(exc: BaseException) -> str:
+    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
+    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
+    exception chain, not pasted into messages)."""
+    cause = exc
+    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None \
+            and cause.cause is not cause:
+        cause = cause.cause
+    text = str(cause).strip()
+    if isinstance(cause, ray.exceptions.RayTaskError):
+        text = text.splitlines()[-1] if text else text  # no cause object: its last line
+    if isinstance(cause, ShuffleFailedError):
+        return text  # already says what failed
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 # ---- tasks -----------------------------------------------------------------------------------
@@ -500,7 +538,6 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     Raises ``ShuffleFailedError`` (after removing all of the shuffle's data) if a map or
     reduce task fails beyond its retries.
     """
-    global _last_report
     config = config or ShuffleConfig()
     check_num_partitions(num_partitions)
     if not ray.is_initialized():
@@ -587,15 +624,18 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                 f"{operation} shuffle {shuffle_id} failed: the shuffle master of namespace "
                 f"{config.namespace!r} is gone (its node died or it was killed), and with it "
                 "the books of every shuffle in flight; run it again") from exc
-        if isinstance(exc, ShuffleFailedError):
+        if isinstance(exc, ShuffleFailedError) and not isinstance(
+                exc, ray.exceptions.RayTaskError):
             raise
-        raise ShuffleFailedError(
-            f"{operation} shuffle {shuffle_id} failed and its data was removed: {exc}") from exc
+        error = ShuffleFailedError(
+            f"{operation} shuffle {shuffle_id} failed: {describe_cause(exc)} (its data was "
+            "removed; the remote traceback is on this error's __cause__)")
+        raise error from exc
     ray.get(master.release.remote(shuffle_id))
     progress.update(len(blocks), len(blocks), num_partitions, num_partitions, force=True)
     progress.close()
     report = _make_report(summary, operation, config, time.monotonic() - started)
-    _last_report = report
+    _set_last_report(report)
     return ShuffleResult(list(reduce_refs), report, list(stats_refs))
 
 
@@ -660,10 +700,11 @@ def _check_columns(schema: pa.Schema, columns: Sequence[str], what: str) -> None
 
 
 def _to_dataset(result: ShuffleResult, input_bytes: int) -> ray.data.Dataset:
-    global _last_report
     result.report.input_bytes = input_bytes
-    _last_report = result.report
-    return _materialized_dataset(result.refs, ray.get(result.block_stats))
+    _set_last_report(result.report)
+    ds = _materialized_dataset(result.refs, ray.get(result.block_stats))
+    setattr(ds, _REPORT_ATTR, result.report)
+    return ds
 
 
 def _materialized_dataset(refs: list[ray.ObjectRef],

@@ -1,0 +1,73 @@
+"""What a user reads: the report of each shuffle (also across threads) and errors whose
+first words are the cause, not a remote traceback."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import hybrid_ray
+from conftest import base_config
+from hybrid_ray import HashPartitioner, ShuffleFailedError
+
+
+def test_concurrent_shuffles_each_see_their_own_report(ray_local, tmp_path):
+    ray = ray_local
+    sizes = [1_000, 2_000, 3_000, 4_000]
+    seen: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(sizes))
+
+    def run(rows):
+        try:
+            ds = ray.data.from_arrow(pa.table({"key": np.arange(rows) % 7, "v": np.arange(rows)}))
+            start.wait(timeout=60)
+            out = hybrid_ray.repartition(ds, 3, keys=["key"], config=base_config(tmp_path))
+            seen[rows] = (hybrid_ray.last_report().rows, hybrid_ray.report_of(out).rows,
+                          hybrid_ray.last_report().shuffle_id,
+                          hybrid_ray.report_of(out).shuffle_id)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in sizes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for rows in sizes:
+        last_rows, own_rows, last_id, own_id = seen[rows]
+        assert last_rows == own_rows == rows
+        assert last_id == own_id
+    assert len({seen[n][3] for n in sizes}) == len(sizes)
+
+
+def test_report_of_a_dataset_that_no_shuffle_made_is_explained(ray_local):
+    with pytest.raises(hybrid_ray.ConfigError, match="not produced by a hybrid_ray shuffle"):
+        hybrid_ray.report_of(ray_local.data.range(3))
+
+
+class FailsInMapOne(HashPartitioner):
+    def assign(self, table, map_index, num_partitions):
+        if map_index == 1:
+            raise ValueError("the key column holds a value the job cannot handle")
+        return super().assign(table, map_index, num_partitions)
+
+
+def test_a_failed_shuffle_says_its_cause_first_and_attaches_the_traceback(ray_local,
+                                                                          tmp_path):
+    ray = ray_local
+    table = pa.table({"key": np.arange(1000)})
+    with pytest.raises(ShuffleFailedError) as info:
+        hybrid_ray.run_shuffle([ray.put(table), ray.put(table)], 2, FailsInMapOne(["key"]),
+                               table.schema, base_config(tmp_path))
+    message = str(info.value)
+    first_line = message.splitlines()[0]
+    assert "ValueError: the key column holds a value the job cannot handle" in first_line
+    assert 'File "' not in message and len(message.splitlines()) == 1, message
+    # The remote traceback is attached, not pasted.
+    assert isinstance(info.value.__cause__, ray.exceptions.RayTaskError)
+    assert 'File "' in str(info.value.__cause__) and "in assign" in str(info.value.__cause__)
