@@ -82,7 +82,9 @@ def _secret_strings(value: Any, under_secret_key: bool, out: set[str]) -> None:
 
 def _url_secrets(url: str, out: set[str]) -> None:
     match = _SCHEME_USERINFO.match(url)
-    if match:
+    # "file:///home/me@corp/x" has no authority: its "@" is in the path, not a credential
+    # (scrubbing "/home/me" from every message would garble them).
+    if match and not match.group(2).startswith("/"):
         userinfo = match.group(2)
         out.add(userinfo)
         out.update(userinfo.split(":"))

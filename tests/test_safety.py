@@ -365,3 +365,6 @@ def test_redaction_rule():
             "sas_token": "***", "profile": "dev"}
     scrub = Redactor(f"s3://{URL_KEY}:{URL_SECRET}@b", {"secret": OPT_SECRET}).scrub
     assert scrub(f"{URL_KEY}:{URL_SECRET}@b/x {OPT_SECRET}") == "***@b/x ***"
+    # An "@" in a local path is not a credential: messages keep their paths.
+    assert Redactor("file:///home/me@corp/x").scrub("/home/me/y") == "/home/me/y"
+    assert Redactor(None, {"secret": "ab"}).scrub("a b ab") == "a b ab"  # too short to scrub
