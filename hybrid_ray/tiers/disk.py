@@ -85,7 +85,7 @@ def check_spill_dir(spill_dir: str) -> str:
 
     try:
         if not os.path.lexists(spill_dir):
-            _make_private_dir(spill_dir)
+            make_private_dir(spill_dir)
         link = os.lstat(spill_dir)
         if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
             raise refuse(spill_dir, f"is a symlink owned by uid {link.st_uid} (another user, "
@@ -246,7 +246,7 @@ class DiskTier(Tier):
             raise UnsafePathError(f"refusing to write {segment} to {spill_dir}: not one of "
                                   f"this disk tier's spill dirs {list(self.spill_dirs)}")
         path = segment_path(spill_dir, segment)  # the shuffle id is checked here
-        _make_private_dir(os.path.dirname(path))
+        make_private_dir(os.path.dirname(path))
         try:
             write_private_file(path, payload)
         except OSError as exc:
@@ -324,13 +324,13 @@ def write_private_file(path: str, payload: bytes | memoryview) -> None:
         raise
 
 
-def _make_private_dir(path: str) -> None:
+def make_private_dir(path: str) -> None:
     """Create ``path`` and any missing parents as 0700 (``os.makedirs`` only sets the leaf)."""
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
     if parent and parent != path:
-        _make_private_dir(parent)
+        make_private_dir(parent)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -30,7 +30,7 @@ from hybrid_ray.ids import check_id, require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
-from hybrid_ray.tiers.disk import _make_private_dir
+from hybrid_ray.tiers.disk import make_private_dir
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
@@ -131,7 +131,7 @@ class RemoteTier(Tier):
         """A local file, private like the disk tier's: its directories are created 0700
         (so the file is unreachable by others from its first byte) and it is made 0600
         before it is renamed into place (readers never see half a file)."""
-        _make_private_dir(posixpath.dirname(path))
+        make_private_dir(posixpath.dirname(path))
         tmp = path + ".inprogress"
         self.fs.pipe_file(tmp, payload)
         os.chmod(tmp, 0o600)
