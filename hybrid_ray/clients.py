@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from hybrid_ray.config import Compression, ShuffleConfig, TierName
 from hybrid_ray.errors import OutOfSpaceError
+from hybrid_ray.ids import check_id
 from hybrid_ray.segment import (
     ScratchArena, SegmentId, SegmentMeta, decode_segment, encode_segment,
     thread_scratch_arena,
@@ -99,7 +100,7 @@ class WriteClient:
                  on_commit: Callable[[list[SegmentMeta]], None] | None = None) -> None:
         if num_subpartitions <= 0:
             raise ValueError(f"num_subpartitions must be >= 1, got {num_subpartitions}")
-        self.shuffle_id = shuffle_id
+        self.shuffle_id = check_id("shuffle_id", shuffle_id)  # it names directories
         self.map_partition = map_partition
         self.num_subpartitions = num_subpartitions
         self.attempt = attempt
@@ -362,7 +363,7 @@ class ReadClient:
     def __init__(self, io_tiers: dict[TierName, Tier], node_id: str = "",
                  fetch_from_node: Callable[[SegmentMeta], Any] | None = None) -> None:
         self.io_tiers = io_tiers
-        self.node_id = node_id
+        self.node_id = check_id("node_id", node_id) if node_id else node_id
         self.fetch_from_node = fetch_from_node
         self.bytes_read: dict[str, int] = collections.defaultdict(int)
 

@@ -15,6 +15,8 @@ from enum import Enum
 from typing import Any
 
 from hybrid_ray.errors import ConfigError, UnknownTierError
+from hybrid_ray.ids import check_id
+from hybrid_ray.redaction import redact_url, redacted_options
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -89,11 +91,23 @@ DEFAULT_MIN_RESERVE_FRACTION = 0.05
 DEFAULT_MEMORY_FRACTION = 0.3
 # Orphaned shuffle data (its driver died without releasing it) is removed after this long.
 DEFAULT_ORPHAN_TTL_S = 6 * 3600.0
+# A running shuffle's driver heartbeats the master this often (hybrid_ray.shuffle).
+DRIVER_HEARTBEAT_S = 5.0
+# A shorter orphan TTL would release live shuffles: a heartbeat can be late by a busy
+# driver, a slow master call or a GC pause, so the TTL must cover several missed beats.
+MIN_ORPHAN_TTL_S = 3 * DRIVER_HEARTBEAT_S
 DEFAULT_NAMESPACE = "hybrid_ray"
 
 
 def default_spill_dir() -> str:
-    """The spill directory used when none is configured: a per-user dir under the temp dir."""
+    """The spill directory used when none is configured: a per-user dir under the temp dir.
+
+    The name is predictable, so another user could create it first (in /tmp, anyone may);
+    the disk tier therefore refuses it unless it is a real directory owned by this user
+    (or root) and its data dir is private (``hybrid_ray.tiers.disk.check_spill_dir``). Not
+    ``$XDG_RUNTIME_DIR``: it is a small tmpfs (often 10% of RAM, RAM that the object store
+    needs), and it is unset for Ray workers started outside a login session.
+    """
     return os.path.join(tempfile.gettempdir(), f"hybrid_ray_spill_{os.getuid()}")
 
 
@@ -153,7 +167,7 @@ class ShuffleConfig:
         job_id: the JobID level of the remote layout HomePath/JobID/ShuffleID/Subpartition/.
             Defaults to a fresh id per process.
         orphan_ttl_s: data of a shuffle whose driver stopped heartbeating is removed after
-            this many seconds.
+            this many seconds; at least ``MIN_ORPHAN_TTL_S`` (3 driver heartbeats).
         namespace: Ray namespace of the shuffle master and tier managers.
         progress: show a progress bar on shuffles.
         max_concurrent_reducers: reducers running at once (None: the cluster's CPU count),
@@ -166,6 +180,10 @@ class ShuffleConfig:
             flight while it goes on partitioning or decoding (an object store's latency
             and per-connection bandwidth are hidden by concurrency). A writer holds at most
             this many remote segments in memory until their uploads finish.
+
+    ``job_id`` and ``namespace`` (like shuffle and node ids elsewhere) become directory
+    names, so they must match ``hybrid_ray.ids.ID_PATTERN``. ``repr`` hides credentials
+    (``hybrid_ray.redaction``).
     """
 
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
@@ -192,8 +210,15 @@ class ShuffleConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         _require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, True)
         _require_number("min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False)
-        _require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), True)
-        _require_number("orphan_ttl_s", self.orphan_ttl_s, 1e-3, float("inf"), True)
+        # Finite: an infinite weight makes every quota inf/inf = NaN on the node.
+        _require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), False)
+        if not isinstance(self.orphan_ttl_s, bool) and isinstance(self.orphan_ttl_s, (int, float)) \
+                and self.orphan_ttl_s < MIN_ORPHAN_TTL_S:
+            raise ConfigError(
+                f"orphan_ttl_s must be >= {MIN_ORPHAN_TTL_S:g} s (3 driver heartbeats of "
+                f"{DRIVER_HEARTBEAT_S:g} s), got {self.orphan_ttl_s!r}: with a shorter TTL "
+                "the master releases live shuffles whose heartbeat is merely late")
+        _require_number("orphan_ttl_s", self.orphan_ttl_s, MIN_ORPHAN_TTL_S, float("inf"), True)
         if self.memory_capacity_bytes is not None:
             _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes)
         if self.disk_capacity_bytes is not None:
@@ -203,15 +228,19 @@ class ShuffleConfig:
         if self.max_concurrent_reducers is not None:
             _require_count("max_concurrent_reducers", self.max_concurrent_reducers)
 
-        if isinstance(self.spill_dirs, (str, os.PathLike)):
+        if isinstance(self.spill_dirs, (str, bytes, os.PathLike)):
             raise ConfigError(
                 "spill_dirs must be a list of directories, e.g. spill_dirs=['/mnt/nvme0'], "
                 f"got the single string {self.spill_dirs!r}"
             )
-        dirs = tuple(os.path.abspath(os.fspath(d)) for d in self.spill_dirs)
-        if any(not d.strip() for d in self.spill_dirs):
-            raise ConfigError("spill_dirs contains an empty path")
-        set_("spill_dirs", dirs or (default_spill_dir(),))
+        try:
+            dirs = tuple(self.spill_dirs)
+        except TypeError:
+            raise ConfigError(f"spill_dirs must be a list of directories, e.g. "
+                              f"spill_dirs=['/mnt/nvme0'], got {type(self.spill_dirs).__name__}"
+                              ) from None
+        set_("spill_dirs", tuple(_validate_spill_dir(i, d) for i, d in enumerate(dirs))
+             or (default_spill_dir(),))
 
         for name, enum in (("compression", Compression), ("mode", ShuffleMode),
                            ("spilling", Spilling)):
@@ -238,10 +267,21 @@ class ShuffleConfig:
             set_("remote_path", _validate_remote_path(self.remote_path))
         if self.job_id is None:
             set_("job_id", _PROCESS_JOB_ID)
-        elif not self.job_id or "/" in self.job_id:
-            raise ConfigError(f"job_id must be a non-empty name without '/', got {self.job_id!r}")
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ConfigError("namespace must be a non-empty string")
+        check_id("job_id", self.job_id)
+        check_id("namespace", self.namespace)
+
+    def __repr__(self) -> str:
+        # Credentials in storage_options or in remote_path never reach a repr (and so no
+        # log line, error or report that formats a config).
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "remote_path":
+                value = redact_url(value)
+            elif field.name == "storage_options":
+                value = redacted_options(value)
+            parts.append(f"{field.name}={value!r}")
+        return f"ShuffleConfig({', '.join(parts)})"
 
     @property
     def enabled_tiers(self) -> tuple[TierName, ...]:
@@ -263,8 +303,11 @@ class ShuffleConfig:
         return int(self.memory_fraction * object_store_bytes)
 
     def spill_dirs_for(self, node_id: str) -> tuple[str, ...]:
-        """The spill directories on node ``node_id`` (``{node_id}`` expanded)."""
-        return tuple(d.replace("{node_id}", node_id) for d in self.spill_dirs)
+        """The spill directories on node ``node_id`` (``{node_id}`` expanded; the node id
+        then becomes a directory name, so it is checked like every id)."""
+        if any(NODE_ID_PLACEHOLDER in d for d in self.spill_dirs):
+            check_id("node_id", node_id)
+        return tuple(d.replace(NODE_ID_PLACEHOLDER, node_id) for d in self.spill_dirs)
 
     def replace(self, **changes: Any) -> "ShuffleConfig":
         """A copy with ``changes`` applied (validated again)."""
@@ -272,23 +315,72 @@ class ShuffleConfig:
 
 
 _PROCESS_JOB_ID = f"job-{uuid.uuid4().hex[:12]}"
+NODE_ID_PLACEHOLDER = "{node_id}"
+# Protocols whose first path component is a bucket (or container): it must be given.
+_BUCKET_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "wasb", "wasbs"}
+
+
+def _validate_spill_dir(index: int, value: Any) -> str:
+    """One ``spill_dirs`` element as an absolute path, or a ConfigError naming it.
+
+    A path that exists here and is not a directory is refused now (the common case: the
+    driver's node is a worker too); other nodes' disks are checked by their disk tier
+    before the first segment is written there (``hybrid_ray.tiers.disk.check_spill_dir``).
+    """
+    name = f"spill_dirs[{index}]"
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a directory path (str or os.PathLike of str), "
+                          f"got {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise ConfigError(f"{name} is an empty path; name a directory such as '/mnt/nvme0'")
+    if "\0" in value:
+        raise ConfigError(f"{name} {value!r} contains a NUL character")
+    path = os.path.abspath(value)
+    if NODE_ID_PLACEHOLDER not in path and os.path.lexists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{name} {path} exists and is not a directory; point spill_dirs "
+                          "at a directory (it is created if missing)")
+    return path
 
 
 def _validate_remote_path(path: Any) -> str:
     import fsspec
 
     if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"remote_path must be an fsspec URL such as 's3://bucket/prefix', got {path!r}")
-    protocol = path.split("://", 1)[0] if "://" in path else "file"
+        raise ConfigError("remote_path must be an fsspec URL such as 's3://bucket/prefix', "
+                          f"got {type(path).__name__} {redact_url(path)!r}")
+    shown = redact_url(path)
+    if "://" in path:
+        protocol, rest = path.split("://", 1)
+    elif path.startswith("/"):
+        protocol, rest = "file", path
+    else:
+        # "s3:/bucket", "s3:", "bucket/prefix": fsspec would take them as a relative local
+        # directory (named "s3:") and a shuffle would "succeed" without its object store.
+        raise ConfigError(
+            f"remote_path {shown!r} has no protocol and is not an absolute local path; "
+            "write it as a URL: s3://bucket/prefix or file:///abs/path")
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
         raise ConfigError(
-            f"remote_path {path!r}: fsspec knows no protocol {protocol!r}; "
+            f"remote_path {shown!r}: fsspec knows no protocol {protocol!r}; "
             "use e.g. s3://bucket/prefix or file:///abs/path"
         ) from None
     except ImportError as exc:
         raise ConfigError(
-            f"remote_path {path!r} needs an extra package for {protocol!r}: {exc}"
+            f"remote_path {shown!r} needs an extra package for {protocol!r}: {exc}"
         ) from None
+    location = rest.split("?", 1)[0].rsplit("@", 1)[-1] if protocol in _BUCKET_PROTOCOLS \
+        else rest
+    if not location.strip("/"):
+        what = "bucket" if protocol in _BUCKET_PROTOCOLS else "path"
+        raise ConfigError(
+            f"remote_path {shown!r} names no {what}; write e.g. s3://bucket/prefix or "
+            "file:///abs/path")
+    if protocol in ("file", "local") and not location.startswith("/"):
+        raise ConfigError(
+            f"remote_path {shown!r} is a relative local path; write file:///abs/path "
+            "(three slashes) so every node resolves the same directory")
     return path.rstrip("/")

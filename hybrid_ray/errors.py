@@ -15,11 +15,25 @@ class ConfigError(HybridRayError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+class InvalidIdError(ConfigError):
+    """A job, shuffle, node id or namespace is not a safe path component
+    (``hybrid_ray.ids.ID_PATTERN``); the message names the field, the value and the rule."""
+
+
+class SpillDirError(ConfigError):
+    """A spill directory cannot be used safely: not a directory, a symlink, owned by another
+    user, world-writable without the sticky bit, or not private; the message says the fix."""
+
+
 class UnknownTierError(ConfigError, KeyError):
     """A tier name is not one of ``memory``, ``disk``, ``remote``."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class UnsafePathError(HybridRayError, PermissionError):
+    """hybrid_ray refused to write or delete a path outside its own data directory."""
 
 
 class CorruptSegmentError(HybridRayError, OSError):

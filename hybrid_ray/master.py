@@ -17,6 +17,7 @@ from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError
+from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
 
 
@@ -149,6 +150,7 @@ class ShuffleRegistry:
         """Register a shuffle. ``num_maps=None`` leaves the map count open until ``seal``.
         ``recoverable``: the driver re-runs maps whose finished output is lost (it polls
         ``take_lost``); otherwise such a loss fails the readers."""
+        check_id("shuffle_id", shuffle_id)  # it names directories on every tier
         if shuffle_id in self._shuffles:
             raise ValueError(f"shuffle {shuffle_id!r} is already registered")
         now = self._clock()

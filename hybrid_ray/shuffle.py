@@ -42,7 +42,7 @@ from hybrid_ray.report import ProgressBar, ShuffleReport
 POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
 # The driver heartbeats the master this often; the master expires a silent shuffle after
 # its config's orphan_ttl_s.
-HEARTBEAT_S = 5.0
+from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: E402
 SAMPLES_PER_BLOCK = 256
 MISSING_SEGMENT_WAIT_S = 60.0
 

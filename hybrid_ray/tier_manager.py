@@ -15,9 +15,10 @@ from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ShuffleNotFoundError
+from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
-from hybrid_ray.tiers.disk import unlink_quietly, read_segment_file
+from hybrid_ray.tiers.disk import read_segment_file, require_segment_file, unlink_quietly
 
 # Released shuffle ids a tier manager remembers (see TierManager.register_shuffle).
 RELEASED_MEMORY = 10_000
@@ -65,7 +66,7 @@ class TierManager:
     """
 
     def __init__(self, node_id: str, object_store_bytes: int, owner: Any = None) -> None:
-        self.node_id = node_id
+        self.node_id = check_id("node_id", node_id)
         self.object_store_bytes = object_store_bytes
         self.owner = owner
         self.memory = MemoryTier(0, 0, owner)
@@ -83,7 +84,9 @@ class TierManager:
     # ---- registration and quotas -----------------------------------------------------------
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
         """Register a shuffle writing on this node; returns its memory quota in bytes.
-        Raises ``ShuffleNotFoundError`` for a shuffle already released here."""
+        Raises ``ShuffleNotFoundError`` for a shuffle already released here, and
+        ``InvalidIdError`` for an id that is not a safe directory name."""
+        check_id("shuffle_id", shuffle_id)
         if shuffle_id in self._shuffles:
             return self.memory.quota(shuffle_id)
         if shuffle_id in self._released:
@@ -177,7 +180,7 @@ class TierManager:
                 continue
             freed.add(meta.id)
             if meta.tier == TierName.DISK:
-                unlink_quietly(meta.location)
+                unlink_quietly(require_segment_file(meta.location, "delete"))
             if registered:
                 tier = self._tier(shuffle_id, meta.tier)
                 tier.delete(meta)
@@ -185,6 +188,7 @@ class TierManager:
 
     def release_shuffle(self, shuffle_id: str) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node."""
+        check_id("shuffle_id", shuffle_id)
         info = self._shuffles.pop(shuffle_id, None)
         self._freed.pop(shuffle_id, None)
         if shuffle_id not in self._released:
@@ -200,7 +204,9 @@ class TierManager:
         return list(self._shuffles)
 
     def read_disk_segment(self, meta: SegmentMeta) -> bytes:
-        """Serve a disk segment of this node to a reader on another node."""
+        """Serve a disk segment of this node to a reader on another node (only a segment
+        file: the location comes from the caller)."""
+        require_segment_file(meta.location, "serve")
         return read_segment_file(meta)
 
     def usage(self) -> NodeUsage:

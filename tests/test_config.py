@@ -36,12 +36,44 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("job_id", "a/b", "job_id"),
     ("remote_transfers", 0, "remote_transfers must be an integer >= 1"),
     ("max_concurrent_reducers", 2.5, "max_concurrent_reducers must be an integer >= 1"),
+    # Issue 14 item 15: accepted before, each failing late or silently wrong.
+    ("orphan_ttl_s", 1, "orphan_ttl_s must be >= 15 s (3 driver heartbeats of 5 s)"),
+    ("orphan_ttl_s", 14.9, "releases live shuffles"),
+    ("memory_weight", float("inf"), "memory_weight must be in [1e-09, inf)"),
+    ("memory_weight", float("nan"), "memory_weight"),
+    ("remote_path", "s3://", "names no bucket"),
+    ("remote_path", "s3:///", "names no bucket"),
+    ("remote_path", "s3://user:pw@", "names no bucket"),
+    ("remote_path", "file://", "names no path"),
+    ("remote_path", "file://relative/dir", "relative local path"),
+    ("remote_path", "s3:", "has no protocol"),
+    ("remote_path", "s3:/bucket/x", "has no protocol"),
+    ("remote_path", "bucket/prefix", "has no protocol"),
+    ("job_id", 123, "job_id must be a string"),
+    ("namespace", None, "namespace must be a string"),
+    ("spill_dirs", [None], "spill_dirs[0] must be a directory path (str or os.PathLike of str), got NoneType"),
+    ("spill_dirs", ["/tmp/ok", 123], "spill_dirs[1] must be a directory path (str or os.PathLike of str), got int"),
+    ("spill_dirs", [b"/tmp/x"], "spill_dirs[0] must be a directory path (str or os.PathLike of str), got bytes"),
+    ("spill_dirs", ["  "], "spill_dirs[0] is an empty path"),
+    ("spill_dirs", 5, "spill_dirs must be a list of directories"),
 ])
 def test_bad_values_name_the_field(field, value, needle):
     with pytest.raises(ConfigError, match=None) as info:
         ShuffleConfig(**{field: value})
     assert needle in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_limits_that_are_allowed(tmp_path):
+    from hybrid_ray.config import DRIVER_HEARTBEAT_S, MIN_ORPHAN_TTL_S
+    from hybrid_ray.shuffle import HEARTBEAT_S
+
+    assert HEARTBEAT_S == DRIVER_HEARTBEAT_S and MIN_ORPHAN_TTL_S == 3 * DRIVER_HEARTBEAT_S
+    assert ShuffleConfig(orphan_ttl_s=MIN_ORPHAN_TTL_S).orphan_ttl_s == MIN_ORPHAN_TTL_S
+    assert ShuffleConfig(memory_weight=1e6).memory_weight == 1e6
+    assert ShuffleConfig(remote_path=str(tmp_path)).remote_path == str(tmp_path)
+    assert ShuffleConfig(remote_path="s3://bucket").remote_path == "s3://bucket"
+    assert ShuffleConfig(spill_dirs=[tmp_path / "a"]).spill_dirs == (str(tmp_path / "a"),)
 
 
 def test_unknown_tier_lists_valid_ones():

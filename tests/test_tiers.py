@@ -293,6 +293,17 @@ class TestRemoteTierLocalFiles(TierConformance):
     corrupt = TestRemoteTierS3.corrupt
     assert_no_data = TestRemoteTierS3.assert_no_data
 
+    def test_private_dirs_and_files(self, tier, tmp_path):
+        # Issue 14 item 3: file:// wrote 0644 files in 0755 dirs, readable by every user.
+        _, payload = _payload(8)
+        meta = tier.write(SegmentId("priv", 1, 2, 0), payload)
+        assert stat.S_IMODE(os.stat(meta.location).st_mode) == 0o600
+        d = os.path.dirname(meta.location)
+        while d != str(tmp_path):
+            assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+            d = os.path.dirname(d)
+        tier.release_shuffle("priv")
+
     def test_no_partial_file_visible(self, tier, tmp_path):
         _, payload = _payload(7)
         meta = tier.write(SegmentId("vis", 0, 0, 0), payload)

@@ -5,6 +5,13 @@ segment, minus what other writers were granted but have not written yet, must st
 ``min_reserve_fraction`` of the filesystem (FLIP-301's reserve), and the optional byte cap
 must hold. Files are written under a temporary name and renamed when complete, so a reader
 never sees half a segment. Directories are 0700 and files 0600: shuffle data is private.
+
+Safety: a spill dir is checked before use (``check_spill_dir``): it must be a directory owned
+by this user or root, not world-writable without the sticky bit, and hybrid_ray's data dir in
+it (``spill_dir/hybrid_ray``) must be a real directory (not a symlink) owned by this user,
+mode 0700. Otherwise another local user could read the shuffle's rows or redirect its writes
+and deletes. Shuffle ids are checked (``hybrid_ray.ids``) before they become directory
+names, and nothing outside the data dirs is ever written or removed.
 """
 
 from __future__ import annotations
@@ -12,23 +19,128 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import re
 import shutil
+import stat
 from collections.abc import Sequence
 
 import pyarrow as pa
 
 from hybrid_ray.config import TierName
-from hybrid_ray.errors import OutOfSpaceError, SegmentNotFoundError
+from hybrid_ray.errors import (
+    OutOfSpaceError, SegmentNotFoundError, SpillDirError, UnsafePathError,
+)
+from hybrid_ray.ids import check_id, require_inside
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
 
 # All of hybrid_ray's files live under this subdirectory of a spill dir, so cleanup never
 # touches anything else a user keeps there.
 DATA_DIR_NAME = "hybrid_ray"
+# The shape of every segment file's path: .../hybrid_ray/<shuffle id>/sub-<n>/<file>.
+# Deleting or serving a file by a location received from another process requires it.
+_SEGMENT_FILE = re.compile(
+    r"(?:/.*)?/" + DATA_DIR_NAME + r"/[A-Za-z0-9][A-Za-z0-9_.-]{0,127}/sub-\d+/"
+    r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def shuffle_dir(spill_dir: str, shuffle_id: str) -> str:
-    return os.path.join(spill_dir, DATA_DIR_NAME, shuffle_id)
+    """The directory of one shuffle's files in a spill dir (the id is checked first)."""
+    return os.path.join(spill_dir, DATA_DIR_NAME, check_id("shuffle_id", shuffle_id))
+
+
+def require_segment_file(location: str, action: str) -> str:
+    """Raise ``UnsafePathError`` unless ``location`` has the shape of a disk-tier segment
+    file (``.../hybrid_ray/<shuffle>/sub-<n>/<file>``, normalised, absolute): a location
+    comes from another process (the master's metadata) and is unlinked or served here."""
+    if _SEGMENT_FILE.fullmatch(location) is None or os.path.normpath(location) != location:
+        raise UnsafePathError(
+            f"refusing to {action} {location!r}: not a hybrid_ray segment file "
+            f"(.../{DATA_DIR_NAME}/<shuffle id>/sub-<n>/<file>). This is a bug in the "
+            "caller; please report it")
+    return location
+
+
+def check_spill_dir(spill_dir: str) -> str:
+    """Create ``spill_dir`` (0700) if missing, check that it is safe, and create or check
+    hybrid_ray's data dir in it; returns the data dir. Raises ``SpillDirError`` naming the
+    path, the problem and the fix.
+
+    Rules (users point spill_dirs at e.g. a root-owned 0755 /mnt/nvme0, so the spill dir
+    itself may be anyone's that is trusted; the data dir must be private):
+
+    * the spill dir is a directory (a symlink to one is fine if the link is owned by this
+      user or root), owned by this user or root: another owner could swap the data dir
+      for a symlink to somewhere else at any time;
+    * it is not world-writable unless sticky (/tmp is fine; a 0777 dir is not): anyone
+      could otherwise rename the data dir away and put their own in its place;
+    * ``spill_dir/hybrid_ray`` is a real directory, not a symlink, owned by this user and
+      mode 0700 (no group or other access): shuffle rows are private.
+    """
+    uid = os.geteuid()
+    trusted = (uid, 0)
+
+    def refuse(path: str, problem: str, fix: str) -> SpillDirError:
+        return SpillDirError(f"spill dir {spill_dir} cannot be used: {path} {problem}; {fix}")
+
+    try:
+        if not os.path.lexists(spill_dir):
+            make_private_dir(spill_dir)
+        link = os.lstat(spill_dir)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
+            raise refuse(spill_dir, f"is a symlink owned by uid {link.st_uid} (another user, "
+                         "who could point it elsewhere)",
+                         "use the directory it points to, or a directory of your own")
+        st = os.stat(spill_dir)
+    except SpillDirError:
+        raise
+    except OSError as exc:
+        raise refuse(spill_dir, f"cannot be created or read ({exc.strerror or exc})",
+                     "point spill_dirs at a writable directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise refuse(spill_dir, "is not a directory",
+                     "point spill_dirs at a directory (it is created if missing)")
+    if st.st_uid not in trusted:
+        raise refuse(spill_dir, f"is owned by uid {st.st_uid}, another user who could "
+                     "replace hybrid_ray's data dir in it",
+                     "use a directory you own (if this is the default spill dir, another "
+                     "user created it first: set ShuffleConfig(spill_dirs=[...]))")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise refuse(spill_dir, f"is world-writable without the sticky bit "
+                     f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone can replace hybrid_ray's "
+                     "data dir in it", f"run 'chmod o-w {spill_dir}' or 'chmod +t "
+                     f"{spill_dir}', or use another directory")
+    data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
+    try:
+        os.mkdir(data_dir, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise refuse(data_dir, f"cannot be created ({exc.strerror or exc})",
+                     "point spill_dirs at a writable directory") from None
+    problem = _private_dir_problem(data_dir, uid)
+    if problem is not None:
+        raise refuse(data_dir, problem, f"remove {data_dir} (hybrid_ray recreates it) or "
+                     "use another spill dir")
+    return data_dir
+
+
+def _private_dir_problem(path: str, uid: int) -> str | None:
+    """Why ``path`` is not a private directory of ``uid`` (one ``lstat``), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink (it could send hybrid_ray's writes and deletes elsewhere)"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & 0o077:
+        return (f"has mode {stat.S_IMODE(st.st_mode):o}: other users can reach shuffle data "
+                "(it must be 0700)")
+    return None
 
 
 def segment_path(spill_dir: str, segment: SegmentId) -> str:
@@ -53,26 +165,26 @@ class DiskTier(Tier):
         # them yet. Per shuffle so a dead writer's grants are dropped with its shuffle.
         self._in_flight: dict[tuple[str, str], int] = {}
         self._next_dir = itertools.cycle(range(len(self.spill_dirs)))
-        for d in self.spill_dirs:
-            _make_private_dir(os.path.join(d, DATA_DIR_NAME))
+        self._uid = os.geteuid()
+        # Checked once, here (before any shuffle writes); reservations re-check with one
+        # lstat of the data dir (a dir removed or replaced under a long-lived tier).
+        self._data_dirs = {d: check_spill_dir(d) for d in self.spill_dirs}
 
     @property
     def capacity_bytes(self) -> int | None:
         return self._capacity
 
-    @staticmethod
-    def _unusable(spill_dir: str) -> str | None:
+    def _unusable(self, spill_dir: str) -> str | None:
         """Why ``spill_dir`` cannot take files, or None. A missing directory is recreated
         (0700): the tier lives as long as its node's tier manager, and a spill dir can be
-        removed under it between shuffles (a tmp cleaner, a user's ``rm -rf``)."""
-        data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
-        if os.path.isdir(data_dir):
+        removed under it between shuffles (a tmp cleaner, a user's ``rm -rf``). One that
+        was replaced by something unsafe meanwhile is refused with the reason."""
+        if _private_dir_problem(self._data_dirs[spill_dir], self._uid) is None:
             return None
         try:
-            _make_private_dir(data_dir)
-        except OSError as exc:
-            return (f"spill dir {spill_dir} cannot be used: {exc.strerror or exc}; point "
-                    "spill_dirs at a writable directory")
+            check_spill_dir(spill_dir)
+        except SpillDirError as exc:
+            return str(exc)
         return None
 
     def _free_after(self, spill_dir: str, nbytes: int) -> tuple[int, int, int]:
@@ -130,20 +242,14 @@ class DiskTier(Tier):
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
         spill_dir = grant.target if grant is not None and grant.target else self.spill_dirs[0]
-        path = segment_path(spill_dir, segment)
-        _make_private_dir(os.path.dirname(path))
-        tmp = f"{path}.{os.getpid()}.inprogress"
+        if spill_dir not in self._data_dirs:  # a grant comes from another process
+            raise UnsafePathError(f"refusing to write {segment} to {spill_dir}: not one of "
+                                  f"this disk tier's spill dirs {list(self.spill_dirs)}")
+        path = segment_path(spill_dir, segment)  # the shuffle id is checked here
+        make_private_dir(os.path.dirname(path))
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            write_private_file(path, payload)
         except OSError as exc:
-            unlink_quietly(tmp)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise OutOfSpaceError(
                     f"no space left in spill dir {spill_dir} while writing {segment} "
@@ -159,13 +265,20 @@ class DiskTier(Tier):
         return any(os.path.exists(segment_path(d, segment)) for d in self.spill_dirs)
 
     def delete(self, meta: SegmentMeta) -> None:
-        unlink_quietly(meta.location)
+        location = require_segment_file(meta.location, "delete")
+        if not any(location.startswith(data_dir + os.sep)
+                   for data_dir in self._data_dirs.values()):
+            raise UnsafePathError(f"refusing to delete {location}: not in this disk tier's "
+                                  f"data dirs {sorted(self._data_dirs.values())}")
+        unlink_quietly(location)
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
+        check_id("shuffle_id", shuffle_id)
         for key in [k for k in self._in_flight if k[1] == shuffle_id]:
             del self._in_flight[key]
-        for d in self.spill_dirs:
-            shutil.rmtree(shuffle_dir(d, shuffle_id), ignore_errors=True)
+        for d, data_dir in self._data_dirs.items():
+            path = require_inside(data_dir, shuffle_dir(d, shuffle_id), "remove")
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def read_segment_file(meta: SegmentMeta) -> bytes:
@@ -193,13 +306,31 @@ def map_segment_file(meta: SegmentMeta) -> pa.Buffer:
             "removed by cleanup") from exc
 
 
-def _make_private_dir(path: str) -> None:
+def write_private_file(path: str, payload: bytes | memoryview) -> None:
+    """Write ``payload`` to ``path`` as a 0600 file, under a temporary name renamed into
+    place when complete (a reader never sees half a file). Raises ``OSError``."""
+    tmp = f"{path}.{os.getpid()}.inprogress"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        unlink_quietly(tmp)
+        raise
+
+
+def make_private_dir(path: str) -> None:
     """Create ``path`` and any missing parents as 0700 (``os.makedirs`` only sets the leaf)."""
     if os.path.isdir(path):
         return
     parent = os.path.dirname(path)
     if parent and parent != path:
-        _make_private_dir(parent)
+        make_private_dir(parent)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

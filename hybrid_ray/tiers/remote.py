@@ -3,6 +3,12 @@
 Layout (FLIP-301): ``HomePath/JobID/ShuffleID/SubpartitionID/segment``. A segment is visible
 only once complete: object stores publish a single PUT atomically; on filesystems with
 partial writes (local files) the segment is written under a temporary name and moved.
+On a local filesystem (``file://``) directories are created 0700 and files 0600, as in the
+disk tier: shuffle data is private.
+
+Credentials in ``remote_path`` (``s3://key:secret@bucket``) or ``storage_options`` never
+appear in an error message (``hybrid_ray.redaction``), and nothing outside
+``HomePath/JobID/`` is written or removed (ids are checked by ``hybrid_ray.ids``).
 """
 
 from __future__ import annotations
@@ -12,15 +18,19 @@ import os
 import posixpath
 import threading
 import time
+import traceback
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import fsspec
 
 from hybrid_ray.config import TierName
-from hybrid_ray.errors import RemoteTierError, SegmentNotFoundError
+from hybrid_ray.errors import HybridRayError, RemoteTierError, SegmentNotFoundError
+from hybrid_ray.ids import check_id, require_inside_remote
+from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
+from hybrid_ray.tiers.disk import make_private_dir
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
@@ -34,6 +44,7 @@ S3_CHECKSUM_DEFAULTS = {"request_checksum_calculation": "when_required",
                         "response_checksum_validation": "when_required"}
 # Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
+_LOCAL_PROTOCOLS = {"file", "local"}
 
 
 class RemoteTier(Tier):
@@ -46,11 +57,14 @@ class RemoteTier(Tier):
                  check_reachable: bool = True, io_threads: int = DEFAULT_IO_THREADS) -> None:
         super().__init__(segment_bytes)
         self.remote_path = remote_path
+        # The remote path as shown in messages, grants and reports: credentials hidden.
+        self.display_path = redact_url(remote_path)
+        self._redactor = Redactor(remote_path, storage_options)
         self.io_threads = io_threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
-        self.job_id = job_id
+        self.job_id = check_id("job_id", job_id)
         options = dict(storage_options or {})
         if remote_path.split("://", 1)[0] in ("s3", "s3a"):
             options["config_kwargs"] = {**S3_CHECKSUM_DEFAULTS,
@@ -58,43 +72,70 @@ class RemoteTier(Tier):
         try:
             self.fs, self.root = fsspec.core.url_to_fs(remote_path, **options)
         except Exception as exc:  # fsspec raises many types for bad options
-            raise RemoteTierError(
-                f"cannot open remote_path {remote_path!r}: {exc}; check the URL and "
-                "storage_options") from exc
+            self._fail(RemoteTierError, f"cannot open remote_path {self.display_path!r}: "
+                       f"{exc}; check the URL and storage_options", exc)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._atomic_put = bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
+        self._local = bool(set(protocols) & _LOCAL_PROTOCOLS)
+        # Everything this tier writes or removes lies below this directory.
+        self.job_root = posixpath.join(self.root, self.job_id)
         if check_reachable:
             self.check_reachable()
 
+    def _fail(self, cls: type[HybridRayError], message: str, exc: BaseException) -> NoReturn:
+        """Raise ``cls(message)`` with every credential scrubbed from it. ``exc`` is kept as
+        the cause only if its traceback shows no credential either (a library's message
+        can quote the URL or a signed request); its type and text are in ``message``."""
+        error = cls(self._redactor.scrub(message))
+        cause_text = "".join(traceback.format_exception(exc))
+        if self._redactor.is_clean(cause_text):
+            raise error from exc
+        raise error from None
+
     def check_reachable(self) -> None:
         """Fail now, with the fix, if the remote path cannot be written."""
-        probe = posixpath.join(self.root, self.job_id, ".hybrid_ray_probe")
+        probe = posixpath.join(self.job_root, ".hybrid_ray_probe")
         try:
-            if not self._atomic_put:
-                self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
-            self.fs.pipe_file(probe, b"ok")
+            if self._local:
+                self._put_local(probe, b"ok")
+            else:
+                if not self._atomic_put:
+                    self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
+                self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
         except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
-            raise RemoteTierError(
-                f"remote tier {self.remote_path!r} is not writable: {type(exc).__name__}: "
+            self._fail(
+                RemoteTierError,
+                f"remote tier {self.display_path!r} is not writable: {type(exc).__name__}: "
                 f"{exc}. Check that the bucket/directory exists, the endpoint is reachable "
                 "(storage_options={'endpoint_url': ...}) and credentials are set "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or an instance role)."
-            ) from exc
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or an instance role).",
+                exc)
 
     @property
     def capacity_bytes(self) -> None:
         return None
 
     def _room_for(self, shuffle_id: str, nbytes: int) -> str:
-        return self.remote_path
+        return self.display_path  # a grant travels between processes and into messages
 
     def shuffle_path(self, shuffle_id: str) -> str:
-        return posixpath.join(self.root, self.job_id, shuffle_id)
+        """``HomePath/JobID/ShuffleID`` (the shuffle id is checked first)."""
+        return posixpath.join(self.job_root, check_id("shuffle_id", shuffle_id))
 
     def segment_path(self, segment: SegmentId) -> str:
         return posixpath.join(self.shuffle_path(segment.shuffle_id),
                               f"sub-{segment.subpartition:05d}", segment.file_name)
+
+    def _put_local(self, path: str, payload: bytes) -> None:
+        """A local file, private like the disk tier's: its directories are created 0700
+        (so the file is unreachable by others from its first byte) and it is made 0600
+        before it is renamed into place (readers never see half a file)."""
+        make_private_dir(posixpath.dirname(path))
+        tmp = path + ".inprogress"
+        self.fs.pipe_file(tmp, payload)
+        os.chmod(tmp, 0o600)
+        self.fs.mv(tmp, path)
 
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
@@ -102,7 +143,9 @@ class RemoteTier(Tier):
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
         try:
-            if self._atomic_put:
+            if self._local:
+                self._put_local(path, payload)
+            elif self._atomic_put:
                 self.fs.pipe_file(path, payload)
             else:
                 tmp = path + ".inprogress"
@@ -110,9 +153,8 @@ class RemoteTier(Tier):
                 self.fs.pipe_file(tmp, payload)
                 self.fs.mv(tmp, path)
         except Exception as exc:
-            raise RemoteTierError(
-                f"writing {segment} to the remote tier at {path} failed: "
-                f"{type(exc).__name__}: {exc}") from exc
+            self._fail(RemoteTierError, f"writing {segment} to the remote tier at {path} "
+                       f"failed: {type(exc).__name__}: {exc}", exc)
         return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
                            node_id=node_id, location=path)
 
@@ -147,24 +189,26 @@ class RemoteTier(Tier):
             # first to decide whether to split the download).
             return self.fs.cat_file(meta.location, start=0, end=meta.nbytes)
         except FileNotFoundError as exc:
-            raise SegmentNotFoundError(
-                f"{meta.id} is gone from the remote tier ({meta.location})") from exc
+            self._fail(SegmentNotFoundError,
+                       f"{meta.id} is gone from the remote tier ({meta.location})", exc)
         except Exception as exc:
-            raise RemoteTierError(
-                f"reading {meta.id} from the remote tier at {meta.location} failed: "
-                f"{type(exc).__name__}: {exc}") from exc
+            self._fail(RemoteTierError, f"reading {meta.id} from the remote tier at "
+                       f"{meta.location} failed: {type(exc).__name__}: {exc}", exc)
 
     def has(self, segment: SegmentId) -> bool:
         return bool(self.fs.exists(self.segment_path(segment)))
 
     def delete(self, meta: SegmentMeta) -> None:
+        require_inside_remote(self.job_root, meta.location, "delete",
+                              self._redactor.scrub(self.job_root))
         try:
             self.fs.rm_file(meta.location)
         except FileNotFoundError:
             pass
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
-        path = self.shuffle_path(shuffle_id)
+        path = require_inside_remote(self.job_root, self.shuffle_path(shuffle_id), "remove",
+                                     self._redactor.scrub(self.job_root))
         # A map still running when its shuffle is released (a failed shuffle's other maps)
         # may land one more segment while the tree is removed ("Directory not empty" on a
         # local path); its refused commit deletes that segment, so removing again suffices.
@@ -174,9 +218,11 @@ class RemoteTier(Tier):
                 break
             except FileNotFoundError:
                 break
-            except OSError:
+            except OSError as exc:
                 if attempt == REMOVE_ATTEMPTS - 1:
-                    raise
+                    self._fail(RemoteTierError, f"removing shuffle {shuffle_id} from the "
+                               f"remote tier at {path} failed: {type(exc).__name__}: {exc}",
+                               exc)
                 self.fs.invalidate_cache()
                 time.sleep(0.2 * (attempt + 1))
         self.fs.invalidate_cache()

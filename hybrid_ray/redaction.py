@@ -1,0 +1,120 @@
+"""Keeping credentials out of everything hybrid_ray prints: reprs, error messages, reports.
+
+The rule, in one place:
+
+* ``storage_options``: the value of every key whose name, case-insensitively, contains one of
+  ``SECRET_KEY_WORDS`` (``key``, ``secret``, ``token``, ``password``, ...) is shown as
+  ``***``, in nested mappings too (``client_kwargs``, ``config_kwargs``). So ``key``,
+  ``secret``, ``token``, ``aws_secret_access_key``, ``session_token``, ``sas_token`` are
+  hidden; ``endpoint_url``, ``region_name``, ``anon``, ``profile`` are shown. Any string
+  value that is a URL is shown through ``redact_url``.
+* URLs (``remote_path``, endpoints): everything between ``://`` and the first ``@`` (the
+  ``user:password`` part, e.g. ``s3://AKIA...:secret@bucket``) and the whole query string
+  (pre-signed or SAS signatures) are replaced by ``***``. This may hide a harmless part too
+  (an Azure container name, an ``@`` in a key); hiding too much in a message is the safe side.
+* Free text (a library's exception message, a path derived from a URL with credentials):
+  ``Redactor.scrub`` replaces every secret string it knows from the URL and the options.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+MASK = "***"
+SECRET_KEY_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth",
+                    "signature", "session", "cookie", "private")
+# Secrets this short are masked where they are a value, but not scrubbed from free text:
+# replacing every "a" in a message would destroy it, and real credentials are long.
+MIN_SCRUB_CHARS = 4
+
+_SCHEME_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)([^@]*)@")
+
+
+def is_secret_key(name: Any) -> bool:
+    """Whether a storage option named ``name`` holds a credential (see the module rule)."""
+    lowered = str(name).lower()
+    return any(word in lowered for word in SECRET_KEY_WORDS)
+
+
+def redact_url(url: Any) -> Any:
+    """``url`` with its ``user:password@`` part and query string replaced by ``***``;
+    anything that is not a string is returned unchanged."""
+    if not isinstance(url, str):
+        return url
+    out = url
+    if "://" in out:
+        match = _SCHEME_USERINFO.match(out)
+        if match:
+            out = match.group(1) + MASK + "@" + out[match.end():]
+    if "?" in out:
+        out = out.split("?", 1)[0] + "?" + MASK
+    return out
+
+
+def redacted_options(options: Any) -> Any:
+    """A copy of ``storage_options`` with every credential value masked (module rule)."""
+    if isinstance(options, Mapping):
+        return {k: (MASK if is_secret_key(k) else redacted_options(v))
+                for k, v in options.items()}
+    if isinstance(options, (list, tuple)):
+        return type(options)(redacted_options(v) for v in options)
+    if isinstance(options, str) and "://" in options:
+        return redact_url(options)
+    return options
+
+
+def _secret_strings(value: Any, under_secret_key: bool, out: set[str]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _secret_strings(v, under_secret_key or is_secret_key(k), out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _secret_strings(v, under_secret_key, out)
+    elif isinstance(value, (str, bytes)):
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        if under_secret_key:
+            out.add(text)
+        elif "://" in text:
+            _url_secrets(text, out)
+
+
+def _url_secrets(url: str, out: set[str]) -> None:
+    match = _SCHEME_USERINFO.match(url)
+    # "file:///home/me@corp/x" has no authority: its "@" is in the path, not a credential
+    # (scrubbing "/home/me" from every message would garble them).
+    if match and not match.group(2).startswith("/"):
+        userinfo = match.group(2)
+        out.add(userinfo)
+        out.update(userinfo.split(":"))
+    if "?" in url:
+        query = url.split("?", 1)[1]
+        out.add(query)
+        out.update(part.split("=", 1)[-1] for part in query.split("&"))
+
+
+class Redactor:
+    """Scrubs the credentials of one ``remote_path`` and its ``storage_options`` from text."""
+
+    def __init__(self, url: str | None = None, options: Mapping[str, Any] | None = None) -> None:
+        secrets: set[str] = set()
+        if url:
+            _url_secrets(url, secrets)
+        _secret_strings(options or {}, False, secrets)
+        # Longest first, so a secret containing another is replaced whole.
+        self._secrets = sorted((s for s in secrets if len(s) >= MIN_SCRUB_CHARS),
+                               key=len, reverse=True)
+
+    def scrub(self, text: Any) -> str:
+        """``str(text)`` with every known secret replaced by ``***``."""
+        out = str(text)
+        for secret in self._secrets:
+            if secret in out:
+                out = out.replace(secret, MASK)
+        return out
+
+    def is_clean(self, text: Any) -> bool:
+        """Whether ``str(text)`` contains none of the known secrets."""
+        out = str(text)
+        return not any(secret in out for secret in self._secrets)

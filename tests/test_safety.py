@@ -1,0 +1,370 @@
+"""Issue 14 items 2, 3 (unsafe dirs), 14: hostile ids, unsafe spill dirs, leaked secrets.
+
+Every traversal test puts a victim next to the spill dir or remote prefix and asserts that
+it is still there after hybrid_ray refused the id.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import traceback
+
+import pyarrow as pa
+import pytest
+
+from conftest import files_under
+from hybrid_ray import MiB, SegmentId, SegmentMeta, ShuffleConfig, TierManager, TierName, WriteClient
+from hybrid_ray.errors import (
+    ConfigError, InvalidIdError, RemoteTierError, SpillDirError, UnsafePathError,
+)
+from hybrid_ray.master import ShuffleRegistry
+from hybrid_ray.segment import encode_segment
+from hybrid_ray.tiers import DiskTier, RemoteTier
+
+PAYLOAD = encode_segment(pa.table({"k": list(range(100))}), "none")
+OTHER_UID = 54321  # no such user: "another user" for ownership checks (needs root to chown)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def victim(path) -> str:
+    """A user's file that hybrid_ray must never touch."""
+    os.makedirs(path, exist_ok=True)
+    name = os.path.join(path, "precious.txt")
+    with open(name, "w") as f:
+        f.write("user data")
+    return name
+
+
+def assert_intact(name: str) -> None:
+    with open(name) as f:
+        assert f.read() == "user data"
+
+
+# ---- path traversal (item 2) -----------------------------------------------------------------
+def test_dotted_shuffle_id_cannot_write_outside_the_spill_dir(tmp_path):
+    spill = tmp_path / "spill"
+    tier = DiskTier(MiB, [str(spill)])
+    grant = tier.try_reserve("shf-ok", len(PAYLOAD))
+    with pytest.raises(InvalidIdError, match=r"shuffle_id '\.\./\.\./x' is not a valid id"):
+        tier.write(SegmentId("../../x", 0, 0, 0), PAYLOAD, grant)
+    assert not (tmp_path / "x").exists()
+    assert files_under(str(tmp_path)) == []
+
+
+def test_release_of_a_dotted_shuffle_id_deletes_nothing(tmp_path):
+    mine = victim(tmp_path / "x")                   # spill/hybrid_ray/../../x
+    sibling = victim(tmp_path / "parent" / "sibling")  # parent/spill/hybrid_ray/../..
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill"), str(tmp_path / "parent" / "spill")])
+    tm = TierManager("node-a", 0)
+    tm.register_shuffle("shf-1", cfg)
+    for bad in ("../../x", "../..", "..", "../"):
+        with pytest.raises(InvalidIdError, match="shuffle_id"):
+            tm.release_shuffle(bad)
+        with pytest.raises(InvalidIdError, match="shuffle_id"):
+            tm.register_shuffle(bad, cfg)
+        for disk in tm._disks.values():
+            with pytest.raises(InvalidIdError, match="A-Z a-z 0-9 _ . -"):
+                disk.remove_shuffle_data(bad)
+    assert_intact(mine)
+    assert_intact(sibling)
+    tm.release_shuffle("shf-1")
+
+
+def test_remote_remove_of_a_dotted_id_stays_inside_the_prefix(tmp_path):
+    other_job = victim(tmp_path / "remote" / "other-job" / "shf-9")
+    outside = victim(tmp_path / "elsewhere")
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1")
+    for bad in ("../", "..", "../other-job", "../../elsewhere"):
+        with pytest.raises(InvalidIdError, match="shuffle_id"):
+            tier.remove_shuffle_data(bad)
+        with pytest.raises(InvalidIdError, match="shuffle_id"):
+            tier.write(SegmentId(bad, 0, 0, 0), PAYLOAD)
+    assert_intact(other_job)
+    assert_intact(outside)
+
+
+@pytest.mark.parametrize("job_id", ["..", "../x", "a/b", ".", "", "-rf", "a b", "x" * 129])
+def test_job_id_that_is_not_one_path_component_is_refused(job_id, tmp_path):
+    with pytest.raises(InvalidIdError, match="job_id") as info:
+        ShuffleConfig(job_id=job_id)
+    assert "A-Z a-z 0-9 _ . -" in str(info.value)
+    with pytest.raises(InvalidIdError, match="job_id"):
+        RemoteTier(MiB, f"file://{tmp_path}/remote", job_id)
+    assert not os.path.exists(tmp_path / "remote")
+
+
+def test_ids_that_are_allowed(tmp_path):
+    ray_node_id = "f4a1" * 14  # Ray node ids are 56 hex digits
+    cfg = ShuffleConfig(job_id="job-2024.06_A", namespace="team_a.prod-1",
+                        spill_dirs=[str(tmp_path / "{node_id}")])
+    assert cfg.spill_dirs_for(ray_node_id) == (str(tmp_path / ray_node_id),)
+    TierManager(ray_node_id, 0).register_shuffle("x" * 128, cfg)
+
+
+def test_node_id_and_namespace_are_checked(tmp_path):
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill-{node_id}")])
+    with pytest.raises(InvalidIdError, match="node_id '../victim'"):
+        cfg.spill_dirs_for("../victim")
+    with pytest.raises(InvalidIdError, match="node_id"):
+        TierManager("../n", 0)
+    with pytest.raises(InvalidIdError, match="namespace"):
+        ShuffleConfig(namespace="../ns")
+
+
+def test_long_bad_id_is_truncated_in_the_message():
+    with pytest.raises(InvalidIdError) as info:
+        ShuffleConfig(job_id="../" + "a" * 10_000)
+    assert len(str(info.value)) < 400 and "..." in str(info.value)
+
+
+def test_master_and_write_client_refuse_bad_shuffle_ids(tmp_path):
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
+    with pytest.raises(InvalidIdError, match="shuffle_id"):
+        ShuffleRegistry(lambda *a: None, lambda *a: None).register("../../x", 1, 1, cfg)
+    with pytest.raises(InvalidIdError, match="shuffle_id"):
+        WriteClient("../../x", 0, 1, cfg, TierManager("node-a", 0), {})
+
+
+# ---- confinement: the second line of defence ----------------------------------------------------
+def test_disk_deletes_and_writes_stay_in_the_data_dir(tmp_path):
+    outside = victim(tmp_path / "outside")
+    tier = DiskTier(MiB, [str(tmp_path / "spill")])
+    forged = SegmentMeta(SegmentId("shf-1", 0, 0, 0), TierName.DISK, 9, 1, "node-a", outside)
+    with pytest.raises(UnsafePathError, match="not a hybrid_ray segment file"):
+        tier.delete(forged)
+    tm = TierManager("node-a", 0)
+    with pytest.raises(UnsafePathError, match="refusing to delete"):
+        tm.free_segments("shf-1", [forged])
+    with pytest.raises(UnsafePathError, match="refusing to serve"):
+        tm.read_disk_segment(forged)
+    # A segment-shaped path in someone else's directory is not this tier's either.
+    other = tmp_path / "other" / "hybrid_ray" / "shf-1" / "sub-00000"
+    other_file = victim(other)
+    shaped = SegmentMeta(forged.id, TierName.DISK, 9, 1, "node-a", other_file)
+    with pytest.raises(UnsafePathError, match="not in this disk tier's data dirs"):
+        tier.delete(shaped)
+    # A grant naming a directory that is not one of the tier's spill dirs.
+    from hybrid_ray.tiers import Grant
+    with pytest.raises(UnsafePathError, match="not one of this disk tier's spill dirs"):
+        tier.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD,
+                   Grant(TierName.DISK, len(PAYLOAD), str(tmp_path / "outside")))
+    assert_intact(outside)
+    assert_intact(other_file)
+
+
+def test_shuffle_dir_symlinked_outside_is_not_followed_by_remove(tmp_path):
+    outside = victim(tmp_path / "outside")
+    tier = DiskTier(MiB, [str(tmp_path / "spill")])
+    os.symlink(tmp_path / "outside", tmp_path / "spill" / "hybrid_ray" / "shf-1")
+    with pytest.raises(UnsafePathError, match="not inside hybrid_ray's data directory"):
+        tier.remove_shuffle_data("shf-1")
+    assert_intact(outside)
+
+
+def test_remote_delete_outside_the_job_dir_is_refused(tmp_path):
+    outside = victim(tmp_path / "remote" / "other-job")
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1")
+    forged = SegmentMeta(SegmentId("shf-1", 0, 0, 0), TierName.REMOTE, 9, 1, "",
+                         f"{tmp_path}/remote/job-1/../other-job/precious.txt")
+    with pytest.raises(UnsafePathError, match="outside hybrid_ray's job directory"):
+        tier.delete(forged)
+    assert_intact(outside)
+
+
+# ---- unsafe spill dirs (item 3) ---------------------------------------------------------------
+def test_symlinked_data_dir_is_refused(tmp_path):
+    target = tmp_path / "elsewhere"
+    precious = victim(target)
+    (tmp_path / "spill").mkdir()
+    os.symlink(target, tmp_path / "spill" / "hybrid_ray")
+    with pytest.raises(SpillDirError, match="is a symlink") as info:
+        DiskTier(MiB, [str(tmp_path / "spill")])
+    assert str(tmp_path / "spill" / "hybrid_ray") in str(info.value)
+    assert "remove" in str(info.value)  # the fix
+    assert_intact(precious)
+
+
+def test_data_dir_open_to_others_is_refused(tmp_path):
+    (tmp_path / "spill" / "hybrid_ray").mkdir(parents=True)
+    os.chmod(tmp_path / "spill" / "hybrid_ray", 0o755)
+    with pytest.raises(SpillDirError, match="mode 755.*must be 0700"):
+        DiskTier(MiB, [str(tmp_path / "spill")])
+
+
+@needs_root
+def test_data_dir_owned_by_another_user_is_refused(tmp_path):
+    (tmp_path / "spill" / "hybrid_ray").mkdir(parents=True, mode=0o700)
+    os.chown(tmp_path / "spill" / "hybrid_ray", OTHER_UID, OTHER_UID)
+    with pytest.raises(SpillDirError, match=f"owned by uid {OTHER_UID}"):
+        DiskTier(MiB, [str(tmp_path / "spill")])
+
+
+@needs_root
+def test_spill_dir_owned_by_another_user_is_refused(tmp_path):
+    (tmp_path / "spill").mkdir()
+    os.chown(tmp_path / "spill", OTHER_UID, OTHER_UID)
+    with pytest.raises(SpillDirError, match=f"is owned by uid {OTHER_UID}"):
+        DiskTier(MiB, [str(tmp_path / "spill")])
+    assert not (tmp_path / "spill" / "hybrid_ray").exists()
+
+
+@needs_root
+def test_spill_dir_symlink_of_another_user_is_refused(tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "spill")
+    os.lchown(tmp_path / "spill", OTHER_UID, OTHER_UID)
+    with pytest.raises(SpillDirError, match="is a symlink owned by uid"):
+        DiskTier(MiB, [str(tmp_path / "spill")])
+    assert not (tmp_path / "real" / "hybrid_ray").exists()
+
+
+def test_own_symlink_to_a_spill_dir_and_a_sticky_shared_dir_are_fine(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    os.symlink(tmp_path / "nvme", tmp_path / "spill")
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o1777)  # like /tmp
+    tier = DiskTier(MiB, [str(tmp_path / "spill"), str(tmp_path / "shared")])
+    for d in ("nvme", "shared"):
+        assert stat.S_IMODE(os.lstat(tmp_path / d / "hybrid_ray").st_mode) == 0o700
+    assert tier.try_reserve("shf-1", MiB) is not None
+
+
+def test_world_writable_spill_dir_without_sticky_bit_is_refused(tmp_path):
+    (tmp_path / "spill").mkdir()
+    os.chmod(tmp_path / "spill", 0o777)
+    with pytest.raises(SpillDirError, match="world-writable without the sticky bit") as info:
+        DiskTier(MiB, [str(tmp_path / "spill")])
+    assert "chmod" in str(info.value)
+
+
+@needs_root
+def test_default_spill_dir_created_first_by_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cfg = ShuffleConfig()
+    (squatted,) = cfg.spill_dirs
+    assert squatted == str(tmp_path / f"hybrid_ray_spill_{os.getuid()}")
+    os.mkdir(squatted, 0o777)
+    os.chown(squatted, OTHER_UID, OTHER_UID)
+    with pytest.raises(SpillDirError, match="another user created it first"):
+        DiskTier(MiB, cfg.spill_dirs)
+    assert os.listdir(squatted) == []
+
+
+def test_default_spill_dir_is_created_private(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (spill,) = ShuffleConfig().spill_dirs
+    DiskTier(MiB, [spill])
+    assert stat.S_IMODE(os.stat(spill).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(spill, "hybrid_ray")).st_mode) == 0o700
+
+
+def test_data_dir_swapped_for_a_symlink_later_is_refused_at_reservation(tmp_path):
+    precious = victim(tmp_path / "elsewhere")
+    tier = DiskTier(MiB, [str(tmp_path / "spill")])
+    os.rmdir(tmp_path / "spill" / "hybrid_ray")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "spill" / "hybrid_ray")
+    assert tier.try_reserve("shf-1", MiB) is None
+    assert "is a symlink" in tier.describe_refusal(MiB)
+    assert_intact(precious)
+    assert os.listdir(tmp_path / "elsewhere") == ["precious.txt"]
+
+
+def test_spill_dir_that_is_a_file_fails_before_any_write(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"spill_dirs\[0\] .* exists and is not a directory"):
+        ShuffleConfig(spill_dirs=[str(tmp_path / "file")])
+    # The config cannot see other nodes' disks ({node_id}); their disk tier refuses it
+    # when the tier manager registers the shuffle, before a map writes a segment.
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "{node_id}")])
+    with pytest.raises(SpillDirError, match="is not a directory"):
+        TierManager("file", 0).register_shuffle("shf-1", cfg)
+    assert (tmp_path / "file").read_text() == "x"
+
+
+# ---- secrets (item 14) ----------------------------------------------------------------------------
+URL_KEY, URL_SECRET = "AKIAURLKEYEXAMPLE", "urlSecret/With+Slash"
+OPT_SECRET, OPT_TOKEN, SESSION, ENDPOINT_PW = ("optSecretValue1", "optTokenValue2",
+                                                "nestedSessionToken3", "endpointPassw0rd")
+SECRETS = [URL_KEY, URL_SECRET, OPT_SECRET, OPT_TOKEN, SESSION, ENDPOINT_PW, "AKIAOPTKEY"]
+
+
+def secret_options(endpoint="http://127.0.0.1:9"):
+    host = endpoint.split("://", 1)[1]
+    return {"endpoint_url": f"http://admin:{ENDPOINT_PW}@{host}", "key": "AKIAOPTKEY",
+            "secret": OPT_SECRET, "token": OPT_TOKEN, "region_name": "eu-west-1",
+            "client_kwargs": {"aws_session_token": SESSION},
+            "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
+
+
+def assert_no_secret(text: str) -> None:
+    leaked = [s for s in SECRETS if s in text]
+    assert leaked == [], f"secrets {leaked} in: {text}"
+
+
+def test_config_repr_hides_credentials():
+    cfg = ShuffleConfig(remote_path=f"s3://{URL_KEY}:{URL_SECRET}@bucket/prefix",
+                        storage_options=secret_options())
+    for text in (repr(cfg), str(cfg), repr([cfg]), f"{cfg}"):
+        assert_no_secret(text)
+    # What is not a secret is still shown, so the repr stays useful.
+    assert "bucket/prefix" in repr(cfg) and "127.0.0.1:9" in repr(cfg)
+    assert "eu-west-1" in repr(cfg) and "'key': '***'" in repr(cfg)
+    assert cfg.storage_options["secret"] == OPT_SECRET  # the config itself keeps them
+
+
+def test_unreachable_remote_error_hides_credentials():
+    with pytest.raises(RemoteTierError, match="is not writable") as info:
+        RemoteTier(MiB, f"s3://{URL_KEY}:{URL_SECRET}@bucket/x", "job-1", secret_options())
+    assert_no_secret(str(info.value))
+    assert_no_secret("".join(traceback.format_exception(info.value)))
+    assert "endpoint_url" in str(info.value)  # still says what to check
+
+
+def test_remote_errors_on_io_hide_credentials(tmp_path, monkeypatch):
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1",
+                      {"auto_mkdir": True, "password": OPT_SECRET})
+
+    def leaky(path, *a, **kw):
+        raise OSError(f"backend said: bad signature for password {OPT_SECRET}")
+
+    monkeypatch.setattr(tier.fs, "pipe_file", leaky)
+    with pytest.raises(RemoteTierError, match="backend said") as info:
+        tier.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
+    assert_no_secret("".join(traceback.format_exception(info.value)))
+
+
+def test_bad_remote_path_message_hides_credentials():
+    with pytest.raises(ConfigError, match="knows no protocol") as info:
+        ShuffleConfig(remote_path=f"nosuch://{URL_KEY}:{URL_SECRET}@bucket/x")
+    assert_no_secret(str(info.value))
+
+
+def test_public_entry_point_error_hides_credentials(tmp_path, ray_local):
+    import hybrid_ray
+
+    ds = ray_local.data.from_arrow(pa.table({"key": list(range(10))}))
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        remote_path=f"s3://{URL_KEY}:{URL_SECRET}@bucket/x",
+                        storage_options=secret_options())
+    with pytest.raises(RemoteTierError) as info:
+        hybrid_ray.repartition(ds, 2, keys=["key"], config=cfg)
+    assert_no_secret("".join(traceback.format_exception(info.value)))
+
+
+def test_redaction_rule():
+    from hybrid_ray.redaction import Redactor, redact_url, redacted_options
+
+    assert redact_url("s3://k:s@bucket/p") == "s3://***@bucket/p"
+    assert redact_url("https://acct.blob/c?sv=1&sig=abcd") == "https://acct.blob/c?***"
+    assert redact_url("s3://bucket/p") == "s3://bucket/p"
+    assert redacted_options({"endpoint_url": "http://u:p@h:1", "anon": False,
+                             "SecretAccessKey": "x", "sas_token": "y", "profile": "dev"}) \
+        == {"endpoint_url": "http://***@h:1", "anon": False, "SecretAccessKey": "***",
+            "sas_token": "***", "profile": "dev"}
+    scrub = Redactor(f"s3://{URL_KEY}:{URL_SECRET}@b", {"secret": OPT_SECRET}).scrub
+    assert scrub(f"{URL_KEY}:{URL_SECRET}@b/x {OPT_SECRET}") == "***@b/x ***"
+    # An "@" in a local path is not a credential: messages keep their paths.
+    assert Redactor("file:///home/me@corp/x").scrub("/home/me/y") == "/home/me/y"
+    assert Redactor(None, {"secret": "ab"}).scrub("a b ab") == "a b ab"  # too short to scrub
