@@ -28,7 +28,10 @@ def start_local_ray():
     if not ray.is_initialized():
         # Workers must import test modules (remote functions defined in them).
         tests_dir = os.path.dirname(os.path.abspath(__file__))
-        ray.init(num_cpus=2, object_store_memory=2 * 1024**3, include_dashboard=False,
+        # address="local": always a fresh local Ray, never the last cluster a multi-node
+        # module recorded in /tmp/ray (ray.init() with no address would join it).
+        ray.init(address="local", num_cpus=2, object_store_memory=2 * 1024**3,
+                 include_dashboard=False,
                  log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
     return ray  # left running for later tests; Ray shuts down at interpreter exit

@@ -23,7 +23,7 @@ from hybrid_ray.master import ShuffleRegistry
 from hybrid_ray.segment import encode_segment
 from hybrid_ray.tiers import DiskTier, RemoteTier
 
-PAYLOAD = encode_segment(pa.table({"k": list(range(100))}), "none")
+PAYLOAD = encode_segment(pa.table({"k": list(range(100))}), SegmentId("shf-payload", 0, 0, 0), "none")
 OTHER_UID = 54321  # no such user: "another user" for ownership checks (needs root to chown)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 
