@@ -20,7 +20,7 @@ import pyarrow as pa
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import OutOfSpaceError, SegmentNotFoundError
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
-from hybrid_ray.tiers.base import Grant, Tier
+from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
 
 # All of hybrid_ray's files live under this subdirectory of a spill dir, so cleanup never
 # touches anything else a user keeps there.
@@ -134,6 +134,8 @@ class DiskTier(Tier):
         _make_private_dir(os.path.dirname(path))
         tmp = f"{path}.{os.getpid()}.inprogress"
         try:
+            write_shuffle_marker(shuffle_dir(spill_dir, segment.shuffle_id),
+                                 segment.shuffle_id)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(payload)
@@ -191,6 +193,26 @@ def map_segment_file(meta: SegmentMeta) -> pa.Buffer:
         raise SegmentNotFoundError(
             f"{meta.id} is gone from the disk tier ({meta.location}): released or "
             "removed by cleanup") from exc
+
+
+def write_shuffle_marker(directory: str, shuffle_id: str) -> None:
+    """Mark ``directory`` as a hybrid_ray shuffle directory (``SHUFFLE_MARKER_NAME``), once:
+    cleanup removes only marked directories. A stat per segment checks it, so a directory
+    removed and recreated under a late writer is marked again. Written whole and renamed."""
+    marker = os.path.join(directory, SHUFFLE_MARKER_NAME)
+    if os.path.exists(marker):
+        return
+    tmp = f"{marker}.{os.getpid()}.inprogress"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, shuffle_marker(shuffle_id))
+        finally:
+            os.close(fd)
+        os.replace(tmp, marker)
+    except OSError:
+        unlink_quietly(tmp)
+        raise
 
 
 def _make_private_dir(path: str) -> None:
