@@ -8,6 +8,7 @@ partial writes (local files) the segment is written under a temporary name and m
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import posixpath
 import threading
@@ -40,8 +41,9 @@ S3_CHECKSUM_DEFAULTS = {"request_checksum_calculation": "when_required",
 # throttled (SlowDown) call S3FileSystem.retries = 5 times with backoff, so botocore makes one
 # attempt per call, and each call has a deadline (below). Override any of these with
 # storage_options={"config_kwargs": {"read_timeout": ..., ...}}.
+# (botocore rewrites a "retries" dict in place: it is copied for every filesystem.)
 S3_TIMEOUT_DEFAULTS = {"connect_timeout": 5, "read_timeout": 5,
-                       "retries": {"max_attempts": 1, "mode": "standard"}}
+                       "retries": {"total_max_attempts": 1, "mode": "standard"}}
 # botocore sends PUTs with "Expect: 100-continue", and aiohttp's read timeout does not run
 # while it waits for the "100 Continue" an endpoint that never answers never sends: such a
 # PUT hangs for good. So every call of an async filesystem (s3fs) also gets a deadline:
@@ -70,8 +72,9 @@ class RemoteTier(Tier):
         self.job_id = job_id
         options = dict(storage_options or {})
         if remote_path.split("://", 1)[0] in ("s3", "s3a"):
-            options["config_kwargs"] = {**S3_CHECKSUM_DEFAULTS, **S3_TIMEOUT_DEFAULTS,
-                                        **dict(options.get("config_kwargs") or {})}
+            options["config_kwargs"] = copy.deepcopy(
+                {**S3_CHECKSUM_DEFAULTS, **S3_TIMEOUT_DEFAULTS,
+                 **dict(options.get("config_kwargs") or {})})
         self._config_kwargs = dict(options.get("config_kwargs") or {})
         self._endpoint = _endpoint_of(options)
         # Shuffles whose directory this process has marked (see _write_marker).
