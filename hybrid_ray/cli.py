@@ -16,11 +16,15 @@ def _parse_duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
         if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+            value = float(text[:-1]) * units[text[-1]]
+        else:
+            value = float(text)
     except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):  # NaN, negative, infinite
         raise argparse.ArgumentTypeError(
             f"invalid duration {text!r}: use seconds or a number with s/m/h/d, e.g. 6h")
+    return value
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
