@@ -395,6 +395,11 @@ class ShuffleMasterActor:
         with self._lock:
             return self.registry.segments(shuffle_id)
 
+    def live_shuffles(self) -> dict[str, str]:
+        """Shuffle id -> job id of every live shuffle (read-only; ``hybrid-ray cleanup``)."""
+        with self._lock:
+            return self.registry.live_shuffles()
+
     def progress(self, shuffle_id: str) -> dict[str, Any]:
         """Producers and readers of a shuffle (pids, segments): for status and fault tests."""
         with self._lock:

@@ -1,76 +1,160 @@
-"""Removal of orphaned shuffle data: spill-dir entries and remote job directories that no
-live shuffle owns any more (their driver and master died before releasing them)."""
+"""Removal of orphaned shuffle data: shuffle directories in spill dirs and under a remote
+path that no live shuffle owns any more (their driver and master died before releasing
+them, or their node was removed).
+
+Only what hybrid_ray wrote is ever a candidate: a directory ``spill_dir/hybrid_ray/<id>``
+or ``remote_path/<job>/<id>`` whose names match ``ID_PATTERN`` and that holds a shuffle
+marker (``hybrid_ray.tiers.base.SHUFFLE_MARKER_NAME``, written before a shuffle's first
+segment) naming that very shuffle (and job). Anything else under those paths, a user's
+data included, is never read beyond its name and never removed. A candidate is removed if
+its newest file is older than the cut-off and the running shuffle masters do not list it
+as live (``live_shuffles``): ``find_orphans`` lists candidates first, the caller asks the
+masters next, ``remove`` deletes last, so a shuffle registered in between has no
+directory in the list yet.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 import posixpath
+import re
 import shutil
+import stat
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import fsspec
 
+from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import DATA_DIR_NAME
 
+# Names of job and shuffle directories cleanup may remove: hybrid_ray's ids (``shf-...``,
+# ``spk-...``, ``job-...``) and any id of the same plain character set. No dots, so never
+# ``.`` or ``..``, no separators, bounded length.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+# Marker files larger than this are not ours (a marker is ~150 bytes): not read further.
+MAX_MARKER_BYTES = 4096
 
-def sweep_spill_dirs(spill_dirs: Sequence[str], older_than_s: float,
-                     keep: Sequence[str] = ()) -> list[str]:
-    """Remove shuffle directories under ``spill_dir/hybrid_ray`` untouched for
-    ``older_than_s`` seconds, except shuffle ids in ``keep``. Returns the removed paths."""
-    removed = []
-    cutoff = time.time() - older_than_s
-    for spill_dir in spill_dirs:
-        root = os.path.join(spill_dir, DATA_DIR_NAME)
-        if not os.path.isdir(root):
-            continue
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name in keep or _newest_mtime(path) > cutoff:
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A shuffle directory hybrid_ray wrote: where it is, whose it is, how old it is."""
+
+    kind: str  # "spill" or "remote"
+    root: str  # the directory every delete is confined to
+    path: str
+    shuffle_id: str
+    newest: float  # newest modification time of anything in it (epoch seconds)
+    fs: Any = None  # the fsspec filesystem of a remote candidate
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """What a sweep did: removed paths, live or fresh ones kept, and failures per path."""
+
+    removed: list[str] = dataclasses.field(default_factory=list)
+    kept_live: list[str] = dataclasses.field(default_factory=list)
+    kept_recent: list[str] = dataclasses.field(default_factory=list)
+    errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def merge(self, other: "SweepResult") -> "SweepResult":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).extend(getattr(other, f.name))
+        return self
+
+
+@dataclasses.dataclass
+class Plan:
+    """Candidates found, and paths that could not be examined."""
+
+    candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+def _inside(root: str, path: str, sep: str = os.sep) -> bool:
+    """Whether ``path`` lies strictly below ``root`` (both already normalised)."""
+    root = root.rstrip(sep)
+    return path != root and path.startswith(root + sep)
+
+
+def _is_id(name: str) -> bool:
+    return ID_PATTERN.fullmatch(name) is not None
+
+
+# ---- spill dirs ------------------------------------------------------------------------------
+def expand_spill_dirs(patterns: Iterable[str]) -> list[str]:
+    """Spill dirs to sweep: each pattern as is, and for a pattern with ``{node_id}`` every
+    existing directory it matches, dead nodes' included (no live tier manager sees those)."""
+    out: list[str] = []
+    for pattern in patterns:
+        if "{node_id}" in pattern:
+            escaped = glob.escape(pattern).replace(glob.escape("{node_id}"), "*")
+            matches = sorted(p for p in glob.glob(escaped) if os.path.isdir(p))
+        else:
+            matches = [pattern]
+        out.extend(os.path.abspath(m) for m in matches if os.path.abspath(m) not in out)
+    return out
 
 
 def _newest_mtime(path: str) -> float:
-    newest = os.path.getmtime(path)
+    """Newest mtime of ``path`` and everything below it, without following symlinks."""
+    newest = os.lstat(path).st_mtime
     for root, dirs, files in os.walk(path):
         for n in dirs + files:
             try:
-                newest = max(newest, os.path.getmtime(os.path.join(root, n)))
+                newest = max(newest, os.lstat(os.path.join(root, n)).st_mtime)
             except FileNotFoundError:
                 pass
     return newest
 
 
-def sweep_remote(remote_path: str, older_than_s: float,
-                 storage_options: Mapping[str, Any] | None = None,
-                 keep: Sequence[str] = ()) -> list[str]:
-    """Remove shuffle directories ``HomePath/JobID/ShuffleID`` whose newest object is older
-    than ``older_than_s``, except shuffle ids in ``keep``. Returns the removed paths."""
-    fs, root = fsspec.core.url_to_fs(remote_path, **dict(storage_options or {}))
-    cutoff = time.time() - older_than_s
-    removed = []
-    if not fs.exists(root):
-        return removed
-    newest: dict[str, float] = {}
-    for path, info in fs.find(root, detail=True).items():
-        rel = posixpath.relpath(path, root).split("/")
-        if len(rel) < 3:
-            continue
-        shuffle_path = posixpath.join(root, rel[0], rel[1])
-        newest[shuffle_path] = max(newest.get(shuffle_path, 0.0), _info_mtime(info))
-    for shuffle_path, mtime in newest.items():
-        if posixpath.basename(shuffle_path) in keep or mtime > cutoff:
-            continue
-        fs.rm(shuffle_path, recursive=True)
-        removed.append(shuffle_path)
-    fs.invalidate_cache()
-    return removed
+def _read_local_marker(shuffle_dir: str) -> dict[str, Any] | None:
+    marker = os.path.join(shuffle_dir, SHUFFLE_MARKER_NAME)
+    try:
+        st = os.lstat(marker)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARKER_BYTES:
+            return None
+        with open(marker, "rb") as f:
+            return parse_shuffle_marker(f.read())
+    except OSError:
+        return None
 
 
+def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> Plan:
+    """Marked shuffle directories under ``<spill dir>/hybrid_ray`` of every spill dir
+    (``{node_id}`` patterns expanded)."""
+    plan = plan or Plan()
+    for spill_dir in expand_spill_dirs(spill_dirs):
+        data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
+        if os.path.islink(data_dir) or not os.path.isdir(data_dir):
+            continue  # not ours, or nothing there (a symlinked data dir is not followed)
+        root = os.path.realpath(data_dir)
+        try:
+            entries = list(os.scandir(data_dir))
+        except OSError as exc:
+            plan.errors.append((data_dir, f"cannot list: {exc}"))
+            continue
+        for entry in entries:
+            if not _is_id(entry.name) or not entry.is_dir(follow_symlinks=False):
+                continue
+            marker = _read_local_marker(entry.path)
+            if marker is None or marker["shuffle_id"] != entry.name:
+                continue
+            path = os.path.join(root, entry.name)
+            try:
+                newest = _newest_mtime(path)
+            except OSError as exc:
+                plan.errors.append((path, f"cannot examine: {exc}"))
+                continue
+            plan.candidates.append(Candidate("spill", root, path, entry.name, newest))
+    return plan
+
+
+# ---- the remote tier -------------------------------------------------------------------------
 def _info_mtime(info: Mapping[str, Any]) -> float:
     for key in ("mtime", "LastModified", "last_modified", "created"):
         value = info.get(key)
@@ -80,3 +164,156 @@ def _info_mtime(info: Mapping[str, Any]) -> float:
             return value.timestamp()
         return float(value)
     return time.time()  # unknown age: treat as fresh, never delete by mistake
+
+
+def _dir_names(fs: Any, path: str) -> list[str]:
+    """Names of the subdirectories of ``path`` (empty if it does not exist)."""
+    try:
+        listing = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+    return [posixpath.basename(e["name"].rstrip("/")) for e in listing
+            if e.get("type") == "directory"]
+
+
+def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | None = None,
+                        plan: Plan | None = None) -> Plan:
+    """Marked shuffle directories ``remote_path/<job>/<shuffle>``. Only two levels of
+    names are listed, and only marked directories are read further."""
+    plan = plan or Plan()
+    fs, root = fsspec.core.url_to_fs(remote_path, **dict(storage_options or {}))
+    fs.invalidate_cache()
+    root = posixpath.normpath(root) if root else root
+    try:
+        jobs = _dir_names(fs, root)
+    except Exception as exc:  # fsspec backends raise many types
+        plan.errors.append((remote_path, f"cannot list: {type(exc).__name__}: {exc}"))
+        return plan
+    for job in jobs:
+        if not _is_id(job):
+            continue
+        job_path = posixpath.join(root, job)
+        try:
+            shuffles = _dir_names(fs, job_path)
+        except Exception as exc:
+            plan.errors.append((job_path, f"cannot list: {type(exc).__name__}: {exc}"))
+            continue
+        for name in shuffles:
+            if not _is_id(name):
+                continue
+            path = posixpath.join(job_path, name)
+            try:
+                marker_path = posixpath.join(path, SHUFFLE_MARKER_NAME)
+                if not fs.exists(marker_path) or fs.size(marker_path) > MAX_MARKER_BYTES:
+                    continue
+                marker = parse_shuffle_marker(fs.cat_file(marker_path))
+                if marker is None or marker["shuffle_id"] != name \
+                        or marker.get("job_id") != job:
+                    continue
+                infos = fs.find(path, detail=True)
+                newest = max((_info_mtime(i) for i in infos.values()), default=time.time())
+            except Exception as exc:
+                plan.errors.append((path, f"cannot examine: {type(exc).__name__}: {exc}"))
+                continue
+            plan.candidates.append(Candidate("remote", root, path, name, newest, fs))
+    return plan
+
+
+# ---- deciding and removing -------------------------------------------------------------------
+def find_orphans(spill_dirs: Sequence[str] = (), remote_path: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> Plan:
+    """Every candidate of ``spill_dirs`` and ``remote_path``."""
+    plan = find_spill_orphans(spill_dirs)
+    if remote_path:
+        find_remote_orphans(remote_path, storage_options, plan)
+    return plan
+
+
+def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
+           now: float | None = None) -> SweepResult:
+    """Remove the candidates untouched for ``older_than_s`` seconds whose shuffle id is not
+    in ``keep`` (the live shuffles). Every failure is reported per path, none swallowed."""
+    result = SweepResult(errors=list(plan.errors))
+    cutoff = (time.time() if now is None else now) - older_than_s
+    for c in plan.candidates:
+        if c.shuffle_id in keep:
+            result.kept_live.append(c.path)
+            continue
+        if c.newest > cutoff:
+            result.kept_recent.append(c.path)
+            continue
+        try:
+            if c.kind == "spill":
+                if not _inside(c.root, os.path.realpath(c.path)):
+                    raise RuntimeError(f"refused: resolves outside {c.root}")
+                failures = _rmtree(c.path)
+                if failures:
+                    raise OSError("; ".join(failures))
+            else:
+                if not _inside(c.root, posixpath.normpath(c.path), "/"):
+                    raise RuntimeError(f"refused: outside {c.root}")
+                c.fs.rm(c.path, recursive=True)
+                c.fs.invalidate_cache()
+        except FileNotFoundError:
+            continue  # gone meanwhile (released by its master): nothing left to remove
+        except Exception as exc:
+            result.errors.append((c.path, f"{type(exc).__name__}: {exc}"))
+            continue
+        result.removed.append(c.path)
+    return result
+
+
+def _rmtree(path: str) -> list[str]:
+    """Remove a directory tree (symlinks in it are removed, never followed); returns
+    what could not be removed, each with its error."""
+    failures: list[str] = []
+
+    def record(_fn: Any, failed: str, exc: Any) -> None:
+        error = exc[1] if isinstance(exc, tuple) else exc
+        if not isinstance(error, FileNotFoundError):  # gone meanwhile: not a failure
+            failures.append(f"{failed}: {error}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=record)
+    else:
+        shutil.rmtree(path, onerror=record)
+    return failures
+
+
+def sweep_spill_dirs(spill_dirs: Sequence[str], older_than_s: float,
+                     keep: Collection[str] = ()) -> SweepResult:
+    """Remove marked shuffle directories of ``spill_dirs`` untouched for ``older_than_s``
+    seconds, except shuffle ids in ``keep``."""
+    return remove(find_spill_orphans(spill_dirs), older_than_s, keep)
+
+
+def sweep_remote(remote_path: str, older_than_s: float,
+                 storage_options: Mapping[str, Any] | None = None,
+                 keep: Collection[str] = ()) -> SweepResult:
+    """Remove marked shuffle directories ``remote_path/<job>/<shuffle>`` whose newest
+    object is older than ``older_than_s``, except shuffle ids in ``keep``."""
+    return remove(find_remote_orphans(remote_path, storage_options), older_than_s, keep)
+
+
+# ---- asking the cluster ----------------------------------------------------------------------
+def live_shuffles(timeout_s: float = 30.0) -> dict[str, str]:
+    """Shuffle id -> job id of every shuffle a running shuffle master knows, in every
+    namespace of the connected Ray cluster. Raises if a master does not answer within
+    ``timeout_s``: without its answer no shuffle of its namespace may be removed."""
+    import ray
+
+    from hybrid_ray.actors import MASTER_NAME
+
+    live: dict[str, str] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"] != MASTER_NAME:
+            continue
+        master = ray.get_actor(MASTER_NAME, namespace=entry["namespace"])
+        try:
+            method: Callable[..., Any] = master.live_shuffles
+        except AttributeError:  # a master started by an older hybrid_ray
+            status = ray.get(master.status.remote(), timeout=timeout_s)
+            live.update({s["shuffle_id"]: "" for s in status["shuffles"]})
+            continue
+        live.update(ray.get(method.remote(), timeout=timeout_s))
+    return live

@@ -16,11 +16,15 @@ def _parse_duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
         if text and text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+            value = float(text[:-1]) * units[text[-1]]
+        else:
+            value = float(text)
     except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):  # NaN, negative, infinite
         raise argparse.ArgumentTypeError(
             f"invalid duration {text!r}: use seconds or a number with s/m/h/d, e.g. 6h")
+    return value
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -87,16 +91,82 @@ def _same_rows(a: Any, b: Any) -> bool:
     return fingerprint(a) == fingerprint(b)
 
 
-def _connect(address: str | None) -> None:
+# Bound on reaching a cluster and on each call to its shuffle master (--timeout).
+DEFAULT_TIMEOUT_S = 15.0
+
+
+class CliError(Exception):
+    """A failure the command reports in one message and a nonzero exit code."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _connect(address: str | None, timeout_s: float) -> None:
+    """Connect to a running Ray cluster within ``timeout_s`` or raise ``CliError``.
+
+    ``ray.init`` alone retried a dead address for minutes: the GCS port is probed first
+    (refused or silent: fail now), then ``ray.init`` runs under the same bound.
+    """
+    import socket
+    import threading
+
+    import ray
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    shown = address or "auto"
+    advice = ("Start one with `ray start --head` or `ray up cluster.yaml`, or pass "
+              "--address HOST:PORT of its head (the GCS port, 6379 by default)")
+    if address and address.startswith("ray://"):
+        target = address
+        host, _, port = address.removeprefix("ray://").partition(":")
+    else:
+        try:
+            target = canonicalize_bootstrap_address_or_die(address or "auto")
+        except (ConnectionError, ValueError) as exc:
+            raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown}: {exc}. {advice}.",
+                           2) from None
+        host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host, int(port or 10001)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown} ({target}): "
+                       f"{exc}. {advice}.", 2) from None
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def init() -> None:
+        try:
+            ray.init(address=target, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        except BaseException as exc:  # reported by the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=init, name="hybrid-ray-connect", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise CliError(f"hybrid-ray: the Ray cluster at {shown} ({target}) accepted a "
+                       f"connection but did not complete the handshake within {timeout_s:.0f} s "
+                       "(--timeout). Is that port a Ray head's GCS port?", 3)
+    if failure:
+        raise CliError(f"hybrid-ray: cannot connect to the Ray cluster at {shown} ({target}): "
+                       f"{type(failure[0]).__name__}: {failure[0]}. {advice}.", 2)
+
+
+def _get(ref: Any, what: str, timeout_s: float) -> Any:
+    """``ray.get`` bounded by ``timeout_s``; a silent actor becomes a ``CliError``."""
     import ray
 
     try:
-        ray.init(address=address or "auto", include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
-    except (ConnectionError, RuntimeError) as exc:
-        raise SystemExit(f"hybrid-ray: no Ray cluster reachable at {address or 'auto'} "
-                         f"({exc}). Start one with `ray start --head` or `ray up cluster.yaml`, "
-                         "or pass --address.") from None
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise CliError(f"hybrid-ray: {what} did not answer within {timeout_s:.0f} s "
+                       "(--timeout); the cluster may be overloaded or the actor hung", 1) \
+            from None
+    except ray.exceptions.RayError as exc:
+        raise CliError(f"hybrid-ray: {what} failed: {type(exc).__name__}: {exc}", 1) from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -104,14 +174,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from hybrid_ray.actors import MASTER_NAME
 
-    _connect(args.address)
+    _connect(args.address, args.timeout)
     try:
         master = ray.get_actor(MASTER_NAME, namespace=args.namespace)
     except ValueError:
         print(f"no hybrid_ray shuffle master in namespace {args.namespace!r}: no shuffle has "
               "run on this cluster yet")
         return 0
-    status = ray.get(master.status.remote())
+    status = _get(master.status.remote(), f"the shuffle master of namespace "
+                  f"{args.namespace!r}", args.timeout)
     if args.json:
         print(json.dumps(status, default=str, indent=2))
         return 0
@@ -128,18 +199,51 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    from hybrid_ray.cleanup import sweep_remote, sweep_spill_dirs
+    """Remove orphaned shuffle directories: only marked ones hybrid_ray wrote, only those
+    no running shuffle master lists as live (see ``hybrid_ray.cleanup``)."""
+    from hybrid_ray import cleanup
     from hybrid_ray.config import default_spill_dir
 
-    spill_dirs = args.spill_dir or [default_spill_dir()]
-    removed = sweep_spill_dirs(spill_dirs, args.older_than)
-    if args.remote_path:
+    try:
         options = json.loads(args.storage_options) if args.storage_options else {}
-        removed += sweep_remote(args.remote_path, args.older_than, options)
-    for path in removed:
+    except ValueError as exc:
+        raise CliError(f"hybrid-ray: --storage-options is not JSON: {exc}", 2) from None
+    if not isinstance(options, dict):
+        raise CliError("hybrid-ray: --storage-options must be a JSON object", 2)
+    spill_dirs = args.spill_dir or [default_spill_dir()]
+    # Candidates first, live shuffles next: a shuffle registered after the question has
+    # no directory in the list, so it cannot be removed by mistake.
+    plan = cleanup.find_orphans(spill_dirs, args.remote_path, options)
+    if args.no_cluster:
+        print("--no-cluster: no shuffle master asked; every marked shuffle directory older "
+              "than --older-than is removed")
+        live: dict[str, str] = {}
+    else:
+        try:
+            _connect(args.address, args.timeout)
+        except CliError as exc:
+            raise CliError(f"{exc}\nhybrid-ray cleanup: without a cluster it cannot tell "
+                           "which shuffles are live, so it removed nothing. If no running "
+                           "cluster uses these spill dirs or this remote path, run it again "
+                           "with --no-cluster.", exc.code) from None
+        try:
+            live = cleanup.live_shuffles(args.timeout)
+        except Exception as exc:
+            raise CliError(f"hybrid-ray cleanup: could not ask the shuffle masters which "
+                           f"shuffles are live ({type(exc).__name__}: {exc}); removed "
+                           "nothing", 1) from None
+    result = cleanup.remove(plan, args.older_than, keep=live)
+    for path in result.removed:
         print(f"removed {path}")
-    print(f"{len(removed)} orphaned shuffle director{'y' if len(removed) == 1 else 'ies'} removed")
-    return 0
+    for path in result.kept_live:
+        print(f"kept {path}: its shuffle is live")
+    for path, why in result.errors:
+        print(f"hybrid-ray cleanup: could not remove {path}: {why}", file=sys.stderr)
+    n = len(result.removed)
+    print(f"{n} orphaned shuffle director{'y' if n == 1 else 'ies'} removed, "
+          f"{len(result.kept_live)} live and {len(result.kept_recent)} recent kept, "
+          f"{len(result.errors)} failed")
+    return 1 if result.errors else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,12 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default=None)
     status.add_argument("--namespace", default="hybrid_ray")
     status.add_argument("--json", action="store_true")
+    status.add_argument("--timeout", type=_parse_duration, default=DEFAULT_TIMEOUT_S,
+                        help="bound on connecting and on each call (default 15s)")
     status.set_defaults(func=cmd_status)
-    cleanup = sub.add_parser("cleanup", help="remove orphaned spill files and remote data")
+    cleanup = sub.add_parser(
+        "cleanup", help="remove orphaned spill files and remote data",
+        description="Remove shuffle directories hybrid_ray wrote (marked ones only) that "
+                    "are older than --older-than and that no running shuffle master lists "
+                    "as live. Spill dirs with {node_id} are expanded to every matching "
+                    "directory, removed nodes' included.")
     cleanup.add_argument("--older-than", type=_parse_duration, default=6 * 3600.0)
-    cleanup.add_argument("--spill-dir", action="append")
+    cleanup.add_argument("--spill-dir", action="append",
+                         help="a spill dir (repeatable); {node_id} matches every node's")
     cleanup.add_argument("--remote-path")
     cleanup.add_argument("--storage-options", help="JSON of fsspec options")
+    cleanup.add_argument("--address", default=None,
+                         help="the Ray cluster whose masters say which shuffles are live "
+                              "(default: auto)")
+    cleanup.add_argument("--no-cluster", action="store_true",
+                         help="no cluster uses these paths: remove without asking one")
+    cleanup.add_argument("--timeout", type=_parse_duration, default=DEFAULT_TIMEOUT_S,
+                         help="bound on connecting and on each call (default 15s)")
     cleanup.set_defaults(func=cmd_cleanup)
     bench = sub.add_parser("bench", help="benchmark suite vs Ray Data and Spark (see --list)")
     from benchmarks.suite import add_arguments, run_from_args
@@ -177,7 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
             print(f"hybrid-ray: --{name} must be positive", file=sys.stderr)
             return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(exc, file=sys.stderr)
+        sys.stderr.flush()
+        if exc.code == 3:
+            # ray.init is still waiting in its thread, and Ray's exit hooks would wait
+            # for it too: leave now, the message is out.
+            os._exit(exc.code)
+        return exc.code
 
 
 if __name__ == "__main__":

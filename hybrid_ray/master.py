@@ -464,6 +464,10 @@ class ShuffleRegistry:
     def shuffle_ids(self) -> list[str]:
         return list(self._shuffles)
 
+    def live_shuffles(self) -> dict[str, str]:
+        """Shuffle id -> job id of every registered shuffle: what cleanup must keep."""
+        return {s.shuffle_id: s.config.job_id for s in self._shuffles.values()}
+
     def state(self, shuffle_id: str) -> ShuffleState:
         return self._get(shuffle_id)
 

@@ -44,6 +44,12 @@ POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
 # its config's orphan_ttl_s.
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: E402
 SAMPLES_PER_BLOCK = 256
+# How long a reader waits for the new attempt of a map whose segment it found gone while
+# a re-run is coming (the attempt was superseded, is being retried, or its memory-tier
+# segments died with their writer and the driver re-runs it: see read_subpartition). A
+# re-run map may queue behind running maps for a free writer; read_subpartition's
+# ``missing_wait_s`` overrides it. A disk or remote segment of a finished map that is gone
+# is lost for good and fails at once.
 MISSING_SEGMENT_WAIT_S = 60.0
 
 # The report of each thread's most recent shuffle: shuffles run in threads side by side
@@ -197,14 +203,19 @@ _IO_CACHE: dict[tuple[str, str, bool], dict] = {}
 
 
 def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
-                      master: Any) -> list[pa.Table]:
+                      master: Any, missing_wait_s: float = MISSING_SEGMENT_WAIT_S
+                      ) -> list[pa.Table]:
     """All rows of one subpartition, in map order, once every map has finished.
 
     Follows the maps while they write (hybrid): polls the master for new segments and reads
     each from whichever tier holds it. If a map attempt is superseded, what was read of it is
     dropped and the new attempt is read instead, so the result is exact. A memory-tier
     segment that died with its owner is reported to the master, which has the map re-run
-    (or, if nobody can re-run it, the read fails).
+    (or, if nobody can re-run it, the read fails). A disk or remote segment of a finished
+    map that is gone was removed by someone else (a cleanup, a tmp cleaner, a user): no
+    attempt will bring it back, so the read fails at once with ``SegmentNotFoundError``
+    naming the segment and its path. Waits for a coming attempt end after
+    ``missing_wait_s`` with the same error.
     """
     node_id = ray.get_runtime_context().get_node_id()
 
@@ -228,8 +239,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     delay = POLL_MIN_S
     # A segment that vanished while its map was being retried (the dead attempt's data is
     # deleted) is expected: wait for the master to reset that map to the new attempt.
-    # Still missing after MISSING_SEGMENT_WAIT_S without a reset is real loss: fail loudly.
+    # Still missing after missing_wait_s without a reset is real loss: fail loudly.
     missing_since: float | None = None
+    missing: tuple[Any, Exception] | None = None  # (meta, its error) while waiting
     while True:
         result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors, os.getpid()))
         got = False
@@ -247,27 +259,31 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                     per_map[map_index].append(next(tables))
                 except SegmentNotFoundError as exc:
                     # Memory segments die with their owner, any local segment with its
-                    # node: the master has such a map run again (if anyone can).
-                    lost = meta.tier == TierName.MEMORY or isinstance(
-                        exc, SegmentLostWithNodeError)
-                    if not lost:
-                        raise
-                    if not ray.get(
-                            master.report_lost.remote(shuffle_id, map_index, attempt)):
-                        raise
+                    # node: the master has such a map run again (if anyone can). A disk
+                    # or remote segment of a finished map on a live node is lost for good.
+                    if meta.tier == TierName.MEMORY or isinstance(
+                            exc, SegmentLostWithNodeError):
+                        if not ray.get(master.report_lost.remote(shuffle_id, map_index,
+                                                                 attempt)):
+                            raise
+                    elif _finished_attempt(master, shuffle_id, map_index) == attempt:
+                        raise _segment_lost(meta, exc, subpartition) from exc
+                    missing = (meta, exc)
                     raise _AwaitingAttempt() from None
                 _, nxt = cursors.get(map_index, (attempt, 0))
                 cursors[map_index] = (attempt, nxt + 1)
                 got = True
-            missing_since = None
+            missing_since, missing = None, None
         except _AwaitingAttempt:
             now = time.monotonic()
             missing_since = missing_since or now
-            if now - missing_since > MISSING_SEGMENT_WAIT_S:
+            if now - missing_since > missing_wait_s:
+                meta, exc = missing
                 raise SegmentNotFoundError(
-                    f"subpartition {subpartition} of {shuffle_id}: a segment was missing "
-                    f"for {MISSING_SEGMENT_WAIT_S:.0f} s and no new attempt of its map "
-                    "started") from None
+                    f"subpartition {subpartition} of {shuffle_id}: {meta.id} is gone from "
+                    f"the {meta.tier.value} tier ({meta.location or 'object store'}) and no "
+                    f"new attempt of map {meta.id.map_partition} started within "
+                    f"{missing_wait_s:.0f} s ({exc})") from exc
             time.sleep(POLL_MAX_S)
             continue
         if result.done and not got:
@@ -276,6 +292,23 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         if not got:
             time.sleep(delay)
     return [t for m in sorted(per_map) for t in per_map[m]]
+
+
+def _finished_attempt(master: Any, shuffle_id: str, map_index: int) -> int | None:
+    """The attempt of a map the master counts as finished (None: no attempt finished, so
+    one is still running or will be retried)."""
+    return ray.get(master.progress.remote(shuffle_id))["maps"][map_index]["finished"]
+
+
+def _segment_lost(meta: Any, cause: Exception, subpartition: int) -> SegmentNotFoundError:
+    """The error for a disk or remote segment of a finished map that is gone for good."""
+    return SegmentNotFoundError(
+        f"{meta.id} is gone from the {meta.tier.value} tier at {meta.location} (node "
+        f"{meta.node_id or '?'}), though its map finished: it was removed by someone else "
+        "while the shuffle ran (`hybrid-ray cleanup`, a tmp cleaner, a user's rm, a bucket "
+        "lifecycle rule). No attempt will bring it back; subpartition "
+        f"{subpartition} cannot be read. Keep spill dirs and remote_path out of other "
+        f"cleaners' reach and re-run the shuffle. ({cause})")
 
 
 class _AwaitingAttempt(Exception):

@@ -97,6 +97,14 @@ def files_under(path: str) -> list[str]:
     return out
 
 
+def segment_files_under(path: str) -> list[str]:
+    """``files_under`` without shuffle-directory markers: what a writer's abort must leave
+    (the marker stays until the shuffle is released, which removes its directory)."""
+    from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME
+
+    return [f for f in files_under(path) if os.path.basename(f) != SHUFFLE_MARKER_NAME]
+
+
 def row_fingerprint(tables) -> tuple[int, int]:
     """Order-independent fingerprint of a row multiset: (rows, sum of 64-bit row hashes)."""
     import numpy as np

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import files_under, row_fingerprint
+from conftest import files_under, row_fingerprint, segment_files_under
 from hybrid_ray import (
     MiB, OutOfSpaceError, ReadClient, SegmentId, ShuffleConfig, TierManager, TierName, WriteClient,
     build_io_tiers,
@@ -131,7 +131,7 @@ def test_disk_full_without_remote_is_a_clear_error_and_abort_cleans(ray_local, t
     assert "disk_capacity_bytes=2097152" in msg and "remote_path" in msg
     assert not [f for f in files_under(spill) if f.endswith(".inprogress")]
     client.abort()
-    assert files_under(spill) == []
+    assert segment_files_under(spill) == []
     assert tm.usage().tiers[1].used_bytes == 0
 
 
@@ -261,7 +261,7 @@ def test_failed_upload_fails_the_writer_and_abort_leaves_no_object(ray_local, tm
         client.close()
     assert files_under(str(tmp_path / "remote")), "the other uploads did land"
     client.abort()
-    assert files_under(str(tmp_path / "remote")) == []
+    assert segment_files_under(str(tmp_path / "remote")) == []
     tm.release_shuffle(shuffle)
 
 
@@ -319,5 +319,5 @@ def test_a_failed_write_gives_every_grant_of_its_batch_back(ray_local, tmp_path,
     with pytest.raises(PermissionError, match="injected"):
         client.write_many((s, random_table(20_000, seed=s)) for s in range(4))  # 4 segments
     client.abort()
-    assert files_under(spill) == []
+    assert segment_files_under(spill) == []
     assert tm.usage().tiers[1].used_bytes == 0  # the grants of segments 2-4 too

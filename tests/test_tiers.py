@@ -272,7 +272,8 @@ class TestRemoteTierS3(TierConformance):
             "request_checksum_calculation": "when_supported", "connect_timeout": 5}})
         assert mine.fs.config_kwargs == {"request_checksum_calculation": "when_supported",
                                          "response_checksum_validation": "when_required",
-                                         "connect_timeout": 5}
+                                         "connect_timeout": 5, "read_timeout": 5,
+                                         "retries": {"total_max_attempts": 1, "mode": "standard"}}
         _, payload = _payload(5)
         meta = mine.write(SegmentId("ck", 0, 0, 0), payload)
         assert bytes(mine.read(meta)) == payload

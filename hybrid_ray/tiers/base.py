@@ -14,10 +14,38 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import json
+import time
 from typing import Any, ClassVar
 
 from hybrid_ray.config import TierName
 from hybrid_ray.segment import SegmentId, SegmentMeta
+
+# Every shuffle directory the disk and remote tiers write (``spill_dir/hybrid_ray/<shuffle>``,
+# ``HomePath/JobID/<shuffle>``) holds this small JSON file, written before its first
+# segment and removed with the directory. ``hybrid-ray cleanup`` removes only directories
+# that carry it (``hybrid_ray.cleanup``): a user's data next to ours is never a candidate.
+SHUFFLE_MARKER_NAME = ".hybrid_ray_shuffle"
+SHUFFLE_MARKER_FORMAT = 1
+
+
+def shuffle_marker(shuffle_id: str, job_id: str = "") -> bytes:
+    """The marker of a shuffle directory: format version, ids, creation time."""
+    return json.dumps({"format": SHUFFLE_MARKER_FORMAT, "writer": "hybrid_ray",
+                       "shuffle_id": shuffle_id, "job_id": job_id,
+                       "created": time.time()}).encode()
+
+
+def parse_shuffle_marker(data: bytes) -> dict[str, Any] | None:
+    """The marker's fields, or None if ``data`` is not a hybrid_ray shuffle marker."""
+    try:
+        fields = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(fields, dict) or fields.get("writer") != "hybrid_ray" \
+            or not isinstance(fields.get("shuffle_id"), str):
+        return None
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from hybrid_ray.errors import (
 )
 from hybrid_ray.ids import check_id, require_inside
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
-from hybrid_ray.tiers.base import Grant, Tier
+from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
 
 # All of hybrid_ray's files live under this subdirectory of a spill dir, so cleanup never
 # touches anything else a user keeps there.
@@ -248,6 +248,8 @@ class DiskTier(Tier):
         path = segment_path(spill_dir, segment)  # the shuffle id is checked here
         make_private_dir(os.path.dirname(path))
         try:
+            write_shuffle_marker(shuffle_dir(spill_dir, segment.shuffle_id),
+                                 segment.shuffle_id)
             write_private_file(path, payload)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -319,6 +321,26 @@ def write_private_file(path: str, payload: bytes | memoryview) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except OSError:
+        unlink_quietly(tmp)
+        raise
+
+
+def write_shuffle_marker(directory: str, shuffle_id: str) -> None:
+    """Mark ``directory`` as a hybrid_ray shuffle directory (``SHUFFLE_MARKER_NAME``), once:
+    cleanup removes only marked directories. A stat per segment checks it, so a directory
+    removed and recreated under a late writer is marked again. Written whole and renamed."""
+    marker = os.path.join(directory, SHUFFLE_MARKER_NAME)
+    if os.path.exists(marker):
+        return
+    tmp = f"{marker}.{os.getpid()}.inprogress"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, shuffle_marker(shuffle_id))
+        finally:
+            os.close(fd)
+        os.replace(tmp, marker)
     except OSError:
         unlink_quietly(tmp)
         raise

@@ -14,22 +14,25 @@ appear in an error message (``hybrid_ray.redaction``), and nothing outside
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import posixpath
 import threading
 import time
 import traceback
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import fsspec
+import fsspec.asyn
 
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import HybridRayError, RemoteTierError, SegmentNotFoundError
 from hybrid_ray.ids import check_id, require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
-from hybrid_ray.tiers.base import Grant, Tier
+from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
 from hybrid_ray.tiers.disk import make_private_dir
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
@@ -42,6 +45,22 @@ DEFAULT_IO_THREADS = 4
 # checksums only where S3 requires them; storage_options["config_kwargs"] overrides this.
 S3_CHECKSUM_DEFAULTS = {"request_checksum_calculation": "when_required",
                         "response_checksum_validation": "when_required"}
+# Bounded waits on S3 (botocore's defaults: 60 s connect and read timeouts, 5 attempts, and
+# s3fs retries each call 5 more times: an endpoint that accepts connections and never
+# answers gave no error for over 6 minutes). s3fs itself retries a timed-out, refused or
+# throttled (SlowDown) call S3FileSystem.retries = 5 times with backoff, so botocore makes one
+# attempt per call, and each call has a deadline (below). Override any of these with
+# storage_options={"config_kwargs": {"read_timeout": ..., ...}}.
+# (botocore rewrites a "retries" dict in place: it is copied for every filesystem.)
+S3_TIMEOUT_DEFAULTS = {"connect_timeout": 5, "read_timeout": 5,
+                       "retries": {"total_max_attempts": 1, "mode": "standard"}}
+# botocore sends PUTs with "Expect: 100-continue", and aiohttp's read timeout does not run
+# while it waits for the "100 Continue" an endpoint that never answers never sends: such a
+# PUT hangs for good. So every call of an async filesystem (s3fs) also gets a deadline:
+# CALL_DEADLINE_ATTEMPTS x (connect_timeout + read_timeout), 20 s by default, plus the
+# transfer's bytes at REMOTE_MIN_BYTES_PER_S (a 16 MiB segment gets 16 s more).
+CALL_DEADLINE_ATTEMPTS = 2
+REMOTE_MIN_BYTES_PER_S = 1 << 20
 # Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 _LOCAL_PROTOCOLS = {"file", "local"}
@@ -67,13 +86,24 @@ class RemoteTier(Tier):
         self.job_id = check_id("job_id", job_id)
         options = dict(storage_options or {})
         if remote_path.split("://", 1)[0] in ("s3", "s3a"):
-            options["config_kwargs"] = {**S3_CHECKSUM_DEFAULTS,
-                                        **dict(options.get("config_kwargs") or {})}
+            options["config_kwargs"] = copy.deepcopy(
+                {**S3_CHECKSUM_DEFAULTS, **S3_TIMEOUT_DEFAULTS,
+                 **dict(options.get("config_kwargs") or {})})
+        self._config_kwargs = dict(options.get("config_kwargs") or {})
+        self._endpoint = _endpoint_of(options)
+        # Shuffles whose directory this process has marked (see _write_marker).
+        self._marked: set[str] = set()
         try:
             self.fs, self.root = fsspec.core.url_to_fs(remote_path, **options)
         except Exception as exc:  # fsspec raises many types for bad options
             self._fail(RemoteTierError, f"cannot open remote_path {self.display_path!r}: "
                        f"{exc}; check the URL and storage_options", exc)
+        # Deadline of one call (see CALL_DEADLINE_ATTEMPTS); sync filesystems take none.
+        self._deadline_s: float | None = None
+        if isinstance(self.fs, fsspec.asyn.AsyncFileSystem):
+            kw = self._config_kwargs
+            self._deadline_s = CALL_DEADLINE_ATTEMPTS * (
+                float(kw.get("connect_timeout") or 5) + float(kw.get("read_timeout") or 15))
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._atomic_put = bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
         self._local = bool(set(protocols) & _LOCAL_PROTOCOLS)
@@ -101,16 +131,36 @@ class RemoteTier(Tier):
             else:
                 if not self._atomic_put:
                     self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
-                self.fs.pipe_file(probe, b"ok")
-            self.fs.rm_file(probe)
+                self.fs.pipe_file(probe, b"ok", **self._deadline())
+            self.fs.rm_file(probe, **self._deadline())
         except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
             self._fail(
                 RemoteTierError,
-                f"remote tier {self.display_path!r} is not writable: {type(exc).__name__}: "
-                f"{exc}. Check that the bucket/directory exists, the endpoint is reachable "
-                "(storage_options={'endpoint_url': ...}) and credentials are set "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or an instance role).",
+                f"remote tier {self.display_path!r} is not writable: {_describe(exc)}. "
+                f"{self._timeout_hint(exc)}Check that the bucket/directory exists, "
+                "the endpoint is reachable (storage_options={'endpoint_url': ...}) and "
+                "credentials are set (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, "
+                "or an instance role).",
                 exc)
+
+    def _deadline(self, nbytes: int = 0) -> dict[str, float]:
+        """The ``timeout`` keyword bounding one call of an async filesystem (fsspec cancels
+        the call when it expires and raises ``FSTimeoutError``); {} for sync ones."""
+        if self._deadline_s is None:
+            return {}
+        return {"timeout": self._deadline_s + nbytes / REMOTE_MIN_BYTES_PER_S}
+
+    def _timeout_hint(self, exc: BaseException) -> str:
+        """For a timed-out call: what waited how long, and the setting that bounds it."""
+        if not _is_timeout(exc):
+            return ""
+        kw = self._config_kwargs
+        where = f"endpoint {self._endpoint}" if self._endpoint else "the remote endpoint"
+        deadline = f" (deadline {self._deadline_s:.0f} s)" if self._deadline_s else ""
+        return (f"{where} did not answer in time{deadline}: connect_timeout="
+                f"{kw.get('connect_timeout')} s, read_timeout={kw.get('read_timeout')} s; if "
+                "it is only slow, raise them with storage_options={'config_kwargs': "
+                "{'connect_timeout': ..., 'read_timeout': ...}}. ")
 
     @property
     def capacity_bytes(self) -> None:
@@ -132,7 +182,9 @@ class RemoteTier(Tier):
         (so the file is unreachable by others from its first byte) and it is made 0600
         before it is renamed into place (readers never see half a file)."""
         make_private_dir(posixpath.dirname(path))
-        tmp = path + ".inprogress"
+        # Unique per writer: the transfer threads of a process may write the same shuffle's
+        # marker at once, and a shared temporary name was renamed away under one of them.
+        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
         self.fs.pipe_file(tmp, payload)
         os.chmod(tmp, 0o600)
         self.fs.mv(tmp, path)
@@ -143,10 +195,12 @@ class RemoteTier(Tier):
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
         try:
+            if segment.shuffle_id not in self._marked:
+                self._write_marker(segment.shuffle_id)
             if self._local:
                 self._put_local(path, payload)
             elif self._atomic_put:
-                self.fs.pipe_file(path, payload)
+                self.fs.pipe_file(path, payload, **self._deadline(len(payload)))
             else:
                 tmp = path + ".inprogress"
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -154,9 +208,23 @@ class RemoteTier(Tier):
                 self.fs.mv(tmp, path)
         except Exception as exc:
             self._fail(RemoteTierError, f"writing {segment} to the remote tier at {path} "
-                       f"failed: {type(exc).__name__}: {exc}", exc)
+                       f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
         return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
                            node_id=node_id, location=path)
+
+    def _write_marker(self, shuffle_id: str) -> None:
+        """Mark the shuffle's directory (``SHUFFLE_MARKER_NAME``) before its first segment
+        from this process: cleanup removes only marked directories. Once per process and
+        shuffle (a PUT); concurrent writers write the same small object, harmlessly."""
+        marker = posixpath.join(self.shuffle_path(shuffle_id), SHUFFLE_MARKER_NAME)
+        if self._local:
+            self._put_local(marker, shuffle_marker(shuffle_id, self.job_id))
+        else:
+            if not self._atomic_put:
+                self.fs.makedirs(posixpath.dirname(marker), exist_ok=True)
+            self.fs.pipe_file(marker, shuffle_marker(shuffle_id, self.job_id),
+                              **self._deadline())
+        self._marked.add(shuffle_id)
 
     # ---- background transfers ---------------------------------------------------------------
     # An object store answers one request at a time per connection, with a round trip of
@@ -187,13 +255,15 @@ class RemoteTier(Tier):
         try:
             # The size is known: a ranged read is one GET (s3fs otherwise sends a HEAD
             # first to decide whether to split the download).
-            return self.fs.cat_file(meta.location, start=0, end=meta.nbytes)
+            return self.fs.cat_file(meta.location, start=0, end=meta.nbytes,
+                                    **self._deadline(meta.nbytes))
         except FileNotFoundError as exc:
             self._fail(SegmentNotFoundError,
                        f"{meta.id} is gone from the remote tier ({meta.location})", exc)
         except Exception as exc:
             self._fail(RemoteTierError, f"reading {meta.id} from the remote tier at "
-                       f"{meta.location} failed: {type(exc).__name__}: {exc}", exc)
+                       f"{meta.location} failed: {_describe(exc)}. "
+                       f"{self._timeout_hint(exc)}", exc)
 
     def has(self, segment: SegmentId) -> bool:
         return bool(self.fs.exists(self.segment_path(segment)))
@@ -226,3 +296,31 @@ class RemoteTier(Tier):
                 self.fs.invalidate_cache()
                 time.sleep(0.2 * (attempt + 1))
         self.fs.invalidate_cache()
+
+
+def _endpoint_of(options: Mapping[str, Any]) -> str:
+    """The endpoint URL in fsspec options, without any user:password part ("" if none)."""
+    endpoint = options.get("endpoint_url") or \
+        dict(options.get("client_kwargs") or {}).get("endpoint_url") or ""
+    parts = urllib.parse.urlsplit(str(endpoint))
+    if parts.username is not None or parts.password is not None:
+        host = parts.hostname or ""
+        netloc = host + (f":{parts.port}" if parts.port else "")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return str(endpoint)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, or just the type when the message is empty (FSTimeoutError)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _is_timeout(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a connect or read timeout."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (TimeoutError, concurrent.futures.TimeoutError)) or \
+                "Timeout" in type(exc).__name__:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False

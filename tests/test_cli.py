@@ -1,0 +1,102 @@
+"""``hybrid-ray status`` and ``cleanup`` as a user runs them: a subprocess, a time bound,
+a real local Ray (the session's) or a dead address."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+from test_cleanup import _write_disk
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("RAY_ADDRESS", None)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hybrid_ray.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - started
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the socket is
+
+
+def test_status_of_a_dead_address_fails_fast_naming_it():
+    """Was: no answer after 150 s (ray.init retrying the dead GCS)."""
+    address = f"127.0.0.1:{_closed_port()}"
+    proc, elapsed = _cli("status", "--address", address, timeout=60)
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert proc.returncode != 0
+    assert f"no Ray cluster reachable at {address}" in proc.stderr
+    assert "--address" in proc.stderr
+
+
+def test_status_of_a_live_cluster_lists_its_shuffle(ray_local, tmp_path):
+    import ray
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.actors import get_master
+
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                           namespace=f"hr-cli-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle, 3, 5, config, False))
+    try:
+        proc, _ = _cli("status", "--address", ray.get_runtime_context().gcs_address,
+                       "--namespace", config.namespace)
+    finally:
+        ray.get(master.release.remote(shuffle))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 active shuffle(s)" in proc.stdout
+    assert f"{shuffle}: 0/3 maps finished, 5 partitions" in proc.stdout
+
+
+def test_cleanup_keeps_a_live_shuffle_and_removes_an_orphan(ray_local, tmp_path):
+    """Was: ``cleanup --older-than 0s`` on a live cluster deleted a running shuffle's data."""
+    import ray
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.actors import get_master
+
+    spill = str(tmp_path / "spill")
+    config = ShuffleConfig(spill_dirs=[spill], progress=False,
+                           namespace=f"hr-cli-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    live, orphan = f"shf-{uuid.uuid4().hex[:12]}", f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(live, 1, 2, config, False))
+    try:
+        _write_disk(spill, live)
+        _write_disk(spill, orphan)
+        proc, _ = _cli("cleanup", "--spill-dir", spill, "--older-than", "0s",
+                       "--address", ray.get_runtime_context().gcs_address)
+        assert proc.returncode == 0, proc.stderr
+        assert os.path.isdir(os.path.join(spill, "hybrid_ray", live, "sub-00000"))
+        assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))
+        assert "1 orphaned shuffle directory removed, 1 live" in proc.stdout
+    finally:
+        ray.get(master.release.remote(live))
+
+
+def test_cleanup_without_a_cluster_removes_nothing_unless_told(tmp_path):
+    spill = str(tmp_path / "spill")
+    orphan = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(spill, orphan)
+    address = f"127.0.0.1:{_closed_port()}"
+    proc, elapsed = _cli("cleanup", "--spill-dir", spill, "--older-than", "0s",
+                         "--address", address, timeout=60)
+    assert proc.returncode == 2 and elapsed < 30
+    assert "removed nothing" in proc.stderr and "--no-cluster" in proc.stderr
+    assert os.path.isdir(os.path.join(spill, "hybrid_ray", orphan))
+    proc, _ = _cli("cleanup", "--spill-dir", spill, "--older-than", "0s", "--no-cluster")
+    assert proc.returncode == 0, proc.stderr
+    assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))

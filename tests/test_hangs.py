@@ -1,0 +1,129 @@
+"""Hangs turned into clear errors within a bound: a black-holed S3 endpoint, a missing
+segment, a dead cluster address (the last in tests/test_cli.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from conftest import assert_no_leftovers, base_config
+
+
+@pytest.fixture
+def black_hole():
+    """A real TCP server on 127.0.0.1 that accepts connections and never answers (an
+    endpoint behind a broken proxy or a hung server). Yields its http:// URL."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            held.append(conn)  # keep it open, read nothing, answer nothing
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_black_holed_s3_endpoint_fails_the_reachability_check_within_its_timeout(black_hole):
+    """Was: no error after 190 s (botocore's 60 s timeouts x 5 attempts x s3fs's 5 retries,
+    and a PUT waiting for "100 Continue" is not under any read timeout at all)."""
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.errors import RemoteTierError
+    from hybrid_ray.shuffle import check_remote_tier
+
+    config = ShuffleConfig(remote_path=f"s3://bucket-{uuid.uuid4().hex[:8]}/shuffle",
+                           storage_options={"endpoint_url": black_hole, "key": "k",
+                                            "secret": "s",
+                                            "config_kwargs": {"connect_timeout": 2,
+                                                              "read_timeout": 2}},
+                           progress=False)
+    started = time.monotonic()
+    with pytest.raises(RemoteTierError) as err:
+        check_remote_tier(config)
+    elapsed = time.monotonic() - started
+    assert elapsed < 15, f"took {elapsed:.1f} s"
+    message = str(err.value)
+    assert black_hole in message and "did not answer in time" in message
+    assert "read_timeout" in message and "config_kwargs" in message
+
+
+def test_default_s3_timeouts_bound_a_call_to_30_s():
+    """The defaults alone (no config_kwargs) bound every S3 call well under the 190 s seen."""
+    from hybrid_ray.tiers import RemoteTier
+
+    tier = RemoteTier(1 << 20, "s3://bucket/prefix", "job-t",
+                      {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+                      check_reachable=False)
+    assert tier._deadline()["timeout"] <= 30
+    # A user's settings win over the defaults.
+    slow = RemoteTier(1 << 20, "s3://bucket/prefix", "job-t",
+                      {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
+                       "config_kwargs": {"read_timeout": 100}}, check_reachable=False)
+    assert slow._deadline()["timeout"] > 200
+
+
+@pytest.mark.parametrize("tier", ["disk", "remote"])
+def test_a_finished_maps_segment_deleted_before_it_is_read_fails_at_once_naming_it(
+        ray_local, tmp_path, tier):
+    """Was: the reader waited 60 s for a map attempt that never comes, then failed with a
+    message naming no segment and no file."""
+    import ray
+
+    from hybrid_ray.actors import get_master
+    from hybrid_ray.errors import SegmentNotFoundError
+    from hybrid_ray.partitioning import HashPartitioner
+    from hybrid_ray.shuffle import read_subpartition, write_map_partition
+
+    extra = {"remote_path": f"file://{tmp_path}/remote", "disk_capacity_bytes": 0} \
+        if tier == "remote" else {}
+    config = base_config(tmp_path, spilling="full", mode="blocking",
+                         namespace=f"hr-missing-{uuid.uuid4().hex[:6]}", **extra)
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 2, 2, config, True))
+    table = pa.table({"key": np.arange(40_000) % 7, "id": np.arange(40_000)})
+    try:
+        for m in range(2):
+            write_map_partition(shuffle_id, m, [table.slice(m * 20_000, 20_000)], 2,
+                                HashPartitioner(["key"]), config, master)
+        segments = ray.get(master.segments.remote(shuffle_id))
+        assert {s.tier.value for s in segments} == {tier}
+        victim = next(s for s in segments if s.id.subpartition == 0)
+        os.unlink(victim.location.removeprefix("file://"))
+
+        started = time.monotonic()
+        with pytest.raises(SegmentNotFoundError) as err:
+            read_subpartition(shuffle_id, 0, config, master)
+        elapsed = time.monotonic() - started
+        assert elapsed < 10, f"took {elapsed:.1f} s"
+        message = str(err.value)
+        assert victim.location in message and f"{tier} tier" in message
+        assert "removed by someone else" in message and "map finished" in message
+        # The other subpartition is intact and exact.
+        rows = pa.concat_tables(read_subpartition(shuffle_id, 1, config, master))
+        parts = np.asarray(HashPartitioner(["key"]).assign(table, 0, 2))
+        expected = sorted(table["id"].to_numpy()[parts == 1].tolist())
+        assert expected and sorted(rows["id"].to_pylist()) == expected
+    finally:
+        ray.get(master.release.remote(shuffle_id))
+    assert_no_leftovers(config, ray)
