@@ -195,6 +195,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         for t in node.tiers:
             cap = "unbounded" if t.capacity_bytes is None else f"{t.capacity_bytes / 1e6:.1f} MB"
             print(f"  {t.tier.value:<7} used {t.used_bytes / 1e6:10.1f} MB of {cap}")
+    pending = status.get("pending_deletions", [])
+    if pending:
+        print(f"{len(pending)} deletion(s) pending (retried until the data is gone):")
+        for d in pending:
+            print(f"  {d['what']}: {d['attempts']} failed attempt(s), last: {d['last_error']}")
     return 0
 
 
