@@ -376,10 +376,9 @@ class ShuffleMasterActor:
         self._run_deletions()
         return released
 
-    def live_shuffles(self) -> list[str]:
-        """Ids of the shuffles the master holds (registered, not released)."""
-        with self._lock:
-            return self.registry.shuffle_ids()
+    def node_id(self) -> str:
+        """The node the master runs on (the head node)."""
+        return ray.get_runtime_context().get_node_id()
 
     def expire(self) -> list[str]:
         with self._lock:

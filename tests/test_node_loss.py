@@ -149,10 +149,7 @@ def test_master_runs_on_the_head_node_and_its_loss_is_named(cluster, tmp_path):
     where = ray.get(master.run_deletions.remote())  # started and answering
     assert where == []
     head = [n for n in ray.nodes() if n["Alive"] and HEAD_NODE_RESOURCE in n["Resources"]]
-    from ray.util.state import get_actor
-
-    state = get_actor(master._actor_id.hex())
-    assert state.node_id == head[0]["NodeID"]
+    assert ray.get(master.node_id.remote()) == head[0]["NodeID"]
 
     from hybrid_ray.shuffle import run_shuffle
 
