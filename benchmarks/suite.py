@@ -1,8 +1,8 @@
 """The benchmark suite: hybrid_ray against Ray Data's and Spark's shuffles, same data, same run.
 
-    hybrid-ray bench --size 2GiB                     # the default matrix
-    hybrid-ray bench --size 256MB --scenario hybrid_memory_disk --scenario raydata_shuffle_v2
-    hybrid-ray bench --list                          # scenarios and what they measure
+    ./dev bench --size 2GiB                     # the default matrix (python -m benchmarks ...)
+    ./dev bench --size 256MB --scenario hybrid_memory_disk --scenario raydata_shuffle_v2
+    ./dev bench --list                          # scenarios and what they measure
 
 Every case repartitions the workload by key into ``--partitions`` partitions and is
 verified (row count and order-independent checksum of the output) before it counts; a case
@@ -788,17 +788,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 0
     unknown = [s for s in args.scenario or [] if s not in SCENARIOS]
     if unknown:
-        print(f"hybrid-ray bench: unknown scenario(s) {unknown}; choose from "
+        print(f"benchmarks: unknown scenario(s) {unknown}; choose from "
               f"{', '.join(SCENARIOS)}", file=sys.stderr)
         return 2
     if args.partitions <= 0 or args.cpus <= 0 or args.rounds <= 0:
-        print("hybrid-ray bench: --partitions, --cpus and --rounds must be positive",
+        print("benchmarks: --partitions, --cpus and --rounds must be positive",
               file=sys.stderr)
         return 2
     try:
         args.scaling = [parse_size(s) for s in args.scaling.split(",") if s.strip()]
     except argparse.ArgumentTypeError as exc:
-        print(f"hybrid-ray bench: --scaling: {exc}", file=sys.stderr)
+        print(f"benchmarks: --scaling: {exc}", file=sys.stderr)
         return 2
     args.workload = args.workload or ["gensort"]
     selected = args.scenario or [s.name for s in SCENARIOS.values() if s.default]
@@ -807,10 +807,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": args.cpus,
             "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB,
             "size_bytes": args.size, "partitions": args.partitions, "seed": args.seed,
-            # As typed: `hybrid-ray bench ...` puts the options after argv[1], `python -m
-            # benchmarks ...` after argv[0] (main() records that form).
+            # As typed (main() records `python -m benchmarks ...`).
             "command": getattr(args, "command_line", None)
-            or " ".join(["hybrid-ray", "bench"] + sys.argv[2:]),
+            or " ".join(["python", "-m", "benchmarks"] + sys.argv[1:]),
             "run_id": uuid.uuid4().hex[:8]}
     bench = Bench(args)
     try:

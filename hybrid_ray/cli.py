@@ -1,4 +1,8 @@
-"""``hybrid-ray``: the demo job, the benchmark suite, cluster status and orphan cleanup."""
+"""``hybrid-ray``: the demo job, cluster status and orphan cleanup.
+
+The benchmark suite is not part of the library: it lives in the source checkout
+(``benchmarks/``) and runs as ``./dev bench`` or ``python -m benchmarks`` from there.
+"""
 
 from __future__ import annotations
 
@@ -287,11 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--timeout", type=_parse_duration, default=DEFAULT_TIMEOUT_S,
                          help="bound on connecting and on each call (default 15s)")
     cleanup.set_defaults(func=cmd_cleanup)
-    bench = sub.add_parser("bench", help="benchmark suite vs Ray Data and Spark (see --list)")
-    from benchmarks.suite import add_arguments, run_from_args
-
-    add_arguments(bench)
-    bench.set_defaults(func=run_from_args)
     return parser
 
 
