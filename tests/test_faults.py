@@ -52,7 +52,7 @@ CLEAN_BOUND_S = 60.0
 BOUNDED_S3 = {"connect_timeout": 2, "read_timeout": 2, "retries": {"max_attempts": 1}}
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def warm_namespace():
     """Start the namespace's master and worker processes once, before any timing: the
     times to outcome measure the fault's handling, not process start-up."""
@@ -202,7 +202,7 @@ def _s3_config(tmp_path, bucket_name: str, endpoint: str, bounded: bool, **kw):
 
 # ---- 1. the S3 store stops mid-shuffle ---------------------------------------------------------
 def test_s3_stopped_mid_shuffle_fails_naming_the_remote_tier_then_leaves_nothing(
-        ray_local, moto_endpoint, bucket, tmp_path):
+        ray_local, warm_namespace, moto_endpoint, bucket, tmp_path):
     fs, name = bucket
     proxy = TcpProxy(int(moto_endpoint.rsplit(":", 1)[1]))
     cfg = _s3_config(tmp_path, name, proxy.endpoint, bounded=True)
@@ -243,8 +243,8 @@ def test_s3_stopped_mid_shuffle_fails_naming_the_remote_tier_then_leaves_nothing
 THROTTLED_REQUESTS = 8
 
 
-def test_s3_throttling_mid_shuffle_is_retried_and_output_exact(ray_local, moto_endpoint,
-                                                               bucket, tmp_path):
+def test_s3_throttling_mid_shuffle_is_retried_and_output_exact(ray_local, warm_namespace,
+                                                               moto_endpoint, bucket, tmp_path):
     fs, name = bucket
     proxy = ThrottlingS3Proxy(int(moto_endpoint.rsplit(":", 1)[1]))
     cfg = _s3_config(tmp_path, name, proxy.endpoint, bounded=False)
@@ -287,7 +287,7 @@ def fill_up(path: str) -> str:
 
 
 @pytest.mark.parametrize("remote", [True, False], ids=["with-remote", "no-remote"])
-def test_spill_disk_filled_mid_shuffle(ray_local, small_disk, tmp_path, remote):
+def test_spill_disk_filled_mid_shuffle(ray_local, warm_namespace, small_disk, tmp_path, remote):
     cfg = base_config(tmp_path, spill_dirs=[small_disk], memory_fraction=0.0,
                       compression="none", namespace=NS,
                       remote_path=f"file://{tmp_path}/remote" if remote else None)
@@ -332,6 +332,59 @@ def test_spill_disk_filled_mid_shuffle(ray_local, small_disk, tmp_path, remote):
                          "remote tier", outcome, elapsed, left)
 
 
+class FillsTheDiskAfterGranting:
+    """A node's tier manager whose disk fills up (another process) right after it granted
+    the first segments: the writes of those grants meet a full disk (ENOSPC)."""
+
+    def __init__(self, tm, path: str) -> None:
+        self.tm, self.path, self.fillers = tm, path, []
+
+    def reserve(self, shuffle_id, sizes, settled=()):
+        placements = self.tm.reserve(shuffle_id, sizes, settled)
+        if not self.fillers:
+            self.fillers.append(fill_up(self.path))
+        return placements
+
+    def settle(self, shuffle_id, settled):
+        self.tm.settle(shuffle_id, settled)
+
+    def free_segments(self, shuffle_id, metas):
+        self.tm.free_segments(shuffle_id, metas)
+
+
+def test_disk_filled_between_grant_and_write_names_dir_and_free_space(small_disk, tmp_path):
+    """The deterministic seam of the race above: the disk fills after the tier manager
+    granted a segment and before the writer wrote it. With no remote tier the error must
+    say as much as a refusal at reservation: the directory, its free space, the reserve
+    and the remote_path option (the ENOSPC path named only the directory)."""
+    from hybrid_ray import TierManager, WriteClient, build_io_tiers
+    from hybrid_ray.errors import OutOfSpaceError
+
+    cfg = base_config(tmp_path, spill_dirs=[small_disk], memory_fraction=0.0,
+                      compression="none")
+    tm = TierManager("node-a", 0)
+    shuffle = f"shf-{uuid.uuid4().hex[:6]}"
+    tm.register_shuffle(shuffle, cfg)
+    storage = FillsTheDiskAfterGranting(tm, small_disk)
+    client = WriteClient(shuffle, 0, 2, cfg, storage, build_io_tiers(cfg, node_id="node-a"),
+                         node_id="node-a")
+    try:
+        with pytest.raises(OutOfSpaceError) as info:
+            client.write(0, make_table(200_000))
+            client.close()
+        client.abort()
+        msg = str(info.value)
+        assert f"no space left in spill dir {small_disk}" in msg, msg
+        assert f"{small_disk}: " in msg and "bytes free, reserve" in msg, msg
+        assert "remote_path" in msg, msg
+        assert files_under(small_disk) == storage.fillers  # the failed write left nothing
+    finally:
+        for f in storage.fillers:
+            os.unlink(f)
+        tm.release_shuffle(shuffle)
+    assert all(t.used_bytes == 0 for t in tm.usage().tiers)
+
+
 # ---- 4. a segment corrupted before its reducer reads it ----------------------------------------
 _real_reduce_partition = hybrid_ray.shuffle.reduce_partition
 
@@ -354,8 +407,8 @@ def corrupting_reduce_partition(shuffle_id, subpartition, schema, partitioner, c
 
 
 @pytest.mark.parametrize("tier", ["disk", "remote"])
-def test_corrupted_segment_fails_naming_segment_and_tier(ray_local, tmp_path, monkeypatch,
-                                                         tier):
+def test_corrupted_segment_fails_naming_segment_and_tier(ray_local, warm_namespace, tmp_path,
+                                                         monkeypatch, tier):
     kw = {"disk_capacity_bytes": 0, "remote_path": f"file://{tmp_path}/remote"} \
         if tier == "remote" else {}
     cfg = base_config(tmp_path, mode="blocking", memory_fraction=0.0, compression="none",
@@ -416,7 +469,7 @@ DRIVER = textwrap.dedent("""
 """) % {"ttl": ORPHAN_TTL_S}
 
 
-def test_driver_killed_mid_shuffle_is_expired_after_its_ttl(ray_local, tmp_path):
+def test_driver_killed_mid_shuffle_is_expired_after_its_ttl(ray_local, warm_namespace, tmp_path):
     spill, remote = tmp_path / "spill", tmp_path / "remote"
     cfg = base_config(tmp_path, spill_dirs=[str(spill)], namespace=NS,
                       remote_path=f"file://{remote}", orphan_ttl_s=ORPHAN_TTL_S)
