@@ -35,7 +35,10 @@ from conftest import (
     S3_KEY, S3_SECRET, TcpProxy, ThrottlingS3Proxy, assert_no_leftovers, base_config,
     files_under, record_fault_outcome, row_fingerprint,
 )
-from hybrid_ray import HashPartitioner, MiB, RemoteTierError, ShuffleFailedError
+from hybrid_ray import (
+    CorruptSegmentError, HashPartitioner, MiB, OutOfSpaceError, RemoteTierError,
+    ShuffleFailedError,
+)
 from hybrid_ray.actors import (
     get_master, get_reader_slots, get_tier_manager, get_writers,
 )
@@ -314,6 +317,7 @@ def test_spill_disk_filled_mid_shuffle(ray_local, warm_namespace, small_disk, tm
                             table.schema, cfg)
             trigger.join()
             elapsed = time.monotonic() - trigger.fired_at
+            assert isinstance(info.value.__cause__, OutOfSpaceError), info.value.__cause__
             msg = str(info.value)
             assert "OutOfSpaceError" in msg and small_disk in msg, msg
             assert "bytes free" in msg and "remote_path" in msg, msg
@@ -358,7 +362,6 @@ def test_disk_filled_between_grant_and_write_names_dir_and_free_space(small_disk
     say as much as a refusal at reservation: the directory, its free space, the reserve
     and the remote_path option (the ENOSPC path named only the directory)."""
     from hybrid_ray import TierManager, WriteClient, build_io_tiers
-    from hybrid_ray.errors import OutOfSpaceError
 
     cfg = base_config(tmp_path, spill_dirs=[small_disk], memory_fraction=0.0,
                       compression="none")
@@ -422,6 +425,7 @@ def test_corrupted_segment_fails_naming_segment_and_tier(ray_local, warm_namespa
                              cfg)
         ray.get(result.refs)  # never reached: no partial or wrong rows are handed out
     elapsed = time.monotonic() - started
+    assert isinstance(info.value.__cause__, CorruptSegmentError), info.value.__cause__
     msg = str(info.value)
     assert "CorruptSegmentError" in msg and f"{tier} tier" in msg, msg
     assert "map=0, sub=0, index=0" in msg and "failed its checksum" in msg, msg
