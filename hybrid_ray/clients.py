@@ -314,7 +314,10 @@ class WriteClient:
                 meta = self.io_tiers[grant.tier].write(sid, payload, grant, self.node_id)
             except OutOfSpaceError as exc:  # the disk filled behind our back: fall through
                 self._unsettled.append((grant, None))
-                refusals.append(str(exc))
+                # Say how full it is now (free space, reserve), as a refusal at reservation
+                # does: the write's own error names only the directory.
+                now = self.io_tiers[grant.tier].describe_refusal(len(payload))
+                refusals.append(f"{exc} ({now})")
             except BaseException:
                 self._unsettled.append((grant, None))
                 raise

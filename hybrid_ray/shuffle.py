@@ -150,7 +150,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             # and deleted this attempt's segments; its work is simply not needed.
             client.abort()
     except BaseException:
-        client.abort()
+        _abort_keeping_the_cause(client)
         raise
     finally:
         # Drop this process's references to the memory-tier objects it wrote: the master
@@ -171,6 +171,22 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded before "
                                  "it finished; its segments do not count")
     return client.stats
+
+
+def _abort_keeping_the_cause(client: WriteClient) -> None:
+    """Abort a failed map attempt's writes without masking why it failed.
+
+    The storage that failed the map often fails the abort's deletions too (an S3 store
+    that went down fails the upload, then the delete of what was uploaded before): the
+    map's error was then a raw ``EndpointConnectionError`` of the delete instead of the
+    ``RemoteTierError`` naming the upload. What the abort could not delete is deleted with
+    the shuffle: the failed map fails the shuffle (or, on Spark, its release), and the
+    master retries that deletion until the data is gone.
+    """
+    try:
+        client.abort()
+    except Exception:  # noqa: BLE001 - the map's own error is what the caller needs
+        pass
 
 
 def map_block(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,

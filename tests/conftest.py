@@ -222,3 +222,105 @@ class TcpProxy:
                     s.close()
                 except OSError:
                     pass
+
+
+class ThrottlingS3Proxy:
+    """An HTTP proxy in front of an S3 endpoint that can throttle: after ``throttle(n)``
+    the next ``n`` requests are answered with a real S3 ``503 SlowDown`` error (status,
+    headers and XML body as S3 sends them) instead of being forwarded; every other request
+    goes to the endpoint unchanged. ``throttled`` counts the 503s served."""
+
+    SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                 b'<Message>Please reduce your request rate.</Message>'
+                 b'<RequestId>hr-throttle</RequestId><HostId>hr-throttle</HostId></Error>')
+
+    def __init__(self, target_port: int) -> None:
+        import http.client
+        import http.server
+        import threading
+
+        proxy = self
+        self.target_port = target_port
+        self.throttled = 0
+        self.forwarded = 0
+        self._to_throttle = 0
+        self._lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as botocore's connection pool expects
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _handle(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    throttle = proxy._to_throttle > 0
+                    if throttle:
+                        proxy._to_throttle -= 1
+                        proxy.throttled += 1
+                    else:
+                        proxy.forwarded += 1
+                if throttle:
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(proxy.SLOW_DOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(proxy.SLOW_DOWN)
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.target_port,
+                                                      timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items()
+                               if k.lower() not in ("connection", "expect")}
+                    upstream.request(self.command, self.path, body=body or None,
+                                     headers=headers)
+                    resp = upstream.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("connection", "transfer-encoding",
+                                             "content-length", "server", "date"):
+                            self.send_header(k, v)
+                    length = resp.getheader("Content-Length") if self.command == "HEAD" \
+                        else None
+                    self.send_header("Content-Length", length or str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def throttle(self, n: int) -> None:
+        """Answer the next ``n`` requests with 503 SlowDown."""
+        with self._lock:
+            self._to_throttle = n
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def record_fault_outcome(scenario: str, outcome: str, seconds: float, bytes_left: int) -> None:
+    """Append a fault scenario's measured outcome to the JSON-lines file named by
+    ``HYBRID_RAY_FAULT_LOG`` (if set): the README's reliability table is built from it."""
+    import json
+
+    path = os.environ.get("HYBRID_RAY_FAULT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"scenario": scenario, "outcome": outcome,
+                                "seconds": round(seconds, 1), "bytes_left": bytes_left}) + "\n")
