@@ -571,7 +571,7 @@ def _head_node_id() -> str:
 
 def start_actors(namespace: str, num_readers: int, *, wait: bool = False,
                  timeout_s: float = START_TIMEOUT_S, compression: str = "lz4",
-                 remote_protocol: str | None = None) -> ShuffleActors:
+                 remote_protocol: str | None = None, heap_bytes: int = 0) -> ShuffleActors:
     """Every actor the shuffles of ``namespace`` need, started (detached) where not running.
 
     Each actor is a process of its own, and a new one imports Ray, pyarrow and hybrid_ray
@@ -591,8 +591,8 @@ def start_actors(namespace: str, num_readers: int, *, wait: bool = False,
     ``timeout_s``; writers and readers also run ``warm_up_worker``, so what a process
     initialises lazily on its first map or reduce is done before the first shuffle
     (``compression``: the codec to initialise; ``remote_protocol``: the remote tier's
-    filesystem to import). Raises ``ActorStartError`` naming the actors that failed or
-    did not answer.
+    filesystem to import; ``heap_bytes``: the map chunk to size their memory for).
+    Raises ``ActorStartError`` naming the actors that failed or did not answer.
     """
     nodes = _alive_cpu_nodes()
     master = ActorSlot(MASTER_NAME, _head_node_id(), get_master(namespace))
@@ -607,16 +607,17 @@ def start_actors(namespace: str, num_readers: int, *, wait: bool = False,
                     for node, k in _reader_slots(nodes, num_readers))
     actors = ShuffleActors(namespace, master, tier_managers, writers, readers)
     if wait:
-        _wait_until_ready(actors, timeout_s, compression, remote_protocol)
+        _wait_until_ready(actors, timeout_s, compression, remote_protocol, heap_bytes)
     return actors
 
 
 def _wait_until_ready(actors: ShuffleActors, timeout_s: float, compression: str,
-                      remote_protocol: str | None) -> None:
+                      remote_protocol: str | None, heap_bytes: int) -> None:
     """One cheap call per actor, all in flight at once, waited for within ``timeout_s``."""
     calls = {actors.master.handle.live_shuffles.remote(): actors.master}
     calls.update({tm.handle.usage.remote(): tm for tm in actors.tier_managers})
-    calls.update({w.handle.run.remote(warm_up_worker, compression, remote_protocol): w
+    calls.update({w.handle.run.remote(warm_up_worker, compression, remote_protocol,
+                                      heap_bytes): w
                   for w in (*actors.writers, *actors.readers)})
     ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
     problems = [f"{calls[ref].name} on node {calls[ref].node_id}: no answer in "
@@ -638,19 +639,29 @@ def _wait_until_ready(actors: ShuffleActors, timeout_s: float, compression: str,
             "timeout_s on a loaded machine")
 
 
-def warm_up_worker(compression: str = "lz4", remote_protocol: str | None = None) -> int:
+def warm_up_worker(compression: str = "lz4", remote_protocol: str | None = None,
+                   heap_bytes: int = 0) -> int:
     """Run in a new writer or reader: a tiny map and read of the real data path (segments
     encoded without compression and with ``compression``), so the imports and
     initialisations its first map or reduce would pay for happen now (pyarrow imports
     pandas on first converting a NumPy array: ~0.5 CPU-s on a 2-core VM), and the remote
-    tier's filesystem (s3fs for ``s3``) is imported. Returns the process id."""
+    tier's filesystem (s3fs for ``s3``) is imported.
+
+    ``heap_bytes``: then partition and encode a chunk of about that size, as a map does
+    with each ``map_chunk_bytes`` of its block, so the process's allocator and its
+    thread's segment arena hold the memory a map needs. On this VM a fresh page costs more
+    than the copy into it: a new process's first 128 MiB of maps took 0.75 CPU-s, the next
+    0.30 (``WORKER_ENV`` keeps the freed pages warm for the next chunks and shuffles).
+    Returns the process id."""
     import fsspec
     import numpy as np
     import pyarrow as pa
 
     from hybrid_ray.config import Compression
     from hybrid_ray.partitioning import HashPartitioner, split_by_partition
-    from hybrid_ray.segment import SegmentId, decode_segment, encode_segment
+    from hybrid_ray.segment import (
+        SegmentId, decode_segment, encode_segment, thread_scratch_arena,
+    )
 
     table = pa.table({"key": pa.array(np.arange(4, dtype=np.int64)),
                       "value": pa.array([b"a", b"b", b"c", b"d"], pa.binary(1))})
@@ -661,6 +672,20 @@ def warm_up_worker(compression: str = "lz4", remote_protocol: str | None = None)
             decode_segment(encode_segment(part, segment, codec), segment,
                            TierName.MEMORY)
     pa.concat_tables([table, table]).combine_chunks()
+    if heap_bytes > 0:
+        rows = max(1, heap_bytes // 100)
+        # Distinct keys spread the rows over the subpartitions; a zero payload is never
+        # written here (calloc'd), only the copies a map makes of it are.
+        chunk = pa.table({"key": pa.array(np.arange(rows, dtype=np.int64)),
+                          "payload": pa.FixedSizeBinaryArray.from_buffers(
+                              pa.binary(92), rows,
+                              [None, pa.py_buffer(np.zeros(rows * 92, np.uint8))])})
+        arena = thread_scratch_arena()
+        arena.reset()
+        split = split_by_partition(chunk, HashPartitioner(["key"]).assign(chunk, 0, 16), 16)
+        encoded = [encode_segment(part, SegmentId("shf-000000000000", 0, sub, 0),
+                                  Compression.NONE, arena) for sub, part in split]
+        del split, encoded, chunk
     if remote_protocol:
         fsspec.get_filesystem_class(remote_protocol)
     return os.getpid()

@@ -19,6 +19,10 @@ from hybrid_ray.actors import START_TIMEOUT_S, ShuffleActors, reader_count, star
 from hybrid_ray.config import Compression, ShuffleConfig
 from hybrid_ray.errors import ConfigError
 
+# The most memory init has each writer and reader allocate ahead (one map chunk's worth,
+# see ``actors.warm_up_worker``); the allocator keeps it for the first shuffle.
+WARM_UP_HEAP_BYTES = 64 * 1024 * 1024
+
 
 def init(config: ShuffleConfig | None = None, *, wait: bool = True,
          timeout_s: float = START_TIMEOUT_S) -> ShuffleActors:
@@ -56,7 +60,8 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
     return start_actors(config.namespace, reader_count(config), wait=wait,
                         timeout_s=float(timeout_s),
                         compression=Compression(config.compression).value,
-                        remote_protocol=_protocol(config.remote_path))
+                        remote_protocol=_protocol(config.remote_path),
+                        heap_bytes=min(config.map_chunk_bytes, WARM_UP_HEAP_BYTES))
 
 
 def _protocol(remote_path: str | None) -> str | None:
