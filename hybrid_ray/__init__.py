@@ -5,15 +5,16 @@ from hybrid_ray.config import (
     GiB, KiB, MiB, Compression, ShuffleConfig, ShuffleMode, Spilling, TierName,
 )
 from hybrid_ray.errors import (
-    ConfigError, CorruptSegmentError, HybridRayError, OutOfSpaceError, RemoteTierError,
-    SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError, ShuffleNotFoundError,
-    UnknownTierError,
+    ActorStartError, ConfigError, CorruptSegmentError, HybridRayError, OutOfSpaceError,
+    RemoteTierError, SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError,
+    ShuffleNotFoundError, UnknownTierError,
 )
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
 from hybrid_ray.tier_manager import TierManager, build_io_tiers
 
 __all__ = [
-    "Compression", "ConfigError", "CorruptSegmentError", "GiB", "HybridRayError", "KiB", "MiB",
+    "ActorStartError", "Compression", "ConfigError", "CorruptSegmentError", "GiB",
+    "HybridRayError", "KiB", "MiB",
     "OutOfSpaceError", "ReadClient", "RemoteTierError", "SegmentId", "SegmentMeta",
     "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMode",
     "ShuffleNotFoundError", "Spilling", "TierManager", "TierName", "UnknownTierError",
@@ -24,12 +25,13 @@ from hybrid_ray.partitioning import (  # noqa: E402
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner,
 )
 from hybrid_ray.report import ShuffleReport  # noqa: E402
+from hybrid_ray.session import init  # noqa: E402
 from hybrid_ray.shuffle import (  # noqa: E402
     ShuffleResult, last_report, random_shuffle, repartition, report_of, run_shuffle, sort,
 )
 
 __all__ += [
     "HashPartitioner", "Partitioner", "RandomPartitioner", "RangePartitioner", "ShuffleReport",
-    "ShuffleResult", "last_report", "random_shuffle", "repartition", "report_of", "run_shuffle",
-    "sort",
+    "ShuffleResult", "init", "last_report", "random_shuffle", "repartition", "report_of",
+    "run_shuffle", "sort",
 ]

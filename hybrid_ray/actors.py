@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -550,6 +551,23 @@ def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
                          runtime_env={"env_vars": WORKER_ENV})
 
 
+def _worker_nodes(nodes: list[dict]) -> list[str]:
+    """Ids of the nodes that get writers and readers (the driver's if none has CPUs)."""
+    return [n["NodeID"] for n in nodes] or [ray.get_runtime_context().get_node_id()]
+
+
+def _writer_slots(nodes: list[dict]) -> list[tuple[str, int]]:
+    """(node, k) of every writer: one per CPU of each node, node by node."""
+    cpus = {n["NodeID"]: max(1, int(n["Resources"]["CPU"])) for n in nodes}
+    return [(node, k) for node in _worker_nodes(nodes) for k in range(cpus.get(node, 1))]
+
+
+def _reader_slots(nodes: list[dict], count: int) -> list[tuple[str, int]]:
+    """(node, k) of ``count`` readers spread evenly over the nodes."""
+    ids = _worker_nodes(nodes)
+    return [(node, k) for k in range(-(-count // len(ids))) for node in ids][:count]
+
+
 def get_readers(namespace: str, count: int) -> list[Any]:
     """``count`` reader actors spread evenly over the alive nodes with CPUs, started (and
     kept) on first use. Reader ``k`` of a node keeps its name across shuffles."""
@@ -558,22 +576,15 @@ def get_readers(namespace: str, count: int) -> list[Any]:
 
 def get_reader_slots(namespace: str, count: int) -> list[tuple[str, Any]]:
     """``get_readers`` as (node id, actor) pairs."""
-    nodes = [n["NodeID"] for n in _alive_cpu_nodes()] or \
-        [ray.get_runtime_context().get_node_id()]
-    slots = [(node, k) for k in range(-(-count // len(nodes))) for node in nodes][:count]
-    return [(node, _worker(READER_PREFIX, node, k, namespace)) for node, k in slots]
+    return [(node, _worker(READER_PREFIX, node, k, namespace))
+            for node, k in _reader_slots(_alive_cpu_nodes(), count)]
 
 
 def get_writers(namespace: str) -> list[tuple[str, Any]]:
     """One writer actor per CPU of every alive node, as (node id, actor): maps run on
     the node that holds their input block, as many at once as the node has CPUs."""
-    nodes = _alive_cpu_nodes()
-    if not nodes:
-        return [(ray.get_runtime_context().get_node_id(),
-                 _worker(WRITER_PREFIX, ray.get_runtime_context().get_node_id(), 0,
-                         namespace))]
-    return [(n["NodeID"], _worker(WRITER_PREFIX, n["NodeID"], k, namespace))
-            for n in nodes for k in range(max(1, int(n["Resources"]["CPU"])))]
+    return [(node, _worker(WRITER_PREFIX, node, k, namespace))
+            for node, k in _writer_slots(_alive_cpu_nodes())]
 
 
 def get_master(namespace: str) -> Any:
@@ -596,3 +607,171 @@ def master_handle(namespace: str) -> Any:
             f"the hybrid_ray shuffle master of namespace {namespace!r} is gone (its node "
             "died or it was killed); the shuffles it tracked cannot finish: run them "
             "again") from None
+
+
+# Bound on ``start_actors(wait=True)`` (``hybrid_ray.init``) waiting for every actor to
+# answer: a new process imports Ray, pyarrow and hybrid_ray (~1.3 CPU-s each on a 2-core
+# VM), and Ray starts at most a node's CPU count of them at once.
+START_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSlot:
+    """One actor the shuffles of a namespace use: its name in the namespace, the node it
+    runs on, and its handle."""
+
+    name: str
+    node_id: str
+    handle: Any = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleActors:
+    """Every actor the shuffles of ``namespace`` use (``start_actors``): the master on the
+    head node, a tier manager per node with CPUs, a writer per CPU of those nodes, and the
+    readers."""
+
+    namespace: str
+    master: ActorSlot
+    tier_managers: tuple[ActorSlot, ...]
+    writers: tuple[ActorSlot, ...]
+    readers: tuple[ActorSlot, ...]
+
+    def all(self) -> tuple[ActorSlot, ...]:
+        return (self.master, *self.tier_managers, *self.writers, *self.readers)
+
+
+def _head_node_id() -> str:
+    """The head node's id (where the master is pinned): the node with Ray's head resource."""
+    for node in ray.nodes():
+        if node.get("Alive") and HEAD_NODE_RESOURCE in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def start_actors(namespace: str, num_readers: int, *, wait: bool = False,
+                 timeout_s: float = START_TIMEOUT_S, compression: str = "lz4",
+                 remote_protocol: str | None = None, heap_bytes: int = 0) -> ShuffleActors:
+    """Every actor the shuffles of ``namespace`` need, started (detached) where not running.
+
+    Each actor is a process of its own, and a new one imports Ray, pyarrow and hybrid_ray
+    (~1.3 CPU-s on a 2-core VM). Started one after another on first use (the master, then
+    the writers, each starting its node's tier manager in its first map, then the readers),
+    they made a first 1,000-row shuffle take 13.7 s where a warm one takes 0.33 s. Here
+    every handle is created before anything is waited for, so Ray starts the processes side
+    by side (at most a node's CPU count at a time: Ray's start-up concurrency), in the order
+    a first map needs them: the master (the driver registers the shuffle with it before any
+    map runs), the tier managers, the writers, then the readers. The master and tier
+    managers run in Ray's default runtime environment, so they can take the worker
+    processes Ray starts ahead (one per CPU, with Ray already imported); writers and
+    readers run with ``WORKER_ENV`` and need processes of their own anyway (an actor
+    holds its process for life).
+
+    With ``wait``, returns once each actor answered one cheap call, bounded by
+    ``timeout_s``; writers and readers also run ``warm_up_worker``, so what a process
+    initialises lazily on its first map or reduce is done before the first shuffle
+    (``compression``: the codec to initialise; ``remote_protocol``: the remote tier's
+    filesystem to import; ``heap_bytes``: the map chunk to size their memory for).
+    Raises ``ActorStartError`` naming the actors that failed or did not answer.
+    """
+    nodes = _alive_cpu_nodes()
+    master = ActorSlot(MASTER_NAME, _head_node_id(), get_master(namespace))
+    tier_managers = tuple(ActorSlot(TIER_MANAGER_PREFIX + node, node,
+                                    get_tier_manager(node, namespace))
+                          for node in _worker_nodes(nodes))
+    writers = tuple(ActorSlot(f"{WRITER_PREFIX}{node}_{k}", node,
+                              _worker(WRITER_PREFIX, node, k, namespace))
+                    for node, k in _writer_slots(nodes))
+    readers = tuple(ActorSlot(f"{READER_PREFIX}{node}_{k}", node,
+                              _worker(READER_PREFIX, node, k, namespace))
+                    for node, k in _reader_slots(nodes, num_readers))
+    actors = ShuffleActors(namespace, master, tier_managers, writers, readers)
+    if wait:
+        _wait_until_ready(actors, timeout_s, compression, remote_protocol, heap_bytes)
+    return actors
+
+
+def _wait_until_ready(actors: ShuffleActors, timeout_s: float, compression: str,
+                      remote_protocol: str | None, heap_bytes: int) -> None:
+    """One cheap call per actor, all in flight at once, waited for within ``timeout_s``."""
+    calls = {actors.master.handle.live_shuffles.remote(): actors.master}
+    calls.update({tm.handle.usage.remote(): tm for tm in actors.tier_managers})
+    calls.update({w.handle.run.remote(warm_up_worker, compression, remote_protocol,
+                                      heap_bytes): w
+                  for w in (*actors.writers, *actors.readers)})
+    ready, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    problems = [f"{calls[ref].name} on node {calls[ref].node_id}: no answer in "
+                f"{timeout_s:g} s" for ref in pending]
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - collected and raised together below
+            problems.append(f"{calls[ref].name} on node {calls[ref].node_id}: "
+                            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+    if problems:
+        from hybrid_ray.errors import ActorStartError
+
+        raise ActorStartError(
+            f"{len(problems)} of the {len(calls)} hybrid_ray actors of namespace "
+            f"{actors.namespace!r} did not start: " + "; ".join(problems) + ". Check that "
+            "Ray can start worker processes on those nodes (`ray status`, and the raylet "
+            "and worker logs under the session's logs directory), or give init a longer "
+            "timeout_s on a loaded machine")
+
+
+def warm_up_worker(compression: str = "lz4", remote_protocol: str | None = None,
+                   heap_bytes: int = 0) -> int:
+    """Run in a new writer or reader: a tiny map and read of the real data path (segments
+    encoded without compression and with ``compression``), so the imports and
+    initialisations its first map or reduce would pay for happen now (pyarrow imports
+    pandas on first converting a NumPy array: ~0.5 CPU-s on a 2-core VM), and the remote
+    tier's filesystem (s3fs for ``s3``) is imported.
+
+    ``heap_bytes``: then partition and encode a chunk of about that size, as a map does
+    with each ``map_chunk_bytes`` of its block, so the process's allocator and its
+    thread's segment arena hold the memory a map needs. On this VM a fresh page costs more
+    than the copy into it: a new process's first 128 MiB of maps took 0.75 CPU-s, the next
+    0.30 (``WORKER_ENV`` keeps the freed pages warm for the next chunks and shuffles).
+    Returns the process id."""
+    import fsspec
+    import numpy as np
+    import pyarrow as pa
+
+    from hybrid_ray.config import Compression
+    from hybrid_ray.partitioning import HashPartitioner, split_by_partition
+    from hybrid_ray.segment import (
+        SegmentId, decode_segment, encode_segment, thread_scratch_arena,
+    )
+
+    table = pa.table({"key": pa.array(np.arange(4, dtype=np.int64)),
+                      "value": pa.array([b"a", b"b", b"c", b"d"], pa.binary(1))})
+    parts = HashPartitioner(["key"]).assign(table, 0, 2)
+    for sub, part in split_by_partition(table, np.asarray(parts), 2):
+        segment = SegmentId("shf-000000000000", 0, sub, 0)
+        for codec in {Compression.NONE, Compression(compression)}:
+            decode_segment(encode_segment(part, segment, codec), segment,
+                           TierName.MEMORY)
+    pa.concat_tables([table, table]).combine_chunks()
+    if heap_bytes > 0:
+        rows = max(1, heap_bytes // 100)
+        # Distinct keys spread the rows over the subpartitions; a zero payload is never
+        # written here (calloc'd), only the copies a map makes of it are.
+        chunk = pa.table({"key": pa.array(np.arange(rows, dtype=np.int64)),
+                          "payload": pa.FixedSizeBinaryArray.from_buffers(
+                              pa.binary(92), rows,
+                              [None, pa.py_buffer(np.zeros(rows * 92, np.uint8))])})
+        arena = thread_scratch_arena()
+        arena.reset()
+        split = split_by_partition(chunk, HashPartitioner(["key"]).assign(chunk, 0, 16), 16)
+        encoded = [encode_segment(part, SegmentId("shf-000000000000", 0, sub, 0),
+                                  Compression.NONE, arena) for sub, part in split]
+        del split, encoded, chunk
+    if remote_protocol:
+        fsspec.get_filesystem_class(remote_protocol)
+    return os.getpid()
+
+
+def reader_count(config: ShuffleConfig) -> int:
+    """Readers a shuffle with ``config`` uses: ``max_concurrent_reducers``, else one per
+    CPU of the cluster."""
+    return config.max_concurrent_reducers or max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -67,3 +67,8 @@ class ShuffleFailedError(HybridRayError, RuntimeError):
 class ShuffleMasterLostError(ShuffleFailedError):
     """The namespace's shuffle master is gone (its node died or it was killed): the books
     of every shuffle in flight went with it."""
+
+
+class ActorStartError(HybridRayError, RuntimeError):
+    """Some of the actors a shuffle needs did not start (``hybrid_ray.init``); the message
+    names them and their nodes."""

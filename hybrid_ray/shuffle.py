@@ -22,8 +22,8 @@ import pyarrow as pa
 import ray
 
 from hybrid_ray.actors import (
-    MASTER_CALL_TIMEOUT_S, ActorNodeStorage, existing_tier_manager, get_master,
-    get_reader_slots, get_tier_manager, get_writers,
+    MASTER_CALL_TIMEOUT_S, ActorNodeStorage, existing_tier_manager, get_reader_slots,
+    get_tier_manager, reader_count, start_actors,
 )
 from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, ShuffleMode, TierName
@@ -592,19 +592,22 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     if not ray.is_initialized():
         ray.init()
     check_remote_tier(config)
-    master = get_master(config.namespace)
+    window = reader_count(config)
+    # Every actor at once (a no-op lookup once they run, or after hybrid_ray.init): started
+    # one by one on first use, they made a first shuffle many times slower than the next.
+    actors = start_actors(config.namespace, window)
+    master = actors.master.handle
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
     # Recoverable: a map whose memory-tier output died with its writer is run again.
     ray.get(master.register.remote(shuffle_id, len(blocks), num_partitions, config, True))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
     try:
-        maps = _MapDispatcher(get_writers(config.namespace), blocks, shuffle_id, master,
-                              map_block, (num_partitions, partitioner, config, master),
+        maps = _MapDispatcher([(w.node_id, w.handle) for w in actors.writers], blocks,
+                              shuffle_id, master, map_block,
+                              (num_partitions, partitioner, config, master),
                               _block_nodes(blocks))
         hybrid = config.mode == ShuffleMode.HYBRID
-        window = config.max_concurrent_reducers or max(1, int(ray.cluster_resources()
-                                                               .get("CPU", 1)))
         readers = _ReaderPool(config.namespace, window)
         # Reducer i is tracked by its small (rows, bytes, schema) result: waiting on the
         # tables would pull every output block to the driver's node.

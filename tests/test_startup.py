@@ -1,0 +1,200 @@
+"""Start-up (issue 17): ``hybrid_ray.init`` starts every actor a shuffle needs, once, on the
+right nodes, and a shuffle after it starts no process of its own."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pyarrow as pa
+import pytest
+
+import hybrid_ray
+from conftest import base_config, row_fingerprint, start_local_ray
+from hybrid_ray import ActorStartError, ConfigError, ShuffleConfig
+from hybrid_ray.actors import MASTER_NAME, READER_PREFIX, TIER_MANAGER_PREFIX, WRITER_PREFIX
+
+
+def _actor_processes(namespace: str) -> dict[str, tuple[int, str, str]]:
+    """Every named actor of ``namespace``: name -> (pid, node id, state), from the GCS's
+    actor table (``ray.util.state`` needs the dashboard, which the tests' Ray does not
+    run)."""
+    import ray
+
+    table = ray._private.state.actors()
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != namespace:
+            continue
+        actor_id = ray.get_actor(entry["name"], namespace=namespace)._actor_id.hex()
+        info = table[actor_id]
+        out[entry["name"]] = (info["Pid"], (info.get("Address") or {}).get("NodeID"),
+                              info["State"])
+    return out
+
+
+def _expected(head: str, cpus_per_node: dict[str, int], readers: int
+              ) -> dict[str, str]:
+    """Name -> node of the actors a namespace's shuffles use: the master on the head node,
+    a tier manager and one writer per CPU on each node with CPUs, readers spread evenly."""
+    nodes = sorted(cpus_per_node)
+    expected = {MASTER_NAME: head}
+    for node in nodes:
+        expected[TIER_MANAGER_PREFIX + node] = node
+        for k in range(cpus_per_node[node]):
+            expected[f"{WRITER_PREFIX}{node}_{k}"] = node
+    for i in range(readers):
+        node = nodes[i % len(nodes)]
+        expected[f"{READER_PREFIX}{node}_{i // len(nodes)}"] = node
+    return expected
+
+
+def _kill(namespace: str) -> None:
+    """Stop a namespace's actors: they are detached, and the session's Ray is shared by
+    every test module of the run (2 CPUs)."""
+    import ray
+
+    for name in _actor_processes(namespace):
+        ray.kill(ray.get_actor(name, namespace=namespace))
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """A fresh namespace, started with ``hybrid_ray.init``: (ray, config, what init returned,
+    the actors' processes right after it)."""
+    ray = start_local_ray()
+    namespace = f"startup-{uuid.uuid4().hex[:8]}"
+    cfg = base_config(tmp_path_factory.mktemp("startup"), namespace=namespace)
+    assert _actor_processes(namespace) == {}
+    actors = hybrid_ray.init(cfg)
+    yield ray, cfg, actors, _actor_processes(namespace)
+    _kill(namespace)
+
+
+def test_init_starts_exactly_the_actors_a_shuffle_needs_on_their_nodes(started):
+    ray, cfg, actors, processes = started
+    node = ray.get_runtime_context().get_node_id()
+    expected = _expected(node, {node: 2}, readers=2)  # the tests' Ray has 2 CPUs
+    assert {name: where for name, (_, where, _) in processes.items()} == expected
+    # init waited for every one of them: all alive, each in a process of its own.
+    assert {state for _, _, state in processes.values()} == {"ALIVE"}
+    assert len({pid for pid, _, _ in processes.values()}) == len(expected)
+    # What init returned says the same (names, nodes), in the roles a shuffle uses.
+    assert {s.name: s.node_id for s in actors.all()} == expected
+    assert actors.master.name == MASTER_NAME
+    assert [s.name for s in actors.tier_managers] == [TIER_MANAGER_PREFIX + node]
+    assert [s.name for s in actors.writers] == [f"{WRITER_PREFIX}{node}_{k}" for k in (0, 1)]
+    assert [s.name for s in actors.readers] == [f"{READER_PREFIX}{node}_{k}" for k in (0, 1)]
+    # The writers and readers ran the warm-up: their answers are their own processes.
+    pids = ray.get([s.handle.run.remote(os.getpid) for s in actors.writers + actors.readers])
+    assert pids == [processes[s.name][0] for s in actors.writers + actors.readers]
+
+
+def test_init_again_starts_nothing(started):
+    ray, cfg, actors, processes = started
+    again = hybrid_ray.init(cfg)
+    assert [s.name for s in again.all()] == [s.name for s in actors.all()]
+    assert _actor_processes(cfg.namespace) == processes
+
+
+def test_shuffle_after_init_starts_no_process(started):
+    """Every actor the shuffle uses was started by init: the same actors in the same
+    processes afterwards, and no other actor anywhere in the cluster."""
+    ray, cfg, _actors, processes = started
+    table = pa.table({"key": list(range(5000)), "v": [i * 7 for i in range(5000)]})
+    ds = ray.data.from_arrow([table.slice(0, 2500), table.slice(2500)]).materialize()
+    all_actors_before = set(ray._private.state.actors())
+    out = hybrid_ray.repartition(ds, 4, keys=["key"], config=cfg)
+    parts = ray.get(out.to_arrow_refs())
+    assert row_fingerprint(parts) == row_fingerprint([table])
+    assert hybrid_ray.last_report().rows == 5000
+    assert _actor_processes(cfg.namespace) == processes
+    assert set(ray._private.state.actors()) == all_actors_before
+
+
+def test_a_first_shuffle_without_init_starts_the_same_actors(ray_local, tmp_path):
+    """run_shuffle starts what is missing itself (all at once): the same set as init."""
+    cfg = base_config(tmp_path, namespace=f"startup-{uuid.uuid4().hex[:8]}")
+    table = pa.table({"key": list(range(1000)), "v": list(range(1000))})
+    try:
+        out = hybrid_ray.repartition(ray_local.data.from_arrow(table), 3, keys=["key"],
+                                     config=cfg)
+        assert row_fingerprint(ray_local.get(out.to_arrow_refs())) == row_fingerprint([table])
+        node = ray_local.get_runtime_context().get_node_id()
+        processes = _actor_processes(cfg.namespace)
+        assert {name: where for name, (_, where, _) in processes.items()} == \
+            _expected(node, {node: 2}, readers=2)
+    finally:
+        _kill(cfg.namespace)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"config": "default"}, "takes a hybrid_ray.ShuffleConfig"),
+    ({"config": {"namespace": "x"}}, "takes a hybrid_ray.ShuffleConfig"),
+    ({"wait": "yes"}, "wait=...) must be True or False"),
+    ({"wait": None}, "wait=...) must be True or False"),
+    ({"timeout_s": 0}, "timeout_s=...) must be a positive number"),
+    ({"timeout_s": -5.0}, "timeout_s=...) must be a positive number"),
+    ({"timeout_s": float("nan")}, "timeout_s=...) must be a positive number"),
+    ({"timeout_s": float("inf")}, "timeout_s=...) must be a positive number"),
+    ({"timeout_s": True}, "timeout_s=...) must be a positive number"),
+    ({"timeout_s": "30"}, "timeout_s=...) must be a positive number"),
+])
+def test_init_refuses_bad_arguments_and_starts_nothing(ray_local, kwargs, words):
+    namespace = f"startup-bad-{uuid.uuid4().hex[:8]}"
+    kwargs = {"config": ShuffleConfig(namespace=namespace, progress=False), **kwargs}
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        hybrid_ray.init(**kwargs)
+    assert _actor_processes(namespace) == {}
+
+
+def test_init_that_cannot_wait_long_enough_names_the_actors(ray_local):
+    """A process takes far more than a millisecond to start: every actor is reported, by
+    name and node, with the fix; they go on starting in the background."""
+    namespace = f"startup-slow-{uuid.uuid4().hex[:8]}"
+    try:
+        with pytest.raises(ActorStartError) as info:
+            hybrid_ray.init(ShuffleConfig(namespace=namespace, progress=False),
+                            timeout_s=0.001)
+        message = str(info.value)
+        node = ray_local.get_runtime_context().get_node_id()
+        for name in _expected(node, {node: 2}, readers=2):
+            assert f"{name} on node {node}: no answer in 0.001 s" in message
+        assert "timeout_s" in message
+    finally:
+        _kill(namespace)
+    # wait=False returns at once (nothing to wait for), with the same actors.
+    namespace = f"startup-nowait-{uuid.uuid4().hex[:8]}"
+    try:
+        actors = hybrid_ray.init(ShuffleConfig(namespace=namespace, progress=False),
+                                 wait=False)
+        assert set(_actor_processes(namespace)) == {s.name for s in actors.all()}
+    finally:
+        _kill(namespace)
+
+
+@pytest.mark.slow
+def test_init_on_a_cluster_puts_each_actor_on_its_node():
+    """A head node without CPUs and two 1-CPU nodes: the master on the head, a tier manager,
+    a writer and a reader on each node with CPUs, nothing else."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # the single-node session of the other tests
+    cluster = Cluster()
+    try:
+        head = cluster.add_node(num_cpus=0)
+        workers = [cluster.add_node(num_cpus=1, object_store_memory=200 * 1024**2)
+                   for _ in range(2)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        namespace = f"startup-{uuid.uuid4().hex[:8]}"
+        actors = hybrid_ray.init(ShuffleConfig(namespace=namespace, progress=False))
+        expected = _expected(head.node_id, {w.node_id: 1 for w in workers}, readers=2)
+        processes = _actor_processes(namespace)
+        assert {name: where for name, (_, where, _) in processes.items()} == expected
+        assert {s.name: s.node_id for s in actors.all()} == expected
+        assert {state for _, _, state in processes.values()} == {"ALIVE"}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
