@@ -367,22 +367,50 @@ class HashPartitioner(Partitioner):
 class RangePartitioner(Partitioner):
     """Subpartition i holds keys between sampled boundaries i-1 and i; reducers sort.
 
-    Concatenating the output partitions in order gives a globally sorted table.
+    Concatenating the output partitions in order gives a globally sorted table. Nulls and
+    NaNs go to the first partition if ``nulls_first`` else to the last, and sort there
+    (NaNs between the values and the nulls, as Arrow sorts them). ``nulls_first=None``
+    sorts nulls as Ray Data does, greater than every value: last ascending, first
+    descending. ``boundaries`` hold no nulls or NaNs (any given are dropped).
     """
 
-    def __init__(self, key: str, boundaries: Sequence, descending: bool = False) -> None:
+    def __init__(self, key: str, boundaries: Sequence, descending: bool = False,
+                 nulls_first: bool | None = None) -> None:
         self.key = key
-        self.boundaries = np.asarray(boundaries)
+        if isinstance(boundaries, (pa.Array, pa.ChunkedArray)):
+            boundaries = pc.drop_null(boundaries).to_numpy(zero_copy_only=False)
+        boundaries = np.asarray(boundaries)
+        if boundaries.dtype == object:
+            boundaries = boundaries[[b is not None for b in boundaries]]
+        elif boundaries.dtype.kind == "f":
+            boundaries = boundaries[~np.isnan(boundaries)]
+        self.boundaries = boundaries
         self.descending = descending
+        self.nulls_first = descending if nulls_first is None else nulls_first
 
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
-        keys = table.column(self.key).to_numpy()
-        idx = np.searchsorted(self.boundaries, keys, side="right")
+        column = table.column(self.key)
+        missing = column.is_null(nan_is_null=True)
+        if not pc.any(missing).as_py():
+            idx = self._positions(column.to_numpy())
+        else:
+            # Nulls cannot be compared with the boundaries (and NaNs compare false with
+            # everything): they get the end of the order nulls_first picks, unlike NumPy's
+            # NaN-last order or an object array holding None.
+            mask = missing.to_numpy(zero_copy_only=False)
+            idx = np.full(table.num_rows, 0 if self.nulls_first != self.descending
+                          else len(self.boundaries), dtype=np.int64)
+            present = column.filter(pc.invert(missing))
+            idx[~mask] = self._positions(present.to_numpy())
         return (num_partitions - 1 - idx) if self.descending else idx
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.boundaries, keys, side="right")
 
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
         order = "descending" if self.descending else "ascending"
-        return table.sort_by([(self.key, order)])
+        return table.sort_by([(self.key, order, "at_start" if self.nulls_first
+                               else "at_end")])
 
 
 class RandomPartitioner(Partitioner):
