@@ -158,8 +158,8 @@ def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.Ob
     else:
         tables = ray.get(list(block))
     if schema is not None:
-        for i, table in enumerate(tables):
-            _check_block_schema(table.schema, schema, f"input block {i} of map {map_index}")
+        tables = [_conform(table, schema, f"input block {i} of map {map_index}")
+                  for i, table in enumerate(tables)]
     if len(tables) > 1:
         # One chunk, not one per block: the hash and split work per chunk.
         block = pa.concat_tables(tables).combine_chunks()
@@ -173,6 +173,12 @@ def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.Ob
     return {"rows": stats.rows if stats else 0, "skipped": stats is None}
 
 
+def _describe_field(field: pa.Field | None, name: str) -> str:
+    if field is None:
+        return f"no column {name!r}"
+    return f"{field.name}: {field.type}{'' if field.nullable else ' not null'}"
+
+
 def _schema_difference(got: pa.Schema, expected: pa.Schema) -> str:
     """The fields of two schemas that differ, named: 'id: int32 vs id: int64'."""
     diffs = []
@@ -180,21 +186,51 @@ def _schema_difference(got: pa.Schema, expected: pa.Schema) -> str:
         a = got.field(name) if name in got.names else None
         b = expected.field(name) if name in expected.names else None
         if a is None or b is None or not a.equals(b):
-            fmt = lambda f: "(missing)" if f is None else \
-                f"{f.name}: {f.type}{'' if f.nullable else ' not null'}"  # noqa: E731
-            diffs.append(f"{fmt(a)} vs {fmt(b)}")
+            diffs.append(f"{_describe_field(a, name)} vs {_describe_field(b, name)}")
     if not diffs and got.names != expected.names:
         diffs.append(f"column order {got.names} vs {expected.names}")
     return "; ".join(diffs)
 
 
-def _check_block_schema(got: pa.Schema, expected: pa.Schema, what: str) -> None:
-    if not got.equals(expected, check_metadata=False):
-        raise ConfigError(
-            f"the blocks to shuffle have different schemas: {what} differs from the "
-            f"shuffle's schema in {_schema_difference(got, expected)}. Cast every block to "
-            "one schema first (e.g. ds.map_batches(lambda t: t.cast(schema), "
-            "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
+def _decoded(field: pa.Field) -> pa.DataType:
+    """A field's type with dictionary encoding taken off: the type of its values."""
+    t = field.type
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def _unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> pa.Schema:
+    """The one schema blocks with ``schemas`` are shuffled as.
+
+    Blocks may differ only in representation: a column dictionary-encoded in some blocks
+    and not in others (decoded to its value type) or nullable in some (nullable).
+    Anything else is refused with both differing fields named, and the fix.
+    """
+    first = schemas[0]
+    fields = list(first)
+    for i, other in enumerate(schemas[1:], 1):
+        if other.equals(first, check_metadata=False):
+            continue
+        if other.names != first.names or any(
+                _decoded(a) != _decoded(b) for a, b in zip(other, fields)):
+            raise ConfigError(
+                f"the blocks to shuffle have different schemas: {what(i)} differs from "
+                f"{what(0)} in {_schema_difference(other, first)}. Cast every block to one "
+                "schema first (e.g. ds.map_batches(lambda t: t.cast(schema), "
+                "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
+        for k, (a, b) in enumerate(zip(other, fields)):
+            if not a.equals(b):
+                fields[k] = pa.field(b.name, _decoded(b), b.nullable or a.nullable)
+    return pa.schema(fields, metadata=first.metadata)
+
+
+def _conform(table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
+    """``table`` as ``schema`` (dictionaries decoded: see ``_unify_schemas``), or a
+    ConfigError naming the fields that differ."""
+    if table.schema.equals(schema, check_metadata=False):
+        return table
+    _unify_schemas([schema, table.schema],
+                   lambda i: what if i else "the shuffle's schema")
+    return table.cast(schema)
 
 
 def _io_tiers_cached(config: ShuffleConfig, node_id: str,
@@ -702,15 +738,8 @@ def _dataset_blocks(ds: Any) -> _Blocks:
                 schemas.append((index - 1, block_schema))
     schema = _arrow_schema(ds.schema())
     if schemas:
-        first_index, first = schemas[0]
-        for i, other in schemas[1:]:
-            if not other.equals(first, check_metadata=False):
-                raise ConfigError(
-                    f"the dataset's blocks have different schemas: block {i} differs from "
-                    f"block {first_index} in {_schema_difference(other, first)}. Cast every "
-                    "block to one schema first (e.g. ds.map_batches(lambda t: t.cast(schema),"
-                    " batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
-        schema = first
+        schema = _unify_schemas([sch for _, sch in schemas],
+                                lambda k: f"block {schemas[k][0]} of the dataset")
     elif schema is None and refs:
         schema = ray.get(refs[0]).schema
     return _Blocks(refs, schema, nbytes, num_rows)
