@@ -124,14 +124,19 @@ def _alive_workers(ray_mod) -> list[str]:
                   and info["State"] == "ALIVE")
 
 
-def test_reducers_beyond_the_cpus_are_capped_and_end_with_their_shuffle(ray_local, tmp_path):
+def test_max_concurrent_reducers_above_four_per_cpu_is_refused(ray_local, tmp_path):
+    cpus = int(ray_local.cluster_resources()["CPU"])
+    ds = ray_local.data.range(100)
+    with pytest.raises(ConfigError, match=f"max_concurrent_reducers=1000000 .* at most "
+                                          f"{4 * cpus}"):
+        hybrid_ray.repartition(ds, 4, keys=["id"],
+                               config=base_config(tmp_path, max_concurrent_reducers=10**6))
+
+
+def test_reducers_beyond_the_cpus_end_with_their_shuffle(ray_local, tmp_path):
     cpus = int(ray_local.cluster_resources()["CPU"])
     table = pa.table({"key": np.arange(60_000) % 997, "v": np.arange(60_000)})
     ds = ray_local.data.from_arrow(table).repartition(4).materialize()
-    with pytest.raises(ConfigError, match=f"max_concurrent_reducers=1000000 .* at most "
-                                          f"{4 * cpus}"):
-        hybrid_ray.repartition(ds, 4, keys=["key"],
-                               config=base_config(tmp_path, max_concurrent_reducers=10**6))
     cfg = base_config(tmp_path, max_concurrent_reducers=cpus)
     hybrid_ray.repartition(ds, 2, keys=["key"], config=cfg)  # start the kept workers
     before = _alive_workers(ray_local)
