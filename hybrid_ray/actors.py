@@ -772,6 +772,8 @@ def warm_up_worker(compression: str = "lz4", remote_protocol: str | None = None,
 
 
 def reader_count(config: ShuffleConfig) -> int:
-    """Readers a shuffle with ``config`` uses: ``max_concurrent_reducers``, else one per
-    CPU of the cluster."""
-    return config.max_concurrent_reducers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    """Kept (named) readers a shuffle with ``config`` uses: ``max_concurrent_reducers``,
+    else one per CPU of the cluster, never more than one per CPU (a window beyond the CPUs
+    adds readers owned by that one shuffle: see ``shuffle._ReaderPool``)."""
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return min(config.max_concurrent_reducers or cpus, cpus)

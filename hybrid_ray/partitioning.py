@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,44 +32,212 @@ class Partitioner(abc.ABC):
         return table
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def _mix64_inplace(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser applied to ``x`` (uint64) in place; returns ``x``.
+
+    In place because the key hash is a quarter of a writer's CPU: every temporary array
+    of a million rows is 8 MB of fresh memory to fault in and write.
+    """
     with np.errstate(over="ignore"):
-        x = (x + _GOLDEN) * np.uint64(1)
-        x = (x ^ (x >> np.uint64(30))) * _MIX1
-        x = (x ^ (x >> np.uint64(27))) * _MIX2
-        return x ^ (x >> np.uint64(31))
+        x += _GOLDEN
+        t = x >> np.uint64(30)
+        x ^= t
+        x *= _MIX1
+        np.right_shift(x, np.uint64(27), out=t)
+        x ^= t
+        x *= _MIX2
+        np.right_shift(x, np.uint64(31), out=t)
+        x ^= t
+    return x
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of every element of a uint64 array (a new array; ``x`` is left alone)."""
+    return _mix64_inplace(np.array(x, dtype=np.uint64, copy=True))
+
+
+def _scalar_mix(value: int) -> np.uint64:
+    return _mix64(np.array([value % (1 << 64)], dtype=np.uint64))[0]
+
+
+# Temporal values are hashed as nanoseconds (wrapping mod 2**64), so the same instant in
+# any unit hashes alike: multiplying by the unit's nanoseconds is a ring homomorphism mod
+# 2**64, exact for every value, where a cast to one unit could overflow or truncate.
+# Distinct instants 584 years apart collide, which only costs balance, never correctness.
+_NANOS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
+_DAY_NANOS = 86_400 * 10**9
+# Byte strings: the length goes into the first word's mix (b"ab" and b"ab\0" differ).
+_LENGTH_SALT = np.array([_scalar_mix(0x5EED0000 + n) for n in range(64)], dtype=np.uint64)
+# Little-endian masks keeping the first n bytes of a word (n = 0..8).
+_PREFIX_MASKS = np.array([(1 << (8 * n)) - 1 for n in range(8)] + [(1 << 64) - 1],
+                         dtype=np.uint64)
+# Order of the key columns matters: (a, b) and (b, a) must not always collide.
+_KEY_STEP = np.uint64(0xD6E8FEB86659FD93)
+
+
+def _length_salt(lengths: np.ndarray) -> np.ndarray:
+    """The per-length salt of every value (lengths of 64 and up share one table slot plus
+    the mixed length, computed only for them)."""
+    salt = _LENGTH_SALT[np.minimum(lengths, 63)]
+    long = lengths >= 63
+    if long.any():
+        salt[long] = _mix64(lengths[long].astype(np.uint64) + np.uint64(0x5EED0000))
+    return salt
 
 
 def hash_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A deterministic uint64 hash per value (the same in every process and run).
 
-    The hash of a value depends on the value alone, never on the other values in the
-    array: map tasks hash chunk by chunk, and equal keys must land in the same partition
-    whatever else their chunk holds. Nulls hash to 0.
+    The hash of a value depends on the value alone: not on the other values in its array
+    (map tasks hash chunk by chunk, and equal keys must land in the same partition whatever
+    else their chunk holds), and not on how the value is represented, so blocks of one
+    dataset whose columns differ in representation still agree:
+
+    * integers of any width and sign hash by value (int32 5 == int64 5);
+    * floats as float64 (float32 1.5 == float64 1.5), with -0.0 hashed as 0.0 and every
+      NaN as one canonical NaN (as Spark normalises them before hashing);
+    * timestamps, durations and times of any unit by their instant in nanoseconds, and
+      date32 and date64 of the same day alike;
+    * decimals by their value whatever the scale or precision (1.50 == 1.500);
+    * binary and string, large or not, fixed-size or not, by their bytes;
+    * dictionary-encoded values as their decoded value (the dictionary is hashed once).
+
+    Nulls hash to 0.
     """
     if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
+        if column.num_chunks == 1:
+            return _hash_array(column.chunk(0))
+        parts = [_hash_array(chunk) for chunk in column.chunks]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+    return _hash_array(column)
+
+
+def _hash_array(column: pa.Array) -> np.ndarray:
     t = column.type
-    if pa.types.is_integer(t) or pa.types.is_temporal(t) or pa.types.is_boolean(t):
-        if not pa.types.is_integer(t):
-            # date32/time32 cast only to int32; everything else temporal to int64.
-            as_int = pa.int32() if pa.types.is_temporal(t) and t.bit_width == 32 \
-                else pa.int64()
-            column = column.cast(as_int, safe=False)
-        values = pc.fill_null(column, 0).to_numpy(zero_copy_only=False)
-        out = _mix64(values.astype(np.int64, copy=False).astype(np.uint64, copy=False))
+    n = len(column)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if pa.types.is_dictionary(t):
+        # Decode by hashing the (small) dictionary once and taking by index.
+        values = _hash_array(column.dictionary)
+        indices = column.indices
+        if indices.null_count:  # null slots may hold any index
+            indices = pc.fill_null(indices, 0)
+        out = values[_fixed_width_values(indices, n)] if len(values) \
+            else np.zeros(n, dtype=np.uint64)
+    elif pa.types.is_integer(t):
+        out = _mix64_inplace(_fixed_width_values(column, n).astype(np.int64).view(np.uint64))
+    elif pa.types.is_boolean(t):
+        values = pc.fill_null(column, False) if column.null_count else column
+        out = _mix64_inplace(values.to_numpy(zero_copy_only=False).astype(np.uint64))
+    elif pa.types.is_floating(t):
+        out = _hash_floats(column)
+    elif pa.types.is_temporal(t) and _nanos_per_unit(t) is not None:
+        out = _hash_temporal(column, n, _nanos_per_unit(t))
+    elif pa.types.is_decimal(t):
+        out = _hash_decimals(column)
     elif _is_bytes_like(t):
         out = _hash_bytes(column)
+    elif (getattr(pa.types, "is_string_view", None) and pa.types.is_string_view(t)) or \
+            (getattr(pa.types, "is_binary_view", None) and pa.types.is_binary_view(t)):
+        out = _hash_bytes(column.cast(pa.large_binary()))
+    elif pa.types.is_null(t):
+        return np.zeros(n, dtype=np.uint64)
     else:
-        # pandas is imported here, not at module level: it costs a new Ray worker ~0.5 s
-        # of CPU to import, and only keys of other types (floats, decimals...) need it.
+        # Nested and other rare key types. pandas is imported here, not at module level:
+        # it costs a new Ray worker ~0.5 s of CPU to import.
         import pandas as pd
 
         values = column.to_numpy(zero_copy_only=False)
         out = pd.util.hash_array(values, categorize=False).astype(np.uint64, copy=False)
     if column.null_count:
-        out = np.where(column.is_null().to_numpy(zero_copy_only=False), np.uint64(0), out)
+        out[column.is_null().to_numpy(zero_copy_only=False)] = 0
     return out
+
+
+def _fixed_width_values(column: pa.Array, n: int) -> np.ndarray:
+    """The values buffer of a fixed-width integer-like array as signed or unsigned
+    integers of its width (zero-copy; null slots hold arbitrary values)."""
+    width = column.type.bit_width // 8
+    signed = not (pa.types.is_unsigned_integer(column.type))
+    dtype = np.dtype(f"<{'i' if signed else 'u'}{width}")
+    return np.frombuffer(column.buffers()[1], dtype=dtype, count=n, offset=column.offset * width)
+
+
+def _hash_floats(column: pa.Array) -> np.ndarray:
+    values = column.to_numpy(zero_copy_only=False)  # nulls become NaN; zeroed later
+    # Adding +0.0 turns -0.0 into 0.0 (IEEE 754) and, for float64, makes the copy that
+    # the in-place mix then overwrites.
+    with np.errstate(invalid="ignore"):  # signalling NaNs are expected, and normalised
+        values = values.astype(np.float64) + 0.0
+    nan = np.isnan(values)
+    if nan.any():
+        values[nan] = np.nan
+    return _mix64_inplace(values.view(np.uint64))
+
+
+def _nanos_per_unit(t: pa.DataType) -> int | None:
+    """Nanoseconds per stored unit of a date, time, timestamp or duration type; None for
+    other temporal types (intervals)."""
+    if pa.types.is_date32(t):
+        return _DAY_NANOS
+    if pa.types.is_date64(t):
+        return _NANOS["ms"]
+    return _NANOS.get(getattr(t, "unit", None))
+
+
+def _hash_temporal(column: pa.Array, n: int, nanos: int) -> np.ndarray:
+    values = _fixed_width_values(column, n).astype(np.int64).view(np.uint64)
+    if nanos != 1:
+        with np.errstate(over="ignore"):
+            values *= np.uint64(nanos)  # wraps mod 2**64 (see _NANOS)
+    return _mix64_inplace(values)
+
+
+def _hash_decimals(column: pa.Array) -> np.ndarray:
+    """Hash decimals by value: the unscaled integer with its trailing zeros removed, and
+    the exponent that leaves (1.50 as decimal(3, 2) and 1.500 as decimal(10, 3) are both
+    (15, 1))."""
+    t = column.type
+    n = len(column)
+    width = t.bit_width // 8
+    if t.precision <= 18:
+        # The unscaled value fits an int64: it is the low 4 or 8 bytes of each
+        # little-endian two's-complement value, sign included.
+        word = 4 if width == 4 else 8
+        raw = np.frombuffer(column.buffers()[1], dtype=np.uint8,
+                            count=(n + column.offset) * width)[column.offset * width:]
+        unscaled = np.ndarray((n,), dtype=f"<i{word}", buffer=raw, strides=(width,)) \
+            .astype(np.int64)
+        exponent = np.full(n, t.scale, dtype=np.int64)
+        if column.null_count:
+            unscaled[column.is_null().to_numpy(zero_copy_only=False)] = 0
+        exponent[unscaled == 0] = 0
+        for _ in range(19):
+            strip = (unscaled % 10 == 0) & (unscaled != 0)
+            if not strip.any():
+                break
+            unscaled[strip] //= 10
+            exponent[strip] -= 1
+        words, salts = unscaled.view(np.uint64), exponent.view(np.uint64)
+    else:
+        import decimal
+
+        context = decimal.Context(prec=200)
+        words = np.zeros(n, dtype=np.uint64)
+        salts = np.zeros(n, dtype=np.uint64)
+        for i, value in enumerate(column.to_pylist()):
+            if value is None or value == 0:
+                continue
+            sign, digits, exp = context.normalize(value).as_tuple()
+            unscaled = int("".join(map(str, digits))) * (-1 if sign else 1)
+            # Values that fit an int64 hash as the precision <= 18 path above does.
+            high = 0 if -(1 << 63) <= unscaled < (1 << 63) else unscaled >> 64
+            words[i] = unscaled % (1 << 64)
+            salts[i] = (-exp ^ (high * 0x9E3779B97F4A7C15)) % (1 << 64)
+    h = _mix64(words)
+    h ^= salts
+    return _mix64_inplace(h)
 
 
 def _is_bytes_like(t: pa.DataType) -> bool:
@@ -76,17 +245,70 @@ def _is_bytes_like(t: pa.DataType) -> bool:
             or pa.types.is_large_string(t) or pa.types.is_fixed_size_binary(t))
 
 
-def _hash_rows(rows: np.ndarray) -> np.ndarray:
-    """Hash each row of a (n, width) uint8 matrix, folding the bytes 8 at a time, then the
-    width (so b"ab" and b"ab\\0" differ)."""
-    n, width = rows.shape
-    out = np.zeros(n, dtype=np.uint64)
-    for start in range(0, width, 8):
-        chunk = np.zeros((n, 8), dtype=np.uint8)
-        part = rows[:, start:start + 8]
-        chunk[:, :part.shape[1]] = part
-        out = _mix64(out ^ chunk.view(np.uint64).ravel())
-    return _mix64(out ^ np.uint64(width))
+def _word_view(buffer: Any, n: int, offset: int, stride: int) -> np.ndarray:
+    """The little-endian uint64 at ``offset + i * stride`` of ``buffer`` for i < n, as a
+    zero-copy strided (possibly unaligned, possibly overlapping) view."""
+    return np.ndarray((n,), dtype="<u8", buffer=buffer, offset=offset, strides=(stride,))
+
+
+def _hash_fixed_rows(data: Any, start: int, n: int, width: int) -> np.ndarray:
+    """Hash ``n`` byte strings of ``width`` bytes stored back to back in ``data`` from byte
+    ``start``: ceil(width / 8) mixing passes over 8-byte words, the length salted into the
+    first. A value's last word is read at ``width - 8`` (overlapping the one before it)
+    rather than zero-padded, so no pass copies the bytes; values shorter than 8 bytes are
+    zero-padded (``_hash_varying_rows`` masks to the same words)."""
+    salt = _length_salt(np.array([width]))[0]
+    if width < 8:
+        words = np.zeros((n, 8), dtype=np.uint8)
+        if width:
+            rows = np.frombuffer(data, dtype=np.uint8, count=n * width, offset=start)
+            words[:, :width] = rows.reshape(n, width)
+        h = words.view("<u8").ravel()
+        h ^= salt
+        return _mix64_inplace(h)
+    h = _word_view(data, n, start, width) ^ salt
+    _mix64_inplace(h)
+    for k in range(1, -(-width // 8)):
+        h ^= _word_view(data, n, start + min(8 * k, width - 8), width)
+        _mix64_inplace(h)
+    return h
+
+
+def _hash_varying_rows(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Hash byte strings of differing lengths (``offsets`` into ``data``) to the same
+    values as ``_hash_fixed_rows``: one gather of 8-byte words per word position, through
+    a view of ``data`` with an 8-byte word starting at every byte."""
+    starts = offsets[:-1]
+    lengths = np.diff(offsets)
+    n = len(starts)
+    size = len(data)
+    words_at = _word_view(data, max(size - 7, 0), 0, 1) if size >= 8 else None
+
+    def gather(pos: np.ndarray) -> np.ndarray:
+        # A read of a short value near the end of the buffer may pass its end: those few
+        # come from a zero-padded copy of the last bytes (masked off afterwards anyway).
+        late = pos > size - 8
+        if not late.any():
+            return words_at[pos]
+        base = max(size - 8, 0)
+        tail = np.zeros(24, dtype=np.uint8)
+        tail[:size - base] = data[base:]
+        out = np.empty(len(pos), dtype=np.uint64)
+        if words_at is not None:
+            out[~late] = words_at[pos[~late]]
+        out[late] = _word_view(tail, 16, 0, 1)[pos[late] - base]
+        return out
+
+    first = gather(starts)
+    first &= _PREFIX_MASKS[np.minimum(lengths, 8)]
+    first ^= _length_salt(lengths)
+    h = _mix64_inplace(first)
+    num_words = np.maximum((lengths + 7) // 8, 1)
+    for k in range(1, int(num_words.max(initial=1))):
+        rows = np.flatnonzero(num_words > k)
+        pos = np.minimum(starts[rows] + 8 * k, starts[rows] + lengths[rows] - 8)
+        h[rows] = _mix64_inplace(h[rows] ^ gather(pos))
+    return h
 
 
 def _hash_bytes(column: pa.Array) -> np.ndarray:
@@ -98,60 +320,97 @@ def _hash_bytes(column: pa.Array) -> np.ndarray:
     t = column.type
     if pa.types.is_fixed_size_binary(t):
         width = t.byte_width
-        raw = np.frombuffer(column.buffers()[1], dtype=np.uint8,
-                            count=(n + column.offset) * width)
-        return _hash_rows(raw.reshape(-1, width)[column.offset:])
+        return _hash_fixed_rows(column.buffers()[1], column.offset * width, n, width)
     large = pa.types.is_large_binary(t) or pa.types.is_large_string(t)
     itemsize = 8 if large else 4
     offsets = np.frombuffer(column.buffers()[1], dtype=np.int64 if large else np.int32,
-                            count=n + 1, offset=column.offset * itemsize).astype(np.int64)
+                            count=n + 1, offset=column.offset * itemsize)
     data_buf = column.buffers()[2]
     data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
             else np.zeros(0, dtype=np.uint8))
     lengths = np.diff(offsets)
     if lengths.min() == lengths.max():  # the common case (fixed-width keys): zero-copy
-        width = int(lengths[0])
-        return _hash_rows(data[offsets[0]:offsets[-1]].reshape(n, width))
-    out = np.empty(n, dtype=np.uint64)
-    for width in np.unique(lengths):  # one vectorised gather per distinct length
-        rows = np.flatnonzero(lengths == width)
-        index = offsets[rows][:, None] + np.arange(int(width))
-        out[rows] = _hash_rows(data[index].reshape(len(rows), int(width)))
-    return out
+        return _hash_fixed_rows(data, int(offsets[0]), n, int(lengths[0]))
+    return _hash_varying_rows(data, offsets.astype(np.int64))
+
+
+def _to_partitions(h: np.ndarray, num_partitions: int) -> np.ndarray:
+    """Partition ``floor(high32(h) * num_partitions / 2**32)``: the high bits of a
+    well-mixed hash, scaled, with a multiply and shifts instead of a 64-bit modulo (whose
+    division costs more than the hash). Needs ``num_partitions < 2**32``."""
+    high = h >> np.uint64(32)
+    high *= np.uint64(num_partitions)
+    high >>= np.uint64(32)
+    return high.view(np.int64)
 
 
 class HashPartitioner(Partitioner):
-    """Rows with equal key values go to the same subpartition."""
+    """Rows with equal key values go to the same subpartition (see ``hash_column`` for
+    which values are equal)."""
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.keys = list(keys)
 
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
-        h = np.zeros(table.num_rows, dtype=np.uint64)
-        for key in self.keys:
-            h = _mix64(h ^ hash_column(table.column(key)))
-        return (h % np.uint64(num_partitions)).astype(np.int64)
+        if not self.keys:
+            raise ValueError("HashPartitioner needs at least one key column")
+        h = hash_column(table.column(self.keys[0]))
+        for key in self.keys[1:]:
+            # hash_column's result is already mixed: one key needs no further pass.
+            with np.errstate(over="ignore"):
+                h = h * _KEY_STEP
+            h ^= hash_column(table.column(key))
+            _mix64_inplace(h)
+        return _to_partitions(h, num_partitions)
 
 
 class RangePartitioner(Partitioner):
     """Subpartition i holds keys between sampled boundaries i-1 and i; reducers sort.
 
-    Concatenating the output partitions in order gives a globally sorted table.
+    Concatenating the output partitions in order gives a globally sorted table. Nulls and
+    NaNs go to the first partition if ``nulls_first`` else to the last, and sort there
+    (NaNs between the values and the nulls, as Arrow sorts them). ``nulls_first=None``
+    sorts nulls as Ray Data does, greater than every value: last ascending, first
+    descending. ``boundaries`` hold no nulls or NaNs (any given are dropped).
     """
 
-    def __init__(self, key: str, boundaries: Sequence, descending: bool = False) -> None:
+    def __init__(self, key: str, boundaries: Sequence, descending: bool = False,
+                 nulls_first: bool | None = None) -> None:
         self.key = key
-        self.boundaries = np.asarray(boundaries)
+        if isinstance(boundaries, (pa.Array, pa.ChunkedArray)):
+            boundaries = pc.drop_null(boundaries).to_numpy(zero_copy_only=False)
+        boundaries = np.asarray(boundaries)
+        if boundaries.dtype == object:
+            boundaries = boundaries[[b is not None for b in boundaries]]
+        elif boundaries.dtype.kind == "f":
+            boundaries = boundaries[~np.isnan(boundaries)]
+        self.boundaries = boundaries
         self.descending = descending
+        self.nulls_first = descending if nulls_first is None else nulls_first
 
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
-        keys = table.column(self.key).to_numpy()
-        idx = np.searchsorted(self.boundaries, keys, side="right")
+        column = table.column(self.key)
+        missing = column.is_null(nan_is_null=True)
+        if not pc.any(missing).as_py():
+            idx = self._positions(column.to_numpy())
+        else:
+            # Nulls cannot be compared with the boundaries (and NaNs compare false with
+            # everything): they get the end of the order nulls_first picks, unlike NumPy's
+            # NaN-last order or an object array holding None.
+            mask = missing.to_numpy(zero_copy_only=False)
+            idx = np.full(table.num_rows, 0 if self.nulls_first != self.descending
+                          else len(self.boundaries), dtype=np.int64)
+            present = column.filter(pc.invert(missing))
+            idx[~mask] = self._positions(present.to_numpy())
         return (num_partitions - 1 - idx) if self.descending else idx
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.boundaries, keys, side="right")
 
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
         order = "descending" if self.descending else "ascending"
-        return table.sort_by([(self.key, order)])
+        return table.sort_by([(self.key, order, "at_start" if self.nulls_first
+                               else "at_end")])
 
 
 class RandomPartitioner(Partitioner):

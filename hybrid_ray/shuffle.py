@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from hybrid_ray.actors import (
@@ -51,6 +52,30 @@ SAMPLES_PER_BLOCK = 256
 # ``missing_wait_s`` overrides it. A disk or remote segment of a finished map that is gone
 # is lost for good and fails at once.
 MISSING_SEGMENT_WAIT_S = 60.0
+# The most partitions a shuffle may have. Every partition costs each map's writer
+# bookkeeping (a buffer list, byte count, tier and segment index in the WriteClient, a
+# slice per chunk in split_by_partition: about 150 bytes, measured as 1.5 GB at 10**7) and
+# at least one segment, master index entry and reader poll per map it receives rows from:
+# at 10**7 a shuffle ran for hours. 100,000 keeps a writer's books near 15 MB and a
+# partition of a 1 TB shuffle at 10 MB, still a useful read size.
+MAX_PARTITIONS = 100_000
+# max_concurrent_reducers may exceed the cluster's CPUs (hybrid reducers mostly wait for
+# data) by at most this factor. Readers beyond the CPU count are started for one shuffle
+# and ended with it; the (named, detached) readers kept across shuffles are at most one
+# per CPU.
+MAX_REDUCERS_PER_CPU = 4
+# Small input blocks are grouped into one map (in input order) until the group reaches a
+# target size: a map costs a fixed ~20 ms of round trips (attempt, registration, commits,
+# finish) and at least one segment per partition it writes to, so 10,000 one-row blocks
+# as 10,000 maps took minutes. The target is map_chunk_bytes / MAP_TARGET_FRACTION, or
+# less when the data is small, so that there are still MIN_MAPS_PER_WRITER maps per writer
+# to balance the load: the number of maps is bounded by the data's size.
+MAP_TARGET_FRACTION = 4
+MIN_MAPS_PER_WRITER = 4
+# And at most this many blocks per map: each block is one object the writer fetches.
+MAX_BLOCKS_PER_MAP = 2048
+# random_shuffle seeds are in [0, MAX_SEED): NumPy's generators take no negative seeds.
+MAX_SEED = 1 << 63
 
 # The report of each thread's most recent shuffle: shuffles run in threads side by side
 # must not see each other's (a process-global once returned another thread's report).
@@ -189,16 +214,95 @@ def _abort_keeping_the_cause(client: WriteClient) -> None:
         pass
 
 
-def map_block(shuffle_id: str, map_index: int, block: pa.Table, num_partitions: int,
-              partitioner: Partitioner, config: ShuffleConfig, master: Any) -> dict:
+def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.ObjectRef],
+              num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
+              master: Any, schema: pa.Schema | None = None) -> dict:
     """One map of ``run_shuffle``, run by a writer actor (``get_writers``) that owns the
-    memory-tier segments it writes."""
+    memory-tier segments it writes.
+
+    ``block`` is one table, or the references of a group of small input blocks (see
+    ``_group_blocks``) that this map reads and partitions as one table. Every block must
+    have ``schema`` (when given): a block that differs fails the map, before it writes
+    anything, with both schemas' differing fields named.
+    """
+    if isinstance(block, pa.Table):
+        tables = [block]
+    else:
+        tables = ray.get(list(block))
+    if schema is not None:
+        tables = [_conform(table, schema, f"input block {i} of map {map_index}")
+                  for i, table in enumerate(tables)]
+    if len(tables) > 1:
+        # One chunk, not one per block: the hash and split work per chunk.
+        block = pa.concat_tables(tables).combine_chunks()
+    else:
+        block = tables[0]
     rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes / max(block.nbytes, 1)))
     chunks = (block.slice(start, rows_per_chunk)
               for start in range(0, block.num_rows, rows_per_chunk))
     stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
                                 config, master, own_memory_segments=True)
     return {"rows": stats.rows if stats else 0, "skipped": stats is None}
+
+
+def _describe_field(field: pa.Field | None, name: str) -> str:
+    if field is None:
+        return f"no column {name!r}"
+    return f"{field.name}: {field.type}{'' if field.nullable else ' not null'}"
+
+
+def _schema_difference(got: pa.Schema, expected: pa.Schema) -> str:
+    """The fields of two schemas that differ, named: 'id: int32 vs id: int64'."""
+    diffs = []
+    for name in dict.fromkeys(expected.names + got.names):
+        a = got.field(name) if name in got.names else None
+        b = expected.field(name) if name in expected.names else None
+        if a is None or b is None or not a.equals(b):
+            diffs.append(f"{_describe_field(a, name)} vs {_describe_field(b, name)}")
+    if not diffs and got.names != expected.names:
+        diffs.append(f"column order {got.names} vs {expected.names}")
+    return "; ".join(diffs)
+
+
+def _decoded(field: pa.Field) -> pa.DataType:
+    """A field's type with dictionary encoding taken off: the type of its values."""
+    t = field.type
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def _unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> pa.Schema:
+    """The one schema blocks with ``schemas`` are shuffled as.
+
+    Blocks may differ only in representation: a column dictionary-encoded in some blocks
+    and not in others (decoded to its value type) or nullable in some (nullable).
+    Anything else is refused with both differing fields named, and the fix.
+    """
+    first = schemas[0]
+    fields = list(first)
+    for i, other in enumerate(schemas[1:], 1):
+        if other.equals(first, check_metadata=False):
+            continue
+        if other.names != first.names or any(
+                _decoded(a) != _decoded(b) for a, b in zip(other, fields)):
+            raise ConfigError(
+                f"the blocks to shuffle have different schemas: {what(i)} differs from "
+                f"{what(0)} in {_schema_difference(other, first)}. Cast every block to one "
+                "schema first (e.g. ds.map_batches(lambda t: t.cast(schema), "
+                "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
+        for k, (a, b) in enumerate(zip(other, fields)):
+            if not a.equals(b):
+                fields[k] = pa.field(b.name, _decoded(b), b.nullable or a.nullable)
+    return pa.schema(fields, metadata=first.metadata)
+
+
+def _conform(table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
+    """``table`` as ``schema`` (dictionaries decoded: see ``_unify_schemas``), or a
+    ConfigError naming the fields that differ."""
+    if table.schema.equals(schema, check_metadata=False):
+        return table
+    _unify_schemas([schema, table.schema],
+                   lambda i: what if i else "the shuffle's schema")
+    return table.cast(schema)
 
 
 def _io_tiers_cached(config: ShuffleConfig, node_id: str,
@@ -345,11 +449,19 @@ def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
 
 
 @ray.remote
-def _sample_task(block: pa.Table, key: str, k: int) -> np.ndarray:
-    if block.num_rows == 0:
-        return np.asarray([])
-    idx = np.random.default_rng(0).choice(block.num_rows, min(k, block.num_rows), replace=False)
-    return block.column(key).take(pa.array(idx)).to_numpy(zero_copy_only=False)
+def _sample_task(key: str, k: int, *blocks: pa.Table) -> np.ndarray:
+    """Up to ``k`` sampled non-null, non-NaN keys of each block (nulls and NaNs have a
+    partition of their own: see ``RangePartitioner``)."""
+    out = []
+    for block in blocks:
+        column = pc.drop_null(block.column(key))
+        if pa.types.is_floating(column.type):
+            column = column.filter(pc.invert(pc.is_nan(column)))
+        if len(column) == 0:
+            continue
+        idx = np.random.default_rng(0).choice(len(column), min(k, len(column)), replace=False)
+        out.append(column.take(pa.array(idx)).to_numpy(zero_copy_only=False))
+    return np.concatenate(out) if out else np.asarray([])
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -454,12 +566,71 @@ class _MapDispatcher:
             self._running[slot] = (pick, ref)
 
 
-def _block_nodes(blocks: Sequence[ray.ObjectRef]) -> list[str | None]:
-    """The node holding each block (one of them, if several), or None if unknown."""
+def _block_locations(blocks: Sequence[ray.ObjectRef]
+                     ) -> tuple[list[str | None], list[int | None]]:
+    """The node holding each block (one of them, if several) and its size in bytes, or
+    None where unknown."""
     from ray.experimental import get_object_locations
 
     locations = get_object_locations(list(blocks)) if blocks else {}
-    return [next(iter(locations.get(b, {}).get("node_ids") or []), None) for b in blocks]
+    nodes = [next(iter(locations.get(b, {}).get("node_ids") or []), None) for b in blocks]
+    sizes = [locations.get(b, {}).get("object_size") for b in blocks]
+    return nodes, sizes
+
+
+def _group_blocks(sizes: Sequence[int | None], target_bytes: int,
+                  max_blocks: int = MAX_BLOCKS_PER_MAP) -> list[list[int]]:
+    """Group consecutive block indices into maps of at least ``target_bytes`` (a block of
+    unknown size counts as large: it gets a map of its own), at most ``max_blocks`` each.
+
+    Consecutive, so the grouping (and a seeded random shuffle) depends only on the input,
+    and rows keep their input order within each output partition.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for i, size in enumerate(sizes):
+        if size is None or size >= target_bytes:
+            if current:
+                groups.append(current)
+                current, current_bytes = [], 0
+            groups.append([i])
+            continue
+        current.append(i)
+        current_bytes += size
+        if current_bytes >= target_bytes or len(current) >= max_blocks:
+            groups.append(current)
+            current, current_bytes = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _plan_maps(sizes: Sequence[int | None], config: ShuffleConfig) -> list[list[int]]:
+    """The blocks of each map (see MAP_TARGET_FRACTION)."""
+    total = sum(size or 0 for size in sizes)
+    target = min(config.map_chunk_bytes // MAP_TARGET_FRACTION,
+                 total // (MIN_MAPS_PER_WRITER * _cluster_cpus()))
+    return _group_blocks(sizes, max(1, target))
+
+
+def _map_inputs(blocks: Sequence[ray.ObjectRef], config: ShuffleConfig
+                ) -> tuple[list[Any], list[str | None]]:
+    """The input of each map (a block ref, or a list of small blocks' refs) and the node
+    to run it on (that of its largest block)."""
+    nodes, sizes = _block_locations(blocks)
+    groups = _plan_maps(sizes, config)
+    inputs: list[Any] = []
+    input_nodes: list[str | None] = []
+    for group in groups:
+        inputs.append(blocks[group[0]] if len(group) == 1 else [blocks[i] for i in group])
+        largest = max(group, key=lambda i: sizes[i] or 0)
+        input_nodes.append(nodes[largest])
+    return inputs, input_nodes
+
+
+def _cluster_cpus() -> int:
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def node_alive(node_id: str | None) -> bool:
@@ -494,17 +665,38 @@ def lost_with_node(node_id: str | None, exc: BaseException) -> bool:
 class _ReaderPool:
     """The reader actors reducing one shuffle's subpartitions, one at a time each.
 
-    A reader that died with its node leaves the pool with its node's other readers; a
-    reader on a node still alive takes its place (``get_readers`` over the alive nodes).
+    The namespace's kept readers (named, one per CPU at most, reused across shuffles),
+    and for a window beyond the cluster's CPUs, extra readers owned by this shuffle and
+    ended by ``close`` (no process beyond one per CPU outlives its shuffle). A reader
+    that died with its node leaves the pool with its node's other readers; readers on the
+    nodes still alive take their place.
     """
 
     def __init__(self, namespace: str, window: int) -> None:
         self._namespace = namespace
         self._window = window
-        self._readers = get_reader_slots(namespace, window)  # (node, actor)
+        self._extras: list[tuple[str, Any]] = []
+        self.lost_nodes: set[str] = set()
+        self._readers = self._fill()  # (node, actor)
         self._busy: dict[str, int] = {}  # reader actor id -> subpartition
         self._node_of: dict[int, str] = {}  # subpartition -> node of its reader
-        self.lost_nodes: set[str] = set()
+
+    def _fill(self) -> list[tuple[str, Any]]:
+        from hybrid_ray.actors import WORKER_ENV, ShuffleWorkerActor
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        kept = [(n, r) for n, r in get_reader_slots(self._namespace,
+                                                    min(self._window, _cluster_cpus()))
+                if n not in self.lost_nodes]
+        self._extras = [(n, r) for n, r in self._extras if n not in self.lost_nodes]
+        nodes = sorted({n for n, _ in kept}) or [ray.get_runtime_context().get_node_id()]
+        while len(kept) + len(self._extras) < self._window:
+            node = nodes[len(self._extras) % len(nodes)]
+            self._extras.append((node, ShuffleWorkerActor.options(
+                num_cpus=0, runtime_env={"env_vars": WORKER_ENV},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote()))
+        return kept + self._extras
 
     def has_free(self) -> bool:
         return len(self._busy) < len(self._readers)
@@ -528,10 +720,16 @@ class _ReaderPool:
     def drop_nodes(self, nodes: set[str]) -> None:
         """Forget readers on ``nodes`` (dead) and fill the pool from the alive nodes."""
         self.lost_nodes |= set(nodes)
-        self._readers = [(n, r) for n, r in get_reader_slots(self._namespace, self._window)
-                         if n not in self.lost_nodes]
+        self._readers = self._fill()
         keys = {_actor_key(r) for _, r in self._readers}
         self._busy = {k: s for k, s in self._busy.items() if k in keys}
+
+    def close(self) -> None:
+        """End this shuffle's extra readers (their output blocks stay: the driver owns
+        them)."""
+        for _, reader in self._extras:
+            ray.kill(reader, no_restart=True)
+        self._extras = []
 
 
 def _actor_key(actor: Any) -> str:
@@ -584,29 +782,44 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                 operation: str = "custom") -> ShuffleResult:
     """Shuffle Arrow blocks into ``num_partitions`` partitions with ``partitioner``.
 
-    Raises ``ShuffleFailedError`` (after removing all of the shuffle's data) if a map or
-    reduce task fails beyond its retries.
+    Small blocks are grouped into one map each (see ``_group_blocks``), so the report's
+    ``num_maps`` can be lower than ``len(blocks)``. Every block must have ``schema``
+    (a block that differs fails the shuffle with both schemas named), and ``schema``
+    must have a column: Arrow cannot carry rows without columns through a shuffle.
+
+    Raises ``ConfigError`` for bad arguments (before anything runs), and
+    ``ShuffleFailedError`` (after removing all of the shuffle's data) if a map or reduce
+    task fails beyond its retries.
     """
     config = config or ShuffleConfig()
     check_num_partitions(num_partitions)
+    if not isinstance(schema, pa.Schema):
+        raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
+    if len(schema) == 0:
+        raise ConfigError(
+            "the blocks to shuffle have no columns: their rows cannot be shuffled (Arrow "
+            "drops rows without columns when it takes or encodes them). Add a column, or "
+            "count the rows instead of shuffling them")
     if not ray.is_initialized():
         ray.init()
+    window = _reducer_window(config)
     check_remote_tier(config)
-    window = reader_count(config)
     # Every actor at once (a no-op lookup once they run, or after hybrid_ray.init): started
     # one by one on first use, they made a first shuffle many times slower than the next.
-    actors = start_actors(config.namespace, window)
+    actors = start_actors(config.namespace, reader_count(config))
     master = actors.master.handle
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
     started = time.monotonic()
+    inputs, input_nodes = _map_inputs(blocks, config)
     # Recoverable: a map whose memory-tier output died with its writer is run again.
-    ray.get(master.register.remote(shuffle_id, len(blocks), num_partitions, config, True))
+    ray.get(master.register.remote(shuffle_id, len(inputs), num_partitions, config, True))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
+    readers: _ReaderPool | None = None
     try:
-        maps = _MapDispatcher([(w.node_id, w.handle) for w in actors.writers], blocks,
+        maps = _MapDispatcher([(w.node_id, w.handle) for w in actors.writers], inputs,
                               shuffle_id, master, map_block,
-                              (num_partitions, partitioner, config, master),
-                              _block_nodes(blocks))
+                              (num_partitions, partitioner, config, master, schema),
+                              input_nodes)
         hybrid = config.mode == ShuffleMode.HYBRID
         readers = _ReaderPool(config.namespace, window)
         # Reducer i is tracked by its small (rows, bytes, schema) result: waiting on the
@@ -650,7 +863,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                         config, master)
                     reduce_refs[sub], stats_refs[sub] = table_ref, stats_ref
                     running[stats_ref] = sub
-            progress.update(maps.num_finished, len(blocks), len(finished), num_partitions)
+            progress.update(maps.num_finished, len(inputs), len(finished), num_partitions)
             if maps_done and len(finished) == num_partitions:
                 break
             if time.monotonic() - last_beat > HEARTBEAT_S:
@@ -668,6 +881,8 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         # The release never masks the shuffle's own error: a deletion that fails stays
         # queued at the master, which retries it until the data is gone.
         master_alive = _release_quietly(master, shuffle_id)
+        if readers is not None:
+            readers.close()
         progress.close()
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -676,6 +891,12 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                 f"{operation} shuffle {shuffle_id} failed: the shuffle master of namespace "
                 f"{config.namespace!r} is gone (its node died or it was killed), and with it "
                 "the books of every shuffle in flight; run it again") from exc
+        # A bad input block (a map's ConfigError) is the user's to fix: say so, without
+        # the remote traceback around it.
+        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+        if isinstance(cause, ConfigError):
+            raise ConfigError(f"{operation} shuffle {shuffle_id} failed and its data was "
+                              f"removed: {cause}") from None
         if isinstance(exc, ShuffleFailedError) and not isinstance(
                 exc, ray.exceptions.RayTaskError):
             raise
@@ -684,11 +905,29 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
             "removed; the remote traceback is on this error's __cause__)")
         raise error from exc
     ray.get(master.release.remote(shuffle_id))
-    progress.update(len(blocks), len(blocks), num_partitions, num_partitions, force=True)
+    # Every reducer has returned: its block is stored, owned by this driver.
+    readers.close()
+    progress.update(len(inputs), len(inputs), num_partitions, num_partitions, force=True)
     progress.close()
     report = _make_report(summary, operation, config, time.monotonic() - started)
     _set_last_report(report)
     return ShuffleResult(list(reduce_refs), report, list(stats_refs))
+
+
+def _reducer_window(config: ShuffleConfig) -> int:
+    """Reducers run at once: ``max_concurrent_reducers`` or the cluster's CPU count,
+    refused above ``MAX_REDUCERS_PER_CPU`` times the CPUs (each is a process)."""
+    cpus = _cluster_cpus()
+    window = config.max_concurrent_reducers
+    if window is None:
+        return cpus
+    limit = MAX_REDUCERS_PER_CPU * cpus
+    if window > limit:
+        raise ConfigError(
+            f"max_concurrent_reducers={window} is more than this cluster can run: at most "
+            f"{limit} ({MAX_REDUCERS_PER_CPU} per CPU, {cpus} CPUs), each one a reader "
+            "process. Use a smaller value, or None for one per CPU")
+    return window
 
 
 def _make_report(summary: dict, operation: str, config: ShuffleConfig,
@@ -728,27 +967,91 @@ def check_num_partitions(num_partitions: Any) -> None:
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
             or num_partitions <= 0:
         raise ConfigError(f"num_partitions must be a positive integer, got {num_partitions!r}")
+    if num_partitions > MAX_PARTITIONS:
+        raise ConfigError(
+            f"num_partitions={num_partitions} is more than hybrid_ray's limit of "
+            f"{MAX_PARTITIONS}: every partition costs each map's writer memory and at least "
+            "one segment. Use fewer partitions (a partition of even 1 TB at the limit is "
+            "10 MB)")
 
 
-def _dataset_blocks(ds: Any) -> tuple[list[ray.ObjectRef], pa.Schema, int]:
+@dataclasses.dataclass
+class _Blocks:
+    """A materialized dataset's non-empty blocks and what its metadata says of them."""
+
+    refs: list[ray.ObjectRef]
+    schema: pa.Schema | None  # None: unknown (e.g. a dataset filtered to no rows)
+    nbytes: int
+    num_rows: int
+
+
+def _dataset_blocks(ds: Any) -> _Blocks:
+    """The blocks of ``ds`` (materialized once), without running a task: the schema, rows
+    and sizes come from block metadata. Blocks with no rows are left out. Blocks whose
+    schemas differ are refused here, before anything is shuffled."""
     if not isinstance(ds, ray.data.Dataset):
         raise TypeError(f"expected a ray.data.Dataset, got {type(ds).__name__}; "
                         "wrap Arrow tables with ray.data.from_arrow(...)")
-    # Materialized once, the schema and size come from block metadata, not from tasks.
     ds = ds.materialize()
-    refs = ds.to_arrow_refs()
-    schema = ds.schema()
-    arrow_schema = schema.base_schema if hasattr(schema, "base_schema") else schema
-    if not isinstance(arrow_schema, pa.Schema):
-        arrow_schema = ray.get(refs[0]).schema if refs else pa.schema([])
-    return refs, arrow_schema, int(ds.size_bytes() or 0)
+    refs: list[ray.ObjectRef] = []
+    schemas: list[tuple[int, pa.Schema]] = []  # (block index, schema) of non-empty blocks
+    nbytes = num_rows = index = 0
+    for bundle in ds.iter_internal_ref_bundles():
+        for entry in bundle.blocks:
+            meta = entry.metadata
+            rows = meta.num_rows
+            index += 1
+            if rows == 0:
+                continue
+            refs.append(entry.ref)
+            num_rows += rows or 0
+            nbytes += meta.size_bytes or 0
+            block_schema = _arrow_schema(getattr(meta, "schema", None) or bundle.schema)
+            if block_schema is not None:
+                schemas.append((index - 1, block_schema))
+    schema = _arrow_schema(ds.schema())
+    if schemas:
+        schema = _unify_schemas([sch for _, sch in schemas],
+                                lambda k: f"block {schemas[k][0]} of the dataset")
+    elif schema is None and refs:
+        schema = ray.get(refs[0]).schema
+    return _Blocks(refs, schema, nbytes, num_rows)
 
 
-def _check_columns(schema: pa.Schema, columns: Sequence[str], what: str) -> None:
+def _arrow_schema(schema: Any) -> pa.Schema | None:
+    """An Arrow schema from Ray Data's schema objects (None stays None: unknown)."""
+    if schema is None:
+        return None
+    schema = schema.base_schema if hasattr(schema, "base_schema") else schema
+    return schema if isinstance(schema, pa.Schema) else None
+
+
+def _check_columns(schema: pa.Schema | None, columns: Sequence[str], what: str) -> None:
+    """Refuse columns the dataset does not have; with the schema unknown (a dataset with
+    no rows whose producer gave none), any column is accepted: there is nothing to look
+    up."""
+    if schema is None:
+        return
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise ConfigError(f"{what}: unknown column(s) {missing}; the dataset has columns "
                           f"{schema.names}")
+
+
+def _empty_dataset(num_partitions: int, schema: pa.Schema | None) -> ray.data.Dataset:
+    """The result of shuffling no rows: ``num_partitions`` empty blocks of ``schema``, or,
+    with the schema unknown, a dataset with no blocks (and so no schema either)."""
+    if schema is None:
+        return _materialized_dataset([], [])
+    empty = schema.empty_table()
+    ref = ray.put(empty)
+    return _materialized_dataset([ref] * num_partitions,
+                                 [(0, 0, schema)] * num_partitions)
+
+
+def _check_optional_partitions(num_partitions: Any) -> None:
+    if num_partitions is not None:
+        check_num_partitions(num_partitions)
 
 
 def _to_dataset(result: ShuffleResult, input_bytes: int) -> ray.data.Dataset:
@@ -789,49 +1092,80 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
                 config: ShuffleConfig | None = None) -> ray.data.Dataset:
     """Hash-partition ``ds`` by ``keys`` into ``num_partitions`` blocks through the tiers.
 
-    Rows with equal keys land in the same output block; every row appears exactly once.
-    The shuffle's report is available from ``hybrid_ray.last_report()``.
+    Rows with equal keys land in the same output block, whatever their representation
+    (see ``hybrid_ray.partitioning.hash_column``); every row appears exactly once. A
+    dataset with no rows gives ``num_partitions`` empty blocks. The shuffle's report is
+    available from ``hybrid_ray.last_report()``.
     """
     check_num_partitions(num_partitions)
     if isinstance(keys, str):
         keys = [keys]
     if not keys:
         raise ConfigError("keys must name at least one column to partition by")
-    refs, schema, nbytes = _dataset_blocks(ds)
-    _check_columns(schema, keys, "repartition keys")
-    result = run_shuffle(refs, num_partitions, HashPartitioner(keys), schema, config,
-                         "repartition")
-    return _to_dataset(result, nbytes)
+    blocks = _dataset_blocks(ds)
+    _check_columns(blocks.schema, keys, "repartition keys")
+    if not blocks.refs:
+        return _empty_dataset(num_partitions, blocks.schema)
+    result = run_shuffle(blocks.refs, num_partitions, HashPartitioner(keys), blocks.schema,
+                         config, "repartition")
+    return _to_dataset(result, blocks.nbytes)
 
 
 def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
          config: ShuffleConfig | None = None, num_partitions: int | None = None
          ) -> ray.data.Dataset:
     """Globally sort ``ds`` by ``key``: range partitions from sampled boundaries, each
-    sorted by its reducer, so the blocks in order form the sorted dataset."""
-    refs, schema, nbytes = _dataset_blocks(ds)
+    sorted by its reducer, so the blocks in order form the sorted dataset.
+
+    Nulls (and NaNs) sort as Ray Data sorts them: greater than every value, so last when
+    ascending and first when descending, NaNs next to the nulls. ``num_partitions``
+    defaults to the number of maps (input blocks, small ones grouped).
+    """
     if not isinstance(key, str):
         raise ConfigError(f"sort key must be a column name, got {key!r}")
-    _check_columns(schema, [key], "sort key")
-    n = num_partitions or max(1, len(refs))
-    check_num_partitions(n)
-    samples = ray.get([_sample_task.remote(r, key, SAMPLES_PER_BLOCK) for r in refs])
+    _check_optional_partitions(num_partitions)
+    blocks = _dataset_blocks(ds)
+    _check_columns(blocks.schema, [key], "sort key")
+    config = config or ShuffleConfig()
+    if not blocks.refs:
+        return _empty_dataset(num_partitions or 1, blocks.schema)
+    n = num_partitions or _default_partitions(blocks.refs, config)
+    groups = _plan_maps(_block_locations(blocks.refs)[1], config)
+    samples = ray.get([_sample_task.remote(key, SAMPLES_PER_BLOCK,
+                                           *[blocks.refs[i] for i in group])
+                       for group in groups])
     non_empty = [s for s in samples if len(s)]
     boundaries = range_boundaries(np.concatenate(non_empty) if non_empty else np.asarray([]), n)
-    result = run_shuffle(refs, n, RangePartitioner(key, boundaries, descending), schema,
-                         config, "sort")
-    return _to_dataset(result, nbytes)
+    result = run_shuffle(blocks.refs, n, RangePartitioner(key, boundaries, descending),
+                         blocks.schema, config, "sort")
+    return _to_dataset(result, blocks.nbytes)
+
+
+def _default_partitions(refs: Sequence[ray.ObjectRef], config: ShuffleConfig) -> int:
+    """One output partition per map: per input block, small blocks grouped (so 10,000
+    one-row blocks do not become 10,000 one-row partitions)."""
+    return max(1, min(MAX_PARTITIONS, len(_plan_maps(_block_locations(refs)[1], config))))
 
 
 def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
                    config: ShuffleConfig | None = None, num_partitions: int | None = None
                    ) -> ray.data.Dataset:
-    """Randomly permute the rows of ``ds``; the same ``seed`` gives the same result."""
-    refs, schema, nbytes = _dataset_blocks(ds)
+    """Randomly permute the rows of ``ds``; the same ``seed`` (an integer in
+    ``[0, 2**63)``) gives the same result. ``num_partitions`` defaults to the number of
+    maps (input blocks, small ones grouped)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < MAX_SEED):
+        raise ConfigError(f"seed must be None or an integer with 0 <= seed < 2**63, got "
+                          f"{seed!r}")
+    _check_optional_partitions(num_partitions)
+    blocks = _dataset_blocks(ds)
+    config = config or ShuffleConfig()
+    if not blocks.refs:
+        return _empty_dataset(num_partitions or 1, blocks.schema)
     if seed is None:
-        seed = int(np.random.SeedSequence().entropy % (1 << 63))
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an integer or None, got {seed!r}")
-    n = num_partitions or max(1, len(refs))
-    result = run_shuffle(refs, n, RandomPartitioner(seed), schema, config, "random_shuffle")
-    return _to_dataset(result, nbytes)
+        seed = int(np.random.SeedSequence().entropy % MAX_SEED)
+    n = num_partitions or _default_partitions(blocks.refs, config)
+    result = run_shuffle(blocks.refs, n, RandomPartitioner(seed), blocks.schema, config,
+                         "random_shuffle")
+    return _to_dataset(result, blocks.nbytes)
+

@@ -56,3 +56,126 @@ def test_split_by_partition_keeps_row_order_within_each_subpartition(num_partiti
     for sub, piece in pieces:
         expected = np.flatnonzero(parts == sub)  # original order, stable
         assert np.array_equal(piece["i"].to_numpy(), expected)
+
+
+# ---- equal values, different representations (issue 14 item 4) -----------------------------
+def assert_same_partition(*arrays: pa.Array, num_partitions: int = 1009) -> None:
+    """Every array holds the same values: they must hash, and land, alike row by row."""
+    parts = HashPartitioner(["k"])
+    first = parts.assign(pa.table({"k": arrays[0]}), 0, num_partitions)
+    for other in arrays[1:]:
+        assert np.array_equal(hash_column(other), hash_column(arrays[0])), other.type
+        got = parts.assign(pa.table({"k": other}), 3, num_partitions)
+        assert np.array_equal(got, first), (other.type, got, first)
+
+
+def test_negative_zero_lands_with_zero():
+    assert_same_partition(pa.array([0.0, 0.0, 1.5]), pa.array([-0.0, 0.0, 1.5]),
+                          pa.array([-0.0, -0.0, 1.5], pa.float32()))
+    assert hash_column(pa.array([0.0]))[0] != hash_column(pa.array([1.0]))[0]
+
+
+def test_nans_of_any_bit_pattern_land_together():
+    bits = np.array([0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001,
+                     0x7FF80000DEADBEEF], dtype=np.uint64)
+    nans = pa.array(bits.view(np.float64))
+    assert all(np.isnan(nans.to_numpy()))
+    canonical = pa.array([float("nan")] * 4)
+    nan32 = pa.array(np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FC0BEEF],
+                              dtype=np.uint32).view(np.float32))
+    assert_same_partition(canonical, nans, nan32)
+
+
+def test_float32_and_float64_of_one_value_land_together():
+    values = [1.5, -2.25, 2.0**10]  # exact in float16 and float32
+    assert_same_partition(pa.array(values, pa.float64()), pa.array(values, pa.float32()),
+                          pa.array(values, pa.float16()).cast(pa.float64()))
+    assert hash_column(pa.array([0.1], pa.float32()))[0] != hash_column(pa.array([0.1]))[0]
+
+
+def test_dictionary_strings_land_with_plain_strings():
+    values = ["USD", "EUR", None, "USD", "a-much-longer-currency-name", ""]
+    plain = pa.array(values)
+    encoded = plain.dictionary_encode()
+    # Another dictionary (other order, unused entries) for the same values.
+    reordered = pa.DictionaryArray.from_arrays(
+        pa.array([1, 3, None, 1, 0, 2], pa.int32()),
+        pa.array(["a-much-longer-currency-name", "USD", "", "EUR", "unused"]))
+    assert reordered.to_pylist() == values
+    narrow = pa.DictionaryArray.from_arrays(reordered.indices.cast(pa.int8()),
+                                            reordered.dictionary)
+    assert_same_partition(plain, encoded, reordered, narrow, plain.cast(pa.large_string()))
+    chunked = pa.chunked_array([encoded.slice(0, 3), reordered.slice(3)])
+    assert np.array_equal(hash_column(chunked), hash_column(plain))
+
+
+def test_one_instant_in_every_timestamp_unit_lands_together():
+    seconds = np.array([0, 1_700_000_000, -86_400 * 365 * 300, 253_402_300_799])
+    by_unit = [pa.array(seconds * factor, pa.timestamp(unit))
+               for unit, factor in (("s", 1), ("ms", 10**3), ("us", 10**6))]
+    in_range = seconds[:3]  # year 9999 does not fit timestamp[ns]
+    assert_same_partition(*[a.slice(0, 3) for a in by_unit],
+                          pa.array(in_range * 10**9, pa.timestamp("ns")),
+                          pa.array(in_range, pa.timestamp("s", tz="UTC")))
+    assert_same_partition(*by_unit)
+    assert hash_column(by_unit[0])[1] != hash_column(pa.array([1_700_000_001],
+                                                              pa.timestamp("s")))[0]
+
+
+def test_date32_and_date64_of_one_day_land_together():
+    days = [datetime.date(2024, 2, 29), datetime.date(1969, 7, 20), datetime.date(1, 1, 1)]
+    assert_same_partition(pa.array(days, pa.date32()), pa.array(days, pa.date64()))
+
+
+def test_integers_of_any_width_land_together():
+    assert_same_partition(pa.array([5, -1, 0, 2**31 - 1], pa.int64()),
+                          pa.array([5, -1, 0, 2**31 - 1], pa.int32()))
+    assert_same_partition(pa.array([5, 200], pa.int64()), pa.array([5, 200], pa.uint8()),
+                          pa.array([5, 200], pa.uint64()))
+
+
+def test_decimals_of_one_value_land_together_whatever_the_scale():
+    import decimal
+
+    values = [decimal.Decimal(v) for v in ("1.5", "-1.5", "0", "100", "0.001", "-42.125")]
+    arrays = [pa.array(values, pa.decimal128(12, 3)), pa.array(values, pa.decimal128(18, 5)),
+              pa.array(values, pa.decimal128(38, 10)), pa.array(values, pa.decimal256(40, 4))]
+    assert_same_partition(*arrays)
+    assert len(set(hash_column(arrays[0]).tolist())) == len(values)
+    big = pa.array([decimal.Decimal("123456789012345678901234.5")], pa.decimal128(38, 1))
+    assert hash_column(big)[0] == hash_column(pa.array([big[0].as_py()],
+                                                       pa.decimal128(38, 4)))[0]
+
+
+def test_byte_strings_of_every_length_hash_alike_alone_or_mixed_and_sliced():
+    rng = np.random.default_rng(1)
+    values = [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in range(0, 41)]
+    values += [b"", b"x", b"ab", b"ab\0"]  # short values last: reads near the buffer's end
+    mixed = hash_column(pa.array(values))
+    alone = np.array([hash_column(pa.array([v] * 3))[1] for v in values], dtype=np.uint64)
+    fixed = np.array([hash_column(pa.array([v], pa.binary(len(v))))[0] if v else alone[0]
+                      for v in values], dtype=np.uint64)
+    assert np.array_equal(mixed, alone) and np.array_equal(mixed, fixed)
+    assert len(set(mixed.tolist())) == len(set(values))
+    assert np.array_equal(hash_column(pa.array(values).slice(7, 20)), mixed[7:27])
+    assert np.array_equal(hash_column(pa.array(values, pa.large_binary()).slice(30)),
+                          mixed[30:])
+
+
+def test_hash_partitions_are_balanced_for_common_key_types():
+    n, parts = 200_000, 16
+    for keys in (pa.array(np.arange(n)), pa.array([f"k{i}" for i in range(n)]),
+                 pa.array(np.arange(n) * 0.5),
+                 pa.array(np.arange(n).astype(np.int64).view(np.uint64).astype(np.uint64)
+                          * np.uint64(1 << 32))):
+        counts = np.bincount(HashPartitioner(["k"]).assign(pa.table({"k": keys}), 0, parts),
+                             minlength=parts)
+        assert counts.min() > 0.9 * n / parts and counts.max() < 1.1 * n / parts, \
+            (keys.type, counts)
+
+
+def test_multi_key_hash_depends_on_key_order():
+    a, b = pa.array(np.arange(1000)), pa.array(np.arange(1000)[::-1].copy())
+    ab = HashPartitioner(["a", "b"]).assign(pa.table({"a": a, "b": b}), 0, 1 << 20)
+    ba = HashPartitioner(["a", "b"]).assign(pa.table({"a": b, "b": a}), 0, 1 << 20)
+    assert (ab != ba).mean() > 0.99

@@ -1,0 +1,248 @@
+"""Careless and hostile inputs to the shuffle driver (issue 14 items 4, 5, 8, 15, 16):
+equal keys in different representations, empty and column-less data, unbounded work, bad
+seeds and partition counts, blocks of different schemas, sort keys with nulls."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import hybrid_ray
+from conftest import assert_no_leftovers, base_config, row_fingerprint
+from hybrid_ray import ConfigError
+
+MAX_PARTITIONS = 100_000  # hybrid_ray.shuffle.MAX_PARTITIONS, the documented limit
+
+
+def outputs(ray_mod, ds) -> list[pa.Table]:
+    return ray_mod.get(ds.to_arrow_refs())
+
+
+def key_partitions(parts: list[pa.Table], column: str) -> dict:
+    """Each distinct value of ``column`` (as Python sees it: -0.0 == 0.0) and the output
+    partitions it was found in."""
+    seen = collections.defaultdict(set)
+    for i, part in enumerate(parts):
+        for value in part[column].to_pylist():
+            seen[value].add(i)
+    return seen
+
+
+# ---- item 4: equal keys, different representations, one partition ----------------------------
+def test_group_by_after_repartition_is_exact_with_mixed_representations(ray_local, tmp_path):
+    rng = np.random.default_rng(4)
+    names = [f"customer-{i}" for i in range(50)]
+    n = 2_000
+
+    def block(seed_offset: int, dictionary: bool, negative_zero: bool) -> pa.Table:
+        picks = rng.integers(0, len(names), n)
+        key = pa.array([names[i] for i in picks])
+        amount = np.where(picks % 5 == 0, -0.0 if negative_zero else 0.0, picks / 4.0)
+        return pa.table({"key": key.dictionary_encode() if dictionary else key,
+                         "amount": amount,
+                         "row": np.arange(seed_offset, seed_offset + n)})
+
+    blocks = [block(0, True, True), block(n, False, False), block(2 * n, True, False),
+              block(3 * n, False, True)]
+    ds = ray_local.data.from_arrow(blocks).materialize()
+    assert ds.num_blocks() == 4
+    cfg = base_config(tmp_path)
+    plain = pa.concat_tables([b.cast(blocks[1].schema) for b in blocks])
+    for keys, column in ((["key"], "key"), (["amount"], "amount")):
+        parts = outputs(ray_local, hybrid_ray.repartition(ds, 7, keys=keys, config=cfg))
+        # Every key value in exactly one partition: a per-partition group-by is exact.
+        spread = {k: p for k, p in key_partitions(parts, column).items() if len(p) > 1}
+        assert not spread, spread
+        got = pa.concat_tables([p.cast(plain.schema) for p in parts])
+        assert row_fingerprint([got]) == row_fingerprint([plain])
+        # The group-by: count per key within each partition, then put the partitions'
+        # groups together; each key's count must be whole (Python: -0.0 == 0.0).
+        groups: dict = {}
+        for part in parts:
+            for k, c in collections.Counter(part[column].to_pylist()).items():
+                assert k not in groups, f"{k!r} grouped in two partitions"
+                groups[k] = c
+        assert groups == collections.Counter(plain[column].to_pylist())
+    assert_no_leftovers(cfg, ray_local)
+
+
+# ---- item 5: no columns, no rows --------------------------------------------------------------
+def test_run_shuffle_refuses_blocks_without_columns(ray_local):
+    rows_no_columns = pa.table({"x": pa.nulls(5)}).drop_columns(["x"])
+    assert rows_no_columns.num_rows == 5
+    with pytest.raises(ConfigError, match="no columns"):
+        hybrid_ray.run_shuffle([ray_local.put(rows_no_columns)], 2,
+                               hybrid_ray.RandomPartitioner(1), rows_no_columns.schema)
+
+
+def test_a_dataset_filtered_to_no_rows_shuffles_to_an_empty_result(ray_local, tmp_path):
+    cfg = base_config(tmp_path)
+    base = ray_local.data.range(100, override_num_blocks=3)
+    unknown = base.filter(lambda row: False).materialize()  # Ray Data keeps no schema
+    for out in (hybrid_ray.repartition(unknown, 3, keys=["id"], config=cfg),
+                hybrid_ray.sort(unknown, "id", config=cfg),
+                hybrid_ray.random_shuffle(unknown, seed=1, config=cfg)):
+        assert out.count() == 0
+    known = base.filter(expr="id > 1000").materialize()
+    assert known.schema() is not None
+    out = hybrid_ray.repartition(known, 3, keys=["id"], config=cfg)
+    parts = outputs(ray_local, out)
+    assert len(parts) == 3 and all(p.num_rows == 0 for p in parts)
+    assert out.count() == 0 and out.schema().names == ["id"]
+    assert [p.schema.names for p in parts] == [["id"]] * 3
+    assert hybrid_ray.sort(known, "id", descending=True, config=cfg).count() == 0
+    assert hybrid_ray.random_shuffle(known, config=cfg, num_partitions=2).count() == 0
+    with pytest.raises(ConfigError, match=r"unknown column\(s\) \['nope'\]; the dataset has "
+                                          r"columns \['id'\]"):
+        hybrid_ray.repartition(known, 3, keys=["nope"], config=cfg)
+
+
+# ---- item 8: unbounded work -------------------------------------------------------------------
+def test_num_partitions_above_the_limit_is_refused(ray_local):
+    ds = ray_local.data.range(10)
+    for call in (lambda: hybrid_ray.repartition(ds, 10**7, keys=["id"]),
+                 lambda: hybrid_ray.sort(ds, "id", num_partitions=10**7),
+                 lambda: hybrid_ray.random_shuffle(ds, num_partitions=MAX_PARTITIONS + 1)):
+        with pytest.raises(ConfigError, match=f"limit of {MAX_PARTITIONS}"):
+            call()
+    from hybrid_ray.shuffle import check_num_partitions
+
+    check_num_partitions(MAX_PARTITIONS)  # the limit itself is fine
+
+
+def _alive_workers(ray_mod) -> list[str]:
+    """Ids of the alive writer and reader actors, from the GCS (the state API needs the
+    dashboard, which the test cluster does not run)."""
+    from ray._private.state import actors
+
+    return sorted(actor_id for actor_id, info in actors().items()
+                  if info["ActorClassName"] == "ShuffleWorkerActor"
+                  and info["State"] == "ALIVE")
+
+
+def test_max_concurrent_reducers_above_four_per_cpu_is_refused(ray_local, tmp_path):
+    cpus = int(ray_local.cluster_resources()["CPU"])
+    ds = ray_local.data.range(100)
+    with pytest.raises(ConfigError, match=f"max_concurrent_reducers=1000000 .* at most "
+                                          f"{4 * cpus}"):
+        hybrid_ray.repartition(ds, 4, keys=["id"],
+                               config=base_config(tmp_path, max_concurrent_reducers=10**6))
+
+
+def test_reducers_beyond_the_cpus_end_with_their_shuffle(ray_local, tmp_path):
+    cpus = int(ray_local.cluster_resources()["CPU"])
+    table = pa.table({"key": np.arange(60_000) % 997, "v": np.arange(60_000)})
+    ds = ray_local.data.from_arrow(table).repartition(4).materialize()
+    cfg = base_config(tmp_path, max_concurrent_reducers=cpus)
+    hybrid_ray.repartition(ds, 2, keys=["key"], config=cfg)  # start the kept workers
+    before = _alive_workers(ray_local)
+    cfg = base_config(tmp_path, max_concurrent_reducers=3 * cpus)
+    out = hybrid_ray.repartition(ds, 12, keys=["key"], config=cfg)
+    deadline = time.time() + 30
+    while _alive_workers(ray_local) != before and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive_workers(ray_local) == before
+    # The output blocks outlive the reader processes that made them.
+    assert row_fingerprint(outputs(ray_local, out)) == row_fingerprint([table])
+    assert_no_leftovers(cfg, ray_local)
+
+
+def test_tiny_blocks_are_grouped_into_few_maps_and_shuffle_exactly(ray_local, tmp_path):
+    tables = [pa.table({"key": [i % 13], "v": [i]}) for i in range(2_000)]
+    ds = ray_local.data.from_arrow(tables).materialize()
+    assert ds.num_blocks() == 2_000
+    cfg = base_config(tmp_path)
+    started = time.monotonic()
+    parts = outputs(ray_local, hybrid_ray.repartition(ds, 3, keys=["key"], config=cfg))
+    elapsed = time.monotonic() - started
+    assert row_fingerprint(parts) == row_fingerprint(tables)
+    report = hybrid_ray.last_report()
+    assert report.rows == 2_000 and report.num_maps <= 32, report.num_maps
+    assert elapsed < 60, elapsed
+    # A seeded random shuffle of the same blocks is exact and reproducible too.
+    a = pa.concat_tables(outputs(ray_local, hybrid_ray.random_shuffle(ds, seed=3, config=cfg)))
+    b = pa.concat_tables(outputs(ray_local, hybrid_ray.random_shuffle(ds, seed=3, config=cfg)))
+    assert a.equals(b) and row_fingerprint([a]) == row_fingerprint(tables)
+    assert hybrid_ray.last_report().num_maps <= 32
+    assert_no_leftovers(cfg, ray_local)
+
+
+# ---- item 15: seeds and partition counts ------------------------------------------------------
+def test_bad_seeds_and_zero_partitions_are_refused_before_any_work(ray_local):
+    ds = ray_local.data.range(10)
+    for seed in (-1, 2**63, True, 1.5, "7"):
+        with pytest.raises(ConfigError, match=r"seed must be None or an integer with "
+                                              r"0 <= seed < 2\*\*63"):
+            hybrid_ray.random_shuffle(ds, seed=seed)
+    with pytest.raises(ConfigError, match="num_partitions must be a positive integer, got 0"):
+        hybrid_ray.random_shuffle(ds, num_partitions=0)
+    with pytest.raises(ConfigError, match="num_partitions must be a positive integer, got 0"):
+        hybrid_ray.sort(ds, "id", num_partitions=0)
+    with pytest.raises(ConfigError, match="num_partitions must be a positive integer, got -2"):
+        hybrid_ray.sort(ds, "id", num_partitions=-2)
+
+
+def test_largest_seed_works(ray_local, tmp_path):
+    table = pa.table({"v": np.arange(1000)})
+    ds = ray_local.data.from_arrow(table)
+    out = hybrid_ray.random_shuffle(ds, seed=2**63 - 1, config=base_config(tmp_path))
+    assert row_fingerprint(outputs(ray_local, out)) == row_fingerprint([table])
+
+
+# ---- item 16: schemas that differ, sort keys with nulls --------------------------------------
+def test_blocks_with_different_schemas_are_refused_before_the_shuffle(ray_local, tmp_path):
+    from hybrid_ray.actors import get_master
+
+    cfg = base_config(tmp_path)
+    a = pa.table({"id": pa.array([1, 2], pa.int64()), "v": ["a", "b"]})
+    b = pa.table({"id": pa.array([3], pa.int32()), "v": ["c"]})
+    ds = ray_local.data.from_arrow([a, b]).materialize()
+    master = get_master(cfg.namespace)
+    registered = ray_local.get(master.status.remote())["shuffles"]
+    for call in (lambda: hybrid_ray.repartition(ds, 2, keys=["v"], config=cfg),
+                 lambda: hybrid_ray.sort(ds, "v", config=cfg),
+                 lambda: hybrid_ray.random_shuffle(ds, config=cfg)):
+        with pytest.raises(ConfigError) as err:
+            call()
+        message = str(err.value)
+        assert "different schemas" in message and "id: int32 vs id: int64" in message
+        assert "block 1" in message and "block 0" in message and "Cast" in message
+    assert ray_local.get(master.status.remote())["shuffles"] == registered  # none started
+    # run_shuffle on raw block refs: the map that gets the odd block refuses it, by name.
+    with pytest.raises(ConfigError, match=r"different schemas: input block \d of map \d "
+                                          r"differs .* id: int32 vs id: int64"):
+        hybrid_ray.run_shuffle([ray_local.put(a), ray_local.put(b)], 2,
+                               hybrid_ray.HashPartitioner(["v"]), a.schema, cfg)
+    assert_no_leftovers(cfg, ray_local)
+
+
+def test_sort_places_nulls_last_ascending_and_first_descending(ray_local, tmp_path):
+    cfg = base_config(tmp_path)
+    rng = np.random.default_rng(16)
+    words = [None if i % 7 == 0 else f"w{rng.integers(0, 10**6):07d}" for i in range(3_000)]
+    numbers = [None if i % 11 == 0 else float("nan") if i % 13 == 0 else float(v)
+               for i, v in enumerate(rng.integers(-1000, 1000, 3_000))]
+    table = pa.table({"word": words, "number": numbers, "row": np.arange(3_000)})
+    ds = ray_local.data.from_arrow(table).repartition(5).materialize()
+    present = sorted(w for w in words if w is not None)
+    nulls = words.count(None)
+    for descending in (False, True):
+        out = pa.concat_tables(outputs(ray_local, hybrid_ray.sort(
+            ds, "word", descending=descending, config=cfg, num_partitions=4)))
+        expected = ([None] * nulls + present[::-1]) if descending else present + [None] * nulls
+        assert out["word"].to_pylist() == expected
+        assert row_fingerprint([out]) == row_fingerprint([table])
+    values = sorted(v for v in numbers if v is not None and v == v)
+    nans = sum(1 for v in numbers if v is not None and v != v)
+    none = numbers.count(None)
+    for descending in (False, True):
+        got = pa.concat_tables(outputs(ray_local, hybrid_ray.sort(
+            ds, "number", descending=descending, config=cfg, num_partitions=3)))
+        got = ["nan" if v is not None and v != v else v for v in got["number"].to_pylist()]
+        expected = values + ["nan"] * nans + [None] * none
+        assert got == (expected[::-1] if descending else expected)
+    assert_no_leftovers(cfg, ray_local)
