@@ -170,10 +170,11 @@ class ShuffleConfig:
             this many seconds; at least ``MIN_ORPHAN_TTL_S`` (3 driver heartbeats).
         namespace: Ray namespace of the shuffle master and tier managers.
         progress: show a progress bar on shuffles.
-        max_concurrent_reducers: reducers running at once (None: the cluster's CPU count),
-            each in one of as many long-lived reader processes per namespace
-            (``hybrid_ray.actors.ShuffleWorkerActor``); hybrid reducers wait for data while maps
-            write, so this also bounds the processes that wait.
+        max_concurrent_reducers: reducers running at once (None: the cluster's CPU count;
+            at most 4 per CPU). Up to one per CPU run in long-lived reader processes kept
+            per namespace (``hybrid_ray.actors.ShuffleWorkerActor``); beyond that, in reader
+            processes of that shuffle alone, ended with it. Hybrid reducers wait for data
+            while maps write, so this also bounds the processes that wait.
         map_chunk_bytes: a map partitions and commits its block in chunks of about
             this size; smaller chunks make data visible to hybrid readers sooner.
         remote_transfers: remote-tier transfers each writer or reader process keeps in
