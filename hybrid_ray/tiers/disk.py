@@ -331,19 +331,8 @@ def write_shuffle_marker(directory: str, shuffle_id: str) -> None:
     cleanup removes only marked directories. A stat per segment checks it, so a directory
     removed and recreated under a late writer is marked again. Written whole and renamed."""
     marker = os.path.join(directory, SHUFFLE_MARKER_NAME)
-    if os.path.exists(marker):
-        return
-    tmp = f"{marker}.{os.getpid()}.inprogress"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, shuffle_marker(shuffle_id))
-        finally:
-            os.close(fd)
-        os.replace(tmp, marker)
-    except OSError:
-        unlink_quietly(tmp)
-        raise
+    if not os.path.exists(marker):
+        write_private_file(marker, shuffle_marker(shuffle_id))
 
 
 def make_private_dir(path: str) -> None:
