@@ -37,6 +37,31 @@ def start_local_ray():
     return ray  # left running for later tests; Ray shuts down at interpreter exit
 
 
+def multinode_cluster(nodes: int):
+    """A ``ray.cluster_utils.Cluster`` of ``nodes`` 1-CPU nodes (the first is the head) with
+    this process connected to it, for a module fixture to yield and then pass to
+    ``stop_cluster``. The single-node session of other modules is shut down first."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    cluster = Cluster()
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1, object_store_memory=300 * 1024**2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+    return cluster
+
+
+def stop_cluster(cluster) -> None:
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
 @pytest.fixture
 def ray_local():
     """The session's local Ray (``start_local_ray``)."""

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 import hybrid_ray
-from conftest import files_under, row_fingerprint
+from conftest import files_under, multinode_cluster, row_fingerprint, stop_cluster
 from hybrid_ray import MiB, ShuffleConfig
 from hybrid_ray.actors import existing_tier_manager, get_writers
 
@@ -17,22 +17,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    import os
-
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # a single-node session from other modules
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    c = Cluster()
-    for _ in range(2):
-        c.add_node(num_cpus=1, object_store_memory=300 * 1024**2)
-    c.wait_for_nodes()
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+    c = multinode_cluster(2)  # node 0 is the head
     yield c
-    ray.shutdown()
-    c.shutdown()
+    stop_cluster(c)
 
 
 def test_two_nodes_cross_node_reads_exact_on_a_million_rows(cluster, tmp_path):

@@ -5,7 +5,6 @@ with a hybrid_ray error naming the cause."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -13,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import files_under, row_fingerprint
+from conftest import files_under, multinode_cluster, row_fingerprint, stop_cluster
 from hybrid_ray import HashPartitioner, MiB, ShuffleConfig, ShuffleMasterLostError
 from hybrid_ray.actors import (
     HEAD_NODE_RESOURCE, existing_tier_manager, get_master, get_reader_slots, get_writers,
@@ -35,19 +34,9 @@ class SlowHash(HashPartitioner):
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()  # a single-node session from other modules
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    c = Cluster()
-    c.add_node(num_cpus=1, object_store_memory=300 * 1024**2)  # head
-    c.wait_for_nodes()
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+    c = multinode_cluster(1)  # node 0 is the head
     yield c
-    ray.shutdown()
-    c.shutdown()
+    stop_cluster(c)
 
 
 def _add_workers(cluster, count):
