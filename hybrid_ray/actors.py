@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -21,11 +22,13 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.master import PollResult, ShuffleRegistry, ShuffleState, metas_by_node
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tier_manager import NodeUsage, Placement, TierManager
 from hybrid_ray.tiers import Grant, RemoteTier
+from hybrid_ray.tiers.disk import require_segment_file
 
 MASTER_NAME = "hybrid_ray_shuffle_master"
 # A custom resource only the head node has (Ray 2.x): actors that ask for a sliver of it run
@@ -109,6 +112,8 @@ class TierManagerActor:
     def __init__(self, node_id: str, namespace: str) -> None:
         self.tm = TierManager(node_id, _node_object_store_bytes(node_id))
         self.namespace = namespace
+        # Grants handed to the JVM shuffle manager's writers (hybrid_ray.spark_jvm).
+        self._jvm_grants = spark_jvm.JvmGrants()
         # Shuffle -> consecutive sweeps that found the master without it.
         self._unknown_to_master: dict[str, int] = {}
         me = ray.get_runtime_context().current_actor
@@ -172,6 +177,20 @@ class TierManagerActor:
     def usage(self) -> NodeUsage:
         return self.tm.usage()
 
+    # ---- the JVM shuffle manager (JSON strings in and out: see hybrid_ray.spark_jvm) ------
+    def spark_reserve(self, request: str) -> str:
+        return json.dumps(self._jvm_grants.reserve(self.tm, json.loads(request)))
+
+    def spark_settle(self, request: str) -> str:
+        self._jvm_grants.settle(self.tm, json.loads(request).get("settle"))
+        return "ok"
+
+    def spark_read_segment(self, location: str) -> bytes:
+        """A disk segment file of this node, for a Spark reader on another node."""
+        require_segment_file(location, "serve")
+        with open(location, "rb") as f:
+            return f.read()
+
 
 class ActorNodeStorage:
     """``NodeStorage`` for a write client: forwards space decisions to a tier-manager actor."""
@@ -232,6 +251,8 @@ class ShuffleMasterActor:
                                         delete_inline=False)
         self.loop_errors = 0
         self.last_loop_error = ""
+        self._spark_history: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=spark_jvm.SPARK_HISTORY)
         threading.Thread(target=self._background_loop, daemon=True,
                          name="hybrid-ray-master-background").start()
 
@@ -419,6 +440,57 @@ class ShuffleMasterActor:
                          for m in state.maps],
                 "readers": {s: dataclasses.asdict(r) for s, r in state.readers.items()},
             }
+
+    # ---- the JVM shuffle manager (JSON strings in and out: see hybrid_ray.spark_jvm) ------
+    def spark_tier_manager(self, node_id: str) -> str:
+        """Start ``node_id``'s tier manager if it is not running (Java cannot start a
+        Python actor with a node affinity)."""
+        get_tier_manager(node_id, self.namespace)
+        return "ok"
+
+    def spark_commit(self, request: str) -> str:
+        with self._lock:
+            spark_jvm.commit(self.registry, json.loads(request))
+        self._queued()
+        return "ok"
+
+    def spark_abort(self, request: str) -> str:
+        with self._lock:
+            spark_jvm.abort(self.registry, json.loads(request))
+        self._queued()
+        return "ok"
+
+    def spark_locate(self, request: str) -> str:
+        with self._lock:
+            return json.dumps(spark_jvm.locate(self.registry, json.loads(request)))
+
+    def spark_heartbeat(self, request: str) -> str:
+        with self._lock:
+            for shuffle_id in spark_jvm.matching(self.registry, json.loads(request)):
+                self.registry.heartbeat(shuffle_id)
+        return "ok"
+
+    def spark_release(self, request: str) -> str:
+        """Release Spark shuffles (``shuffles`` and/or all ids with ``prefix``), keeping
+        their summaries for ``spark_reports``."""
+        with self._lock:
+            ids = spark_jvm.matching(self.registry, json.loads(request))
+            for shuffle_id in ids:
+                done = spark_jvm.summary(self.registry, shuffle_id)
+                done["released"] = True
+                self._spark_history.append(done)
+                self.registry.release(shuffle_id)
+        self._run_deletions()
+        return json.dumps({"released": ids})
+
+    def spark_reports(self, prefix: str) -> list[dict[str, Any]]:
+        """Summaries of the Spark shuffles whose id starts with ``prefix``: released ones
+        (oldest first), then live ones."""
+        with self._lock:
+            out = [s for s in self._spark_history if s["shuffle_id"].startswith(prefix)]
+            out += [spark_jvm.summary(self.registry, s) for s in self.registry.shuffle_ids()
+                    if s.startswith(prefix)]
+        return out
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -68,6 +68,9 @@ class ShuffleState:
     # Finished maps whose output was lost, waiting for the driver to re-run them.
     lost: set[int] = dataclasses.field(default_factory=set)
     lost_maps_rerun: int = 0
+    # Spark shuffles written by the JVM shuffle manager (``hybrid_ray.spark_jvm``): Spark's
+    # map attempt id (task attempt id) -> (map index, this registry's attempt number).
+    spark_attempts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def all_maps_finished(self) -> bool:
@@ -395,6 +398,15 @@ class ShuffleRegistry:
         for shuffle_id in expired:
             self.release(shuffle_id)
         return expired
+
+    def drop_attempt(self, shuffle_id: str, map_index: int, attempt: int) -> None:
+        """Delete one attempt of a map of an open shuffle (a Spark map attempt that failed
+        after committing some segments); the map's other attempts stay."""
+        state = self._get(shuffle_id)
+        m = state.maps[map_index]
+        m.done_attempts.pop(attempt, None)
+        self._drop_attempt(state, m, attempt)
+        state.superseded_attempts += 1
 
     def _drop_attempt(self, state: ShuffleState, m: MapState, attempt: int) -> None:
         # Freed subpartitions' segments are deleted already (their metadata stays).

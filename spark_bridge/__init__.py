@@ -16,10 +16,10 @@ from spark_bridge.exchange import BridgeShuffle, held_shuffles, last_report, rel
 from spark_bridge.operations import (
     AGG_FUNCTIONS, JOIN_TYPES, aggregate, join, release, repartition, sort,
 )
-from spark_bridge.session import SparkSetupError, init_spark, stop_spark
+from spark_bridge.session import SparkSetupError, init_spark, spark_shuffle_reports, stop_spark
 
 __all__ = [
     "AGG_FUNCTIONS", "BridgeShuffle", "JOIN_TYPES", "SparkSetupError", "aggregate",
     "held_shuffles", "init_spark", "join", "last_report", "release", "release_all",
-    "repartition", "sort", "stop_spark",
+    "repartition", "sort", "spark_shuffle_reports", "stop_spark",
 ]

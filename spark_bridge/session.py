@@ -15,6 +15,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -136,10 +138,25 @@ def spark_configs(num_executors: int, executor_cores: int,
     return merged
 
 
+# The running session's hybrid_ray Spark shuffles: (namespace, shuffle id prefix), or None.
+_session_shuffles: tuple[str, str] | None = None
+_last_session_shuffles: tuple[str, str] | None = None
+
+
 def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_cores: int = 1,
                executor_memory: str | int = "2GB", configs: Mapping[str, str] | None = None,
-               *, ray_address: str | None = None) -> Any:
+               *, ray_address: str | None = None, shuffle_config: Any = None,
+               hybrid_shuffle: bool = False) -> Any:
     """Start Spark on the Ray cluster through RayDP and return its ``SparkSession``.
+
+    With ``hybrid_shuffle=True`` every ordinary exchange of the session (SQL,
+    DataFrame and RDD shuffles) stores its map output in hybrid_ray's memory and disk
+    tiers through ``HybridRayShuffleManager`` (see ``spark_bridge.hybrid_shuffle``), with
+    ``shuffle_config`` (a ``ShuffleConfig``; default ``ShuffleConfig()``) giving the spill
+    dirs, budgets and namespace. ``hybrid_shuffle=False`` (for now the default: the
+    driver releases a Spark shuffle's data only at ``stop_spark``, see the README) gives
+    Spark's own shuffle.
+    Settings in ``configs`` win over the ones this adds.
 
     Connects to (or starts) Ray first: ``ray_address`` or ``RAY_ADDRESS``, else a local Ray.
     The executors together claim at most half of the cluster's logical CPUs from Ray (see
@@ -160,7 +177,28 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                           f"got {executor_memory!r}")
     if configs is not None and not isinstance(configs, Mapping):
         raise ConfigError(f"configs must be a dict of Spark configs, got {type(configs).__name__}")
+    if not isinstance(hybrid_shuffle, bool):
+        raise ConfigError(f"hybrid_shuffle must be True or False, got {hybrid_shuffle!r}")
+    from hybrid_ray.config import ShuffleConfig
+
+    if shuffle_config is None:
+        shuffle_config = ShuffleConfig()
+    elif not isinstance(shuffle_config, ShuffleConfig):
+        raise ConfigError("shuffle_config must be a hybrid_ray.ShuffleConfig, got "
+                          f"{type(shuffle_config).__name__}")
     check_environment()
+    extra: dict[str, str] = {}
+    if hybrid_shuffle:
+        from spark_bridge.hybrid_shuffle import shuffle_manager_configs, shuffle_manager_jar
+
+        extra = shuffle_manager_configs(shuffle_config, shuffle_manager_jar())
+        for key in ("raydp.executor.extraClassPath", "spark.driver.extraClassPath"):
+            if configs and configs.get(key):
+                extra[key] = f"{extra[key]}:{configs[key]}"
+        extra.update({k: str(v) for k, v in (configs or {}).items()
+                      if k not in ("raydp.executor.extraClassPath",
+                                   "spark.driver.extraClassPath")})
+        configs = extra
     # Executors' Python workers (mapInArrow) must import hybrid_ray: use this interpreter.
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -168,13 +206,18 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     import ray
     import raydp
 
+    global _session_shuffles
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    if hybrid_shuffle:
+        from hybrid_ray.actors import get_master
+
+        get_master(shuffle_config.namespace)  # the JVM finds it by name; it cannot start it
     try:
         cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
-        return raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
-                                configs=spark_configs(num_executors, executor_cores, configs,
-                                                      cluster_cpus))
+        session = raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
+                                   configs=spark_configs(num_executors, executor_cores,
+                                                         configs, cluster_cpus))
     except Exception as exc:  # RayDP raises bare Exceptions and Py4J errors
         text = str(exc)
         if "has inited" in text:
@@ -183,13 +226,65 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise SparkSetupError(f"RayDP could not start Spark: {text.strip().splitlines()[0][:500]}"
                               " (check the executor settings against the cluster's free CPUs "
                               "and memory: `ray status`)") from exc
+    if hybrid_shuffle:
+        from spark_bridge.hybrid_shuffle import app_prefix
+
+        _session_shuffles = (shuffle_config.namespace,
+                             app_prefix(session.sparkContext.applicationId))
+        threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
+                         daemon=True, name="hybrid-ray-spark-heartbeat").start()
+    return session
+
+
+def _heartbeat_spark_shuffles(session: tuple[str, str]) -> None:
+    """Keep the session's Spark shuffles from the master's orphan TTL while it runs (the
+    driver's JVM heartbeats too where it is connected to Ray; RayDP's often is not)."""
+    import json
+
+    import ray
+
+    from hybrid_ray.actors import master_handle
+    from hybrid_ray.config import DRIVER_HEARTBEAT_S
+
+    namespace, prefix = session
+    while _session_shuffles == session:
+        try:
+            ray.get(master_handle(namespace).spark_heartbeat.remote(
+                json.dumps({"prefix": prefix})), timeout=30)
+        except Exception:  # noqa: BLE001 - the next beat tries again
+            pass
+        time.sleep(DRIVER_HEARTBEAT_S)
 
 
 def stop_spark() -> None:
-    """Release every hybrid_ray shuffle the bridge still holds, then stop RayDP's Spark."""
+    """Release every hybrid_ray shuffle the bridge still holds, then stop RayDP's Spark.
+    The session's Spark shuffles are released by the shuffle manager as Spark stops, and
+    here again in case the driver could not reach the master."""
     import raydp
 
     from spark_bridge.exchange import release_all
 
+    global _session_shuffles, _last_session_shuffles
     release_all()
     raydp.stop_spark(cleanup_data=True)
+    if _session_shuffles is not None:
+        import json
+
+        import ray
+
+        from hybrid_ray.actors import master_handle
+
+        namespace, prefix = _session_shuffles
+        _last_session_shuffles, _session_shuffles = _session_shuffles, None
+        ray.get(master_handle(namespace).spark_release.remote(json.dumps({"prefix": prefix})))
+
+
+def spark_shuffle_reports() -> list[Any]:
+    """One ``ShuffleReport`` per Spark exchange of the current (or last stopped) session
+    that went through hybrid_ray's shuffle manager: bytes and segments per node and tier."""
+    from spark_bridge.hybrid_shuffle import reports
+
+    current = _session_shuffles or _last_session_shuffles
+    if current is None:
+        return []
+    return reports(*current)

@@ -1,0 +1,208 @@
+"""The books of Spark shuffles written by the JVM shuffle manager
+(``org.apache.spark.shuffle.hybridray.HybridRayShuffleManager``, built from ``jvm/``).
+
+Its executors and driver call the namespace's shuffle master and their node's tier manager
+cross-language. Only strings, bytes and numbers cross that boundary (a Python dict return
+throws in Java), so every call takes one JSON string and returns one; the functions here
+are what the actors' ``spark_*`` methods run, on the same ``ShuffleRegistry`` and
+``TierManager`` as the Ray shuffles: same budgets, same release, TTL and ``status``.
+
+A Spark shuffle is an open shuffle of the registry (its map count is Spark's business):
+each Spark map attempt (Spark's task attempt id, the ``mapId`` of its ``MapStatus``)
+becomes one registry attempt of its map index. Which attempt counts is decided by Spark's
+``MapOutputTracker``; readers ask for the attempts it lists (``locate``), so a failed,
+killed or speculative attempt is never read. Memory-tier segments are objects owned by the
+executor that put them; their ``location`` is the serialized Java ``ObjectRef`` (id and
+owner, base64), which only the JVM reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import ShuffleNotFoundError
+from hybrid_ray.master import ShuffleRegistry, ShuffleState
+from hybrid_ray.segment import SegmentId, SegmentMeta
+from hybrid_ray.tier_manager import TierManager
+from hybrid_ray.tiers import Grant
+
+# ShuffleConfig fields the JVM path passes on. The remote tier is not among them: Spark
+# shuffles use the memory and disk tiers (the JVM must not need Hadoop's S3A, and the
+# Python sidecar for fsspec is not built yet), so a config's remote_path is not sent and
+# credentials in storage_options never reach Spark's configuration.
+JVM_CONFIG_FIELDS = ("memory_fraction", "memory_capacity_bytes", "spill_dirs",
+                     "min_reserve_fraction", "disk_capacity_bytes", "segment_bytes", "spilling",
+                     "memory_weight", "job_id", "orphan_ttl_s", "namespace")
+# Released Spark shuffles whose summaries the master keeps for ``spark_shuffle_reports``.
+SPARK_HISTORY = 1000
+
+
+def config_to_json(config: ShuffleConfig) -> str:
+    """The part of ``config`` the JVM shuffle manager passes back to the actors."""
+    out: dict[str, Any] = {}
+    for name in JVM_CONFIG_FIELDS:
+        value = getattr(config, name)
+        if name == "spill_dirs":
+            value = list(value)
+        elif name == "segment_bytes":
+            value = {TierName.parse(k).value: v for k, v in value.items()}
+        elif hasattr(value, "value"):
+            value = value.value
+        out[name] = value
+    return json.dumps(out, sort_keys=True)
+
+
+def config_from_json(data: Mapping[str, Any] | None) -> ShuffleConfig:
+    """A validated ShuffleConfig from what ``config_to_json`` produced ({} = defaults)."""
+    fields = {k: v for k, v in (data or {}).items() if k in JVM_CONFIG_FIELDS}
+    return ShuffleConfig(progress=False, **fields)
+
+
+# ---- shuffle master -------------------------------------------------------------------------
+def _ensure_registered(registry: ShuffleRegistry, request: Mapping[str, Any]) -> ShuffleState:
+    shuffle_id = request["shuffle"]
+    if shuffle_id not in registry.shuffle_ids():
+        if shuffle_id in registry.released:
+            raise ShuffleNotFoundError(f"Spark shuffle {shuffle_id!r} was released; a late "
+                                       "map attempt cannot write to it")
+        registry.register(shuffle_id, None, int(request["num_partitions"]),
+                          config_from_json(request.get("config")))
+    return registry.state(shuffle_id)
+
+
+def commit(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
+    """Publish a batch of a map attempt's segments; ``final`` marks its output complete.
+    Segments: ``[partition, index, tier, nbytes, location]``."""
+    state = _ensure_registered(registry, request)
+    shuffle_id = state.shuffle_id
+    registry.heartbeat(shuffle_id)
+    map_id, map_index, node = int(request["map_id"]), int(request["map_index"]), request["node"]
+    entry = state.spark_attempts.get(map_id)
+    if entry is None:
+        attempt = registry.begin_map(shuffle_id, map_index, node, 0)
+        entry = state.spark_attempts[map_id] = (map_index, attempt)
+    map_index, attempt = entry
+    metas = [SegmentMeta(SegmentId(shuffle_id, map_index, int(sub), int(index), attempt,
+                                   state.config.job_id),
+                         TierName(tier), int(nbytes), 0, node_id=node, location=location)
+             for sub, index, tier, nbytes, location in request["segments"]]
+    registry.commit(shuffle_id, map_index, attempt, metas)
+    if request.get("final"):
+        registry.finish_map(shuffle_id, map_index, attempt, None)
+
+
+def abort(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
+    """A map attempt failed after committing some segments: delete them."""
+    shuffle_id = request["shuffle"]
+    if shuffle_id not in registry.shuffle_ids():
+        return
+    state = registry.state(shuffle_id)
+    entry = state.spark_attempts.pop(int(request["map_id"]), None)
+    if entry is not None:
+        registry.drop_attempt(shuffle_id, *entry)
+
+
+def locate(registry: ShuffleRegistry, request: Mapping[str, Any]) -> dict[str, Any]:
+    """Segments of blocks ``[map_id, partition]``: per block ``[[tier, nbytes, node,
+    location], ...]`` in index order, or None if that attempt's output is not complete
+    here (lost, aborted, released): the reader then raises FetchFailedException."""
+    state = registry.state(request["shuffle"])  # ShuffleNotFoundError names the release
+    registry.heartbeat(state.shuffle_id)
+    out: list[Any] = []
+    for map_id, partition in request["blocks"]:
+        entry = state.spark_attempts.get(int(map_id))
+        if entry is None:
+            out.append(None)
+            continue
+        map_index, attempt = entry
+        m = state.maps[map_index]
+        if attempt not in m.done_attempts or attempt not in m.segments:
+            out.append(None)
+            continue
+        metas = sorted(m.segments[attempt].get(int(partition), []), key=lambda s: s.id.index)
+        if [s.id.index for s in metas] != list(range(len(metas))):
+            out.append(None)  # a gap: some segment of the block is missing
+            continue
+        out.append([[s.tier.value, s.nbytes, s.node_id, s.location] for s in metas])
+    return {"blocks": out}
+
+
+def matching(registry: ShuffleRegistry, request: Mapping[str, Any]) -> list[str]:
+    """Live Spark shuffle ids named by ``shuffles`` or starting with ``prefix``."""
+    named = set(request.get("shuffles") or ())
+    prefix = request.get("prefix")
+    return [s for s in registry.shuffle_ids()
+            if s in named or (prefix and s.startswith(prefix))]
+
+
+def summary(registry: ShuffleRegistry, shuffle_id: str) -> dict[str, Any]:
+    """What a Spark shuffle stored: bytes and segments per node and tier of the map
+    attempts that completed (a speculative duplicate counts too), for reports."""
+    state = registry.state(shuffle_id)
+    per_node_tier: dict[str, dict[str, list[int]]] = collections.defaultdict(dict)
+    for m in state.maps:
+        for attempt in m.done_attempts:
+            for metas in m.segments.get(attempt, {}).values():
+                for meta in metas:
+                    pair = per_node_tier[meta.node_id].setdefault(meta.tier.value, [0, 0])
+                    pair[0] += meta.nbytes
+                    pair[1] += 1
+    return {
+        "shuffle_id": shuffle_id,
+        "num_maps": sum(1 for m in state.maps if m.done_attempts),
+        "num_partitions": state.num_subpartitions,
+        "per_node_tier": {n: {t: tuple(v) for t, v in tiers.items()}
+                          for n, tiers in per_node_tier.items()},
+        "superseded_attempts": state.superseded_attempts,
+        "spilling": state.config.spilling.value,
+        "age_s": time.time() - state.created,
+        "released": False,
+    }
+
+
+# ---- tier manager ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class JvmGrants:
+    """A tier manager's grants to JVM writers, by number (a Grant cannot cross to Java)."""
+
+    grants: dict[int, tuple[str, Grant]] = dataclasses.field(default_factory=dict)
+    ids: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    def settle(self, tm: TierManager, pairs: Any) -> None:
+        by_shuffle: dict[str, list[tuple[Grant, int | None]]] = collections.defaultdict(list)
+        for grant_id, written in pairs or ():
+            entry = self.grants.pop(int(grant_id), None)
+            if entry is not None:
+                by_shuffle[entry[0]].append((entry[1], None if written is None else int(written)))
+        for shuffle_id, settled in by_shuffle.items():
+            tm.settle(shuffle_id, settled)
+
+    def reserve(self, tm: TierManager, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Room for a batch of segments (``sizes``), after settling earlier grants: per
+        segment ``{tier, grant, target, refusals}``; tier None when no local tier can take
+        it (refusals say why)."""
+        shuffle_id = request["shuffle"]
+        if shuffle_id not in tm.shuffle_ids():
+            tm.register_shuffle(shuffle_id, config_from_json(request.get("config")))
+        live = set(tm.shuffle_ids())
+        for gid in [g for g, (s, _) in self.grants.items() if s not in live]:
+            del self.grants[gid]  # their shuffle was released here
+        self.settle(tm, request.get("settle"))
+        out = []
+        for placement in tm.reserve(shuffle_id, [int(n) for n in request["sizes"]]):
+            if placement.grant is None:
+                out.append({"tier": None, "grant": -1, "target": "",
+                            "refusals": list(placement.refusals)})
+                continue
+            gid = next(self.ids)
+            self.grants[gid] = (shuffle_id, placement.grant)
+            out.append({"tier": placement.grant.tier.value, "grant": gid,
+                        "target": placement.grant.target, "refusals": []})
+        return {"placements": out}

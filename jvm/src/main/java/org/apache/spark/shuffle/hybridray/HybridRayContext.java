@@ -1,0 +1,185 @@
+package org.apache.spark.shuffle.hybridray;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.ObjectMapper;
+import io.ray.api.ObjectRef;
+import io.ray.api.PyActorHandle;
+import io.ray.api.Ray;
+import io.ray.api.function.PyActorMethod;
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+import java.util.Optional;
+import java.util.concurrent.ConcurrentHashMap;
+import org.apache.spark.SparkConf;
+
+/**
+ * One JVM's link to hybrid_ray (the driver's or an executor's): its settings, the handles of
+ * the namespace's shuffle master and of the nodes' tier managers (Python actors, called
+ * cross-language with JSON strings: only strings, bytes and numbers cross), and the
+ * memory-tier objects this JVM owns.
+ *
+ * <p>Memory-tier segments are {@code Ray.put} by the executor that wrote them, so they are
+ * owned by that executor and die with it, as Spark's own shuffle files do without an
+ * external shuffle service. The executor keeps their refs here until the shuffle is
+ * unregistered (or the map attempt aborted): dropping the last local ref would free them.
+ */
+public final class HybridRayContext {
+  public static final String MASTER_NAME = "hybrid_ray_shuffle_master";
+  public static final String TIER_MANAGER_PREFIX = "hybrid_ray_tier_manager_";
+
+  public static final String CONF_NAMESPACE = "spark.hybridray.namespace";
+  public static final String CONF_CONFIG = "spark.hybridray.config";
+  public static final String CONF_SEGMENT_BYTES = "spark.hybridray.segmentBytes";
+  public static final String CONF_FLUSH_BYTES = "spark.hybridray.flushBytes";
+  public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
+
+  private static HybridRayContext instance;
+
+  final String namespace;
+  /** The ShuffleConfig as JSON, for the Python side (opaque here). */
+  final String configJson;
+  final int segmentBytes;
+  final long flushBytes;
+  final long fetchTimeoutMs;
+  final String appKey;
+  final ObjectMapper json = new ObjectMapper();
+
+  private volatile PyActorHandle master;
+  private volatile String nodeId;
+  private final Map<String, PyActorHandle> tierManagers = new ConcurrentHashMap<>();
+  // Spark shuffle id -> map attempt id -> refs of the memory-tier segments it wrote here.
+  private final Map<Integer, Map<Long, List<ObjectRef<byte[]>>>> ownedRefs =
+      new ConcurrentHashMap<>();
+
+  HybridRayContext(SparkConf conf) {
+    this.namespace = conf.get(CONF_NAMESPACE, "hybrid_ray");
+    this.configJson = conf.get(CONF_CONFIG, "{}");
+    this.segmentBytes = (int) conf.getSizeAsBytes(CONF_SEGMENT_BYTES, "4m");
+    this.flushBytes = conf.getSizeAsBytes(CONF_FLUSH_BYTES, "32m");
+    this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
+    this.appKey = appKey(conf.getAppId());
+  }
+
+  /** This JVM's context (created from its SparkConf on first use). */
+  public static synchronized HybridRayContext get(SparkConf conf) {
+    if (instance == null) {
+      instance = new HybridRayContext(conf);
+    }
+    return instance;
+  }
+
+  /** Forget the context (the SparkContext stopped; a new one may have other settings). */
+  static synchronized void reset() {
+    instance = null;
+  }
+
+  /** The application part of shuffle ids: only characters hybrid_ray accepts in ids. */
+  static String appKey(String appId) {
+    String key = appId == null ? "app" : appId.replaceAll("[^A-Za-z0-9_.-]", "_");
+    return key.length() > 80 ? key.substring(key.length() - 80) : key;
+  }
+
+  /** hybrid_ray's id of a Spark shuffle: {@code spark-<app>-<shuffle id>}. */
+  String shuffleKey(int shuffleId) {
+    return "spark-" + appKey + "-" + shuffleId;
+  }
+
+  String appPrefix() {
+    return "spark-" + appKey + "-";
+  }
+
+  String nodeId() {
+    if (nodeId == null) {
+      nodeId = Ray.getRuntimeContext().getCurrentNodeId().toString();
+    }
+    return nodeId;
+  }
+
+  PyActorHandle master() throws IOException {
+    if (master == null) {
+      Optional<PyActorHandle> handle = Ray.getActor(MASTER_NAME, namespace);
+      master = handle.orElseThrow(() -> new IOException(
+          "hybrid_ray's shuffle master (actor '" + MASTER_NAME + "' in Ray namespace '"
+              + namespace + "') is not running: start Spark with spark_bridge.init_spark(), "
+              + "or call hybrid_ray.actors.get_master('" + namespace + "') on the Ray "
+              + "cluster before the first Spark job"));
+    }
+    return master;
+  }
+
+  /** The tier manager of {@code node}, started by the master if it is not running yet. */
+  PyActorHandle tierManager(String node) throws IOException {
+    PyActorHandle handle = tierManagers.get(node);
+    if (handle != null) {
+      return handle;
+    }
+    Optional<PyActorHandle> found = Ray.getActor(TIER_MANAGER_PREFIX + node, namespace);
+    if (found.isEmpty()) {
+      call(master(), "spark_tier_manager", node);
+      found = Ray.getActor(TIER_MANAGER_PREFIX + node, namespace);
+    }
+    handle = found.orElseThrow(() -> new IOException(
+        "hybrid_ray's tier manager of node " + node + " did not start"));
+    tierManagers.put(node, handle);
+    return handle;
+  }
+
+  /** Call a Python actor method taking and returning strings; errors become IOException. */
+  String call(PyActorHandle actor, String method, String argument) throws IOException {
+    try {
+      return actor.task(PyActorMethod.of(method, String.class), argument).remote().get();
+    } catch (RuntimeException e) {
+      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
+  /** Fire-and-forget call (space settlements: nobody waits for them). */
+  void callAsync(PyActorHandle actor, String method, String argument) {
+    actor.task(PyActorMethod.of(method, String.class), argument).remote();
+  }
+
+  byte[] callBytes(PyActorHandle actor, String method, String argument) throws IOException {
+    try {
+      return actor.task(PyActorMethod.of(method, byte[].class), argument).remote().get();
+    } catch (RuntimeException e) {
+      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
+  JsonNode parse(String text) throws IOException {
+    return json.readTree(text);
+  }
+
+  String toJson(Object value) throws IOException {
+    return json.writeValueAsString(value);
+  }
+
+  // ---- memory-tier objects owned by this JVM ----------------------------------------------
+  void own(int shuffleId, long mapId, ObjectRef<byte[]> ref) {
+    ownedRefs.computeIfAbsent(shuffleId, k -> new ConcurrentHashMap<>())
+        .computeIfAbsent(mapId, k -> java.util.Collections.synchronizedList(new ArrayList<>()))
+        .add(ref);
+  }
+
+  void dropAttempt(int shuffleId, long mapId) {
+    Map<Long, List<ObjectRef<byte[]>>> maps = ownedRefs.get(shuffleId);
+    if (maps != null) {
+      maps.remove(mapId);
+    }
+  }
+
+  void dropShuffle(int shuffleId) {
+    ownedRefs.remove(shuffleId);
+  }
+
+  void dropAll() {
+    ownedRefs.clear();
+  }
+
+  int ownedObjects(int shuffleId) {
+    Map<Long, List<ObjectRef<byte[]>>> maps = ownedRefs.get(shuffleId);
+    return maps == null ? 0 : maps.values().stream().mapToInt(List::size).sum();
+  }
+}

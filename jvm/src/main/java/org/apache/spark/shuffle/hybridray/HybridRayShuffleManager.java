@@ -1,0 +1,257 @@
+package org.apache.spark.shuffle.hybridray;
+
+import com.fasterxml.jackson.databind.node.ArrayNode;
+import com.fasterxml.jackson.databind.node.ObjectNode;
+import io.ray.api.Ray;
+import java.util.Set;
+import java.util.concurrent.ConcurrentHashMap;
+import org.apache.spark.ShuffleDependency;
+import org.apache.spark.SparkConf;
+import org.apache.spark.SparkEnv;
+import org.apache.spark.TaskContext;
+import org.apache.spark.shuffle.ShuffleHandle;
+import org.apache.spark.shuffle.ShuffleReadMetricsReporter;
+import org.apache.spark.shuffle.ShuffleReader;
+import org.apache.spark.shuffle.ShuffleWriteMetricsReporter;
+import org.apache.spark.shuffle.ShuffleWriter;
+import org.apache.spark.shuffle.sort.SortShuffleManager;
+import org.apache.spark.shuffle.sort.BypassMergeSortShuffleHandle;
+import org.apache.spark.shuffle.sort.SerializedShuffleHandle;
+import org.apache.spark.shuffle.sort.SortShuffleWriter;
+import org.apache.spark.shuffle.sort.UnsafeShuffleWriter;
+import org.apache.spark.shuffle.api.ShuffleExecutorComponents;
+import org.apache.spark.shuffle.BaseShuffleHandle;
+import org.apache.spark.storage.BlockManager;
+import org.apache.spark.SparkException;
+import java.lang.reflect.Constructor;
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
+
+/**
+ * Spark's {@code spark.shuffle.manager} for hybrid_ray: every ordinary shuffle's map output
+ * goes into hybrid_ray's tiers (the Ray object store, then the node's spill dirs) under the
+ * same shuffle master and tier managers as the Ray shuffles; reducers read it back from
+ * there. Extends {@code SortShuffleManager}: barrier stages and push-based shuffles, which
+ * hybrid_ray does not serve, fall back to Spark's own shuffle, unchanged.
+ *
+ * <p>Settings (Spark confs, all optional; {@code spark_bridge.init_spark} sets them):
+ * {@code spark.hybridray.namespace} (Ray namespace of the master, default "hybrid_ray"),
+ * {@code spark.hybridray.config} (the ShuffleConfig as JSON), {@code spark.hybridray.segmentBytes}
+ * (4m), {@code spark.hybridray.flushBytes} (32m: map output stored per batch of this size),
+ * {@code spark.hybridray.fetchTimeoutMs} (10min).
+ */
+public class HybridRayShuffleManager extends SortShuffleManager {
+  private static final Logger LOG = LoggerFactory.getLogger(HybridRayShuffleManager.class);
+  private static final long HEARTBEAT_MS = 5_000;
+
+  private final SparkConf conf;
+  private final boolean isDriver;
+  // Driver: the shuffles registered through hybrid_ray (released at unregister/stop).
+  private final Set<Integer> hybridShuffles = ConcurrentHashMap.newKeySet();
+  private volatile Thread heartbeat;
+
+  public HybridRayShuffleManager(SparkConf conf) {
+    super(conf);
+    this.conf = conf;
+    this.isDriver = "driver".equals(conf.get("spark.executor.id", "driver"));
+  }
+
+  private HybridRayContext ctx() {
+    return HybridRayContext.get(conf);
+  }
+
+  /** Why Spark's own shuffle must serve {@code dependency}, or null if hybrid_ray can. */
+  static String fallbackReason(ShuffleDependency<?, ?, ?> dependency, SparkConf conf) {
+    if (dependency.rdd().isBarrier()) {
+      return "its map stage is a barrier stage";
+    }
+    if (conf.getBoolean("spark.shuffle.push.enabled", false)) {
+      return "push-based shuffle (spark.shuffle.push.enabled) is on";
+    }
+    return null;
+  }
+
+  @Override
+  public <K, V, C> ShuffleHandle registerShuffle(int shuffleId,
+      ShuffleDependency<K, V, C> dependency) {
+    String reason = fallbackReason(dependency, conf);
+    if (reason != null) {
+      LOG.warn("hybrid_ray: shuffle {} uses Spark's own shuffle: {}", shuffleId, reason);
+      return super.registerShuffle(shuffleId, dependency);
+    }
+    ShuffleHandle spark = super.registerShuffle(shuffleId, dependency);
+    String key = ctx().shuffleKey(shuffleId);
+    hybridShuffles.add(shuffleId);
+    startHeartbeat();
+    // The same writer path as Spark's would take (see HybridRayShuffleHandle).
+    if (spark instanceof BypassMergeSortShuffleHandle) {
+      return new HybridRayShuffleHandle.Bypass<>(shuffleId,
+          ((BypassMergeSortShuffleHandle<K, V>) spark).dependency(), key);
+    }
+    if (spark instanceof SerializedShuffleHandle) {
+      return new HybridRayShuffleHandle.Serialized<>(shuffleId,
+          ((SerializedShuffleHandle<K, V>) spark).dependency(), key);
+    }
+    return new HybridRayShuffleHandle<>(shuffleId, dependency, key);
+  }
+
+  @Override
+  @SuppressWarnings("unchecked")
+  public <K, V> ShuffleWriter<K, V> getWriter(ShuffleHandle handle, long mapId,
+      TaskContext context, ShuffleWriteMetricsReporter metrics) {
+    if (!(handle instanceof HybridRayHandle)) {
+      return super.getWriter(handle, mapId, context, metrics);
+    }
+    HybridRayExecutorComponents components =
+        new HybridRayExecutorComponents(ctx(), (HybridRayHandle) handle, context);
+    SparkEnv env = SparkEnv.get();
+    try {
+      if (handle instanceof HybridRayShuffleHandle.Serialized) {
+        return new UnsafeShuffleWriter<>(env.blockManager(), context.taskMemoryManager(),
+            (HybridRayShuffleHandle.Serialized<K, V>) handle, mapId, context, env.conf(),
+            metrics, components);
+      }
+      if (handle instanceof HybridRayShuffleHandle.Bypass) {
+        return bypassWriter(env, handle, mapId, metrics, components);
+      }
+    } catch (SparkException e) {
+      throw new IllegalStateException("hybrid_ray: cannot create Spark's shuffle writer: "
+          + e.getMessage(), e);
+    }
+    return new SortShuffleWriter<>((HybridRayShuffleHandle<K, V, Object>) handle, mapId,
+        context, metrics, components);
+  }
+
+  /** Spark's bypass-merge writer; its class is package-private, hence reflection. */
+  @SuppressWarnings("unchecked")
+  private static <K, V> ShuffleWriter<K, V> bypassWriter(SparkEnv env, ShuffleHandle handle,
+      long mapId, ShuffleWriteMetricsReporter metrics, HybridRayExecutorComponents components) {
+    try {
+      Constructor<?> ctor = BYPASS_WRITER.get();
+      return (ShuffleWriter<K, V>) ctor.newInstance(env.blockManager(), handle, mapId,
+          env.conf(), metrics, components);
+    } catch (ReflectiveOperationException e) {
+      throw new IllegalStateException("hybrid_ray: cannot create Spark's bypass-merge shuffle "
+          + "writer (is this Spark 3.5?): " + e, e);
+    }
+  }
+
+  private static final java.util.function.Supplier<Constructor<?>> BYPASS_WRITER = () -> {
+    try {
+      Class<?> cls = Class.forName("org.apache.spark.shuffle.sort.BypassMergeSortShuffleWriter");
+      Constructor<?> ctor = cls.getDeclaredConstructor(BlockManager.class,
+          BypassMergeSortShuffleHandle.class, long.class, SparkConf.class,
+          ShuffleWriteMetricsReporter.class, ShuffleExecutorComponents.class);
+      ctor.setAccessible(true);
+      return ctor;
+    } catch (ReflectiveOperationException e) {
+      throw new IllegalStateException(e);
+    }
+  };
+
+  @Override
+  public <K, C> ShuffleReader<K, C> getReader(ShuffleHandle handle, int startMapIndex,
+      int endMapIndex, int startPartition, int endPartition, TaskContext context,
+      ShuffleReadMetricsReporter metrics) {
+    if (!(handle instanceof HybridRayHandle)) {
+      return super.getReader(handle, startMapIndex, endMapIndex, startPartition, endPartition,
+          context, metrics);
+    }
+    @SuppressWarnings("unchecked")
+    BaseShuffleHandle<K, ?, C> h = (BaseShuffleHandle<K, ?, C>) handle;
+    return new HybridRayShuffleReader<>(ctx(), h, startMapIndex, endMapIndex, startPartition,
+        endPartition, context, metrics);
+  }
+
+  @Override
+  public boolean unregisterShuffle(int shuffleId) {
+    boolean removed = super.unregisterShuffle(shuffleId);
+    HybridRayContext ctx = ctx();
+    ctx.dropShuffle(shuffleId);  // executors: this JVM's memory-tier objects of it go
+    if (isDriver && hybridShuffles.remove(shuffleId)) {
+      release(ctx, new String[] {ctx.shuffleKey(shuffleId)}, null);
+    }
+    return removed;
+  }
+
+  @Override
+  public void stop() {
+    try {
+      super.stop();
+    } finally {
+      HybridRayContext ctx = ctx();
+      ctx.dropAll();
+      Thread beat = heartbeat;
+      if (beat != null) {
+        beat.interrupt();
+      }
+      if (isDriver) {
+        hybridShuffles.clear();
+        release(ctx, null, ctx.appPrefix());
+      }
+      HybridRayContext.reset();
+    }
+  }
+
+  /** Tell the master to release shuffles (by key, or all of an application's). */
+  private static void release(HybridRayContext ctx, String[] keys, String appPrefix) {
+    if (!Ray.isInitialized()) {
+      LOG.warn("hybrid_ray: this driver is not connected to Ray; shuffle data is released "
+          + "by spark_bridge.stop_spark() or after the master's orphan TTL");
+      return;
+    }
+    try {
+      ObjectNode request = ctx.json.createObjectNode();
+      if (keys != null) {
+        ArrayNode list = request.putArray("shuffles");
+        for (String key : keys) {
+          list.add(key);
+        }
+      }
+      if (appPrefix != null) {
+        request.put("prefix", appPrefix);
+      }
+      ctx.call(ctx.master(), "spark_release", ctx.toJson(request));
+    } catch (Exception e) {
+      LOG.warn("hybrid_ray: releasing shuffle data failed (the master's orphan TTL removes "
+          + "it later): {}", e.toString());
+    }
+  }
+
+  /** Driver: heartbeat this application's shuffles so the master's orphan TTL spares them. */
+  private synchronized void startHeartbeat() {
+    if (!isDriver || heartbeat != null) {
+      return;
+    }
+    Thread t = new Thread(() -> {
+      while (!Thread.currentThread().isInterrupted()) {
+        try {
+          if (Ray.isInitialized() && !hybridShuffles.isEmpty()) {
+            HybridRayContext ctx = ctx();
+            ObjectNode request = ctx.json.createObjectNode();
+            request.put("prefix", ctx.appPrefix());
+            ctx.call(ctx.master(), "spark_heartbeat", ctx.toJson(request));
+          }
+          Thread.sleep(HEARTBEAT_MS);
+        } catch (InterruptedException e) {
+          return;
+        } catch (Exception e) {
+          LOG.debug("hybrid_ray heartbeat failed: {}", e.toString());
+          try {
+            Thread.sleep(HEARTBEAT_MS);
+          } catch (InterruptedException ie) {
+            return;
+          }
+        }
+      }
+    }, "hybrid-ray-shuffle-heartbeat");
+    t.setDaemon(true);
+    t.start();
+    heartbeat = t;
+  }
+
+  /** The executor's or driver's SparkEnv is up (for callers that need it explicitly). */
+  static boolean hasSparkEnv() {
+    return SparkEnv.get() != null;
+  }
+}

@@ -1,0 +1,279 @@
+package org.apache.spark.shuffle.hybridray;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.node.ArrayNode;
+import com.fasterxml.jackson.databind.node.ObjectNode;
+import io.ray.api.ObjectRef;
+import io.ray.api.PyActorHandle;
+import io.ray.api.Ray;
+import java.io.ByteArrayInputStream;
+import java.io.IOException;
+import java.io.InputStream;
+import java.io.ObjectInputStream;
+import java.io.SequenceInputStream;
+import java.nio.file.Files;
+import java.nio.file.NoSuchFileException;
+import java.nio.file.Paths;
+import java.util.ArrayList;
+import java.util.Base64;
+import java.util.Collections;
+import java.util.List;
+import java.util.NoSuchElementException;
+import java.util.Optional;
+import org.apache.spark.Aggregator;
+import org.apache.spark.InterruptibleIterator;
+import org.apache.spark.ShuffleDependency;
+import org.apache.spark.SparkEnv;
+import org.apache.spark.TaskContext;
+import org.apache.spark.serializer.SerializerInstance;
+import org.apache.spark.shuffle.BaseShuffleHandle;
+import org.apache.spark.shuffle.FetchFailedException;
+import org.apache.spark.shuffle.ShuffleReadMetricsReporter;
+import org.apache.spark.shuffle.ShuffleReader;
+import org.apache.spark.storage.BlockId;
+import org.apache.spark.storage.BlockManagerId;
+import org.apache.spark.storage.ShuffleBlockId;
+import org.apache.spark.util.collection.ExternalSorter;
+import scala.Option;
+import scala.Product2;
+import scala.Tuple2;
+import scala.Tuple3;
+import scala.collection.AbstractIterator;
+import scala.collection.Iterator;
+
+/**
+ * Reads reduce partitions {@code [startPartition, endPartition)} of maps
+ * {@code [startMapIndex, endMapIndex)} (AQE's coalesced and skew-split reads), exactly as
+ * Spark's {@code BlockStoreShuffleReader} does past the fetch: Spark's compression and
+ * serializer, then the dependency's aggregation and key ordering.
+ *
+ * <p>Which attempt of each map counts is Spark's decision: the blocks come from the
+ * {@code MapOutputTracker} (a map's {@code mapId} is the task attempt that Spark accepted),
+ * so a failed, killed or speculative loser attempt is never read. Their segments come from
+ * the shuffle master in one call; a segment that is gone, unreadable or fails its checksum
+ * raises {@code FetchFailedException}, so Spark recomputes that map.
+ */
+final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
+  private final HybridRayContext ctx;
+  private final BaseShuffleHandle<K, ?, C> handle;
+  private final String shuffleKey;
+  private final int startMapIndex;
+  private final int endMapIndex;
+  private final int startPartition;
+  private final int endPartition;
+  private final TaskContext context;
+  private final ShuffleReadMetricsReporter metrics;
+
+  /** One block: one reduce partition of one map attempt. */
+  private record Block(BlockManagerId address, long mapId, int mapIndex, int reduceId) {}
+
+  HybridRayShuffleReader(HybridRayContext ctx, BaseShuffleHandle<K, ?, C> handle,
+      int startMapIndex, int endMapIndex, int startPartition, int endPartition,
+      TaskContext context, ShuffleReadMetricsReporter metrics) {
+    this.ctx = ctx;
+    this.handle = handle;
+    this.shuffleKey = ((HybridRayHandle) handle).shuffleKey();
+    this.startMapIndex = startMapIndex;
+    this.endMapIndex = endMapIndex;
+    this.startPartition = startPartition;
+    this.endPartition = endPartition;
+    this.context = context;
+    this.metrics = metrics;
+  }
+
+  @Override
+  @SuppressWarnings({"unchecked", "rawtypes"})
+  public Iterator<Product2<K, C>> read() {
+    ShuffleDependency<K, ?, C> dep = handle.dependency();
+    List<Block> blocks = blocks();
+    List<JsonNode> where = locate(blocks);
+    Iterator<Product2<Object, Object>> records =
+        new RecordIterator(blocks, where, dep.serializer().newInstance());
+    Iterator interruptible = new InterruptibleIterator(context, records);
+    Iterator aggregated;
+    Option<Aggregator<K, ?, C>> aggregator = (Option) dep.aggregator();
+    if (aggregator.isDefined()) {
+      Aggregator agg = aggregator.get();
+      aggregated = dep.mapSideCombine()
+          ? agg.combineCombinersByKey(interruptible, context)
+          : agg.combineValuesByKey(interruptible, context);
+    } else {
+      aggregated = interruptible;
+    }
+    Iterator result = aggregated;
+    if (dep.keyOrdering().isDefined()) {
+      ExternalSorter sorter = new ExternalSorter(context, Option.empty(), Option.empty(),
+          dep.keyOrdering(), dep.serializer());
+      result = sorter.insertAllAndUpdateMetrics(aggregated);
+    }
+    return result instanceof InterruptibleIterator ? result
+        : new InterruptibleIterator(context, result);
+  }
+
+  /** The accepted attempts' non-empty blocks in range, from Spark's MapOutputTracker. */
+  private List<Block> blocks() {
+    List<Block> out = new ArrayList<>();
+    Iterator<Tuple2<BlockManagerId, scala.collection.Seq<Tuple3<BlockId, Object, Object>>>> it =
+        SparkEnv.get().mapOutputTracker().getMapSizesByExecutorId(handle.shuffleId(),
+            startMapIndex, endMapIndex, startPartition, endPartition);
+    while (it.hasNext()) {
+      Tuple2<BlockManagerId, scala.collection.Seq<Tuple3<BlockId, Object, Object>>> byAddress =
+          it.next();
+      Iterator<Tuple3<BlockId, Object, Object>> ids = byAddress._2().iterator();
+      while (ids.hasNext()) {
+        Tuple3<BlockId, Object, Object> t = ids.next();
+        ShuffleBlockId id = (ShuffleBlockId) t._1();
+        out.add(new Block(byAddress._1(), id.mapId(), (Integer) t._3(), id.reduceId()));
+      }
+    }
+    // Map order, then partition: the order Spark's own reader sees for a local fetch.
+    out.sort((a, b) -> a.mapIndex != b.mapIndex ? Integer.compare(a.mapIndex, b.mapIndex)
+        : Integer.compare(a.reduceId, b.reduceId));
+    return out;
+  }
+
+  /** Each block's segments ([tier, bytes, node, location] in index order), or null. */
+  private List<JsonNode> locate(List<Block> blocks) {
+    if (blocks.isEmpty()) {
+      return Collections.emptyList();
+    }
+    try {
+      ObjectNode request = ctx.json.createObjectNode();
+      request.put("shuffle", shuffleKey);
+      ArrayNode list = request.putArray("blocks");
+      for (Block b : blocks) {
+        list.addArray().add(b.mapId).add(b.reduceId);
+      }
+      JsonNode answer = ctx.parse(ctx.call(ctx.master(), "spark_locate", ctx.toJson(request)));
+      List<JsonNode> out = new ArrayList<>(blocks.size());
+      answer.get("blocks").forEach(out::add);
+      return out;
+    } catch (IOException e) {
+      Block b = blocks.get(0);
+      throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
+          b.reduceId, "hybrid_ray: cannot locate the segments of Spark shuffle "
+              + shuffleKey + ": " + e.getMessage(), e));
+    }
+  }
+
+  /** Records of the blocks in order; each block is fetched when the previous one is done. */
+  private final class RecordIterator extends AbstractIterator<Product2<Object, Object>> {
+    private final List<Block> blocks;
+    private final List<JsonNode> where;
+    private final SerializerInstance serializer;
+    private int next;
+    private Iterator<Tuple2<Object, Object>> current;
+
+    RecordIterator(List<Block> blocks, List<JsonNode> where, SerializerInstance serializer) {
+      this.blocks = blocks;
+      this.where = where;
+      this.serializer = serializer;
+    }
+
+    @Override
+    public boolean hasNext() {
+      while (current == null || !current.hasNext()) {
+        if (next >= blocks.size()) {
+          return false;
+        }
+        Block b = blocks.get(next);
+        InputStream in = fetch(b, where.get(next));
+        next++;
+        InputStream wrapped = SparkEnv.get().serializerManager()
+            .wrapStream(new ShuffleBlockId(handle.shuffleId(), b.mapId, b.reduceId), in);
+        current = serializer.deserializeStream(wrapped).asKeyValueIterator();
+      }
+      return true;
+    }
+
+    @Override
+    public Product2<Object, Object> next() {
+      if (!hasNext()) {
+        throw new NoSuchElementException();
+      }
+      metrics.incRecordsRead(1);
+      return current.next();
+    }
+  }
+
+  /** A block's bytes: its segments fetched from their tiers and verified, in order. */
+  private InputStream fetch(Block b, JsonNode segments) {
+    String what = "block (map " + b.mapIndex + ", attempt " + b.mapId + ", partition "
+        + b.reduceId + ") of Spark shuffle " + shuffleKey;
+    if (segments == null || segments.isNull()) {
+      throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
+          b.reduceId, "hybrid_ray: the shuffle master holds no segments of " + what
+              + " (the attempt's output was lost or released)", null));
+    }
+    long start = System.nanoTime();
+    List<InputStream> parts = new ArrayList<>(segments.size());
+    boolean local = true;
+    try {
+      for (int i = 0; i < segments.size(); i++) {
+        JsonNode seg = segments.get(i);
+        String tier = seg.get(0).asText();
+        String node = seg.get(2).asText();
+        String location = seg.get(3).asText();
+        String segWhat = "segment " + i + " (" + tier + " tier, node " + node + ") of " + what;
+        byte[] frame = readSegment(tier, node, location, segWhat);
+        int length = SegmentCodec.verify(frame,
+            SegmentCodec.identity(shuffleKey, b.mapId, b.reduceId, i), segWhat);
+        if (node.equals(ctx.nodeId())) {
+          metrics.incLocalBytesRead(length);
+        } else {
+          metrics.incRemoteBytesRead(length);
+          local = false;
+        }
+        parts.add(new ByteArrayInputStream(frame, SegmentCodec.HEADER_BYTES, length));
+      }
+    } catch (IOException | RuntimeException e) {
+      throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
+          b.reduceId, "hybrid_ray: " + e.getMessage(), e));
+    }
+    if (local) {
+      metrics.incLocalBlocksFetched(1);
+    } else {
+      metrics.incRemoteBlocksFetched(1);
+    }
+    metrics.incFetchWaitTime((System.nanoTime() - start) / 1_000_000);
+    return new SequenceInputStream(Collections.enumeration(parts));
+  }
+
+  @SuppressWarnings("unchecked")
+  private byte[] readSegment(String tier, String node, String location, String what)
+      throws IOException {
+    if (tier.equals("memory")) {
+      ObjectRef<byte[]> ref;
+      try (ObjectInputStream in = new ObjectInputStream(
+          new ByteArrayInputStream(Base64.getDecoder().decode(location)))) {
+        ref = (ObjectRef<byte[]>) in.readObject();
+      } catch (ClassNotFoundException e) {
+        throw new IOException(what + ": cannot decode its object reference", e);
+      }
+      try {
+        return Ray.get(ref, ctx.fetchTimeoutMs);
+      } catch (RuntimeException e) {
+        throw new IOException(what + " is gone from the memory tier (the executor that "
+            + "wrote it died?): " + e.getMessage(), e);
+      }
+    }
+    if (node.equals(ctx.nodeId())) {
+      try {
+        return Files.readAllBytes(Paths.get(location));
+      } catch (NoSuchFileException e) {
+        throw new IOException(what + " is gone from the disk tier (" + location + ")", e);
+      }
+    }
+    Optional<PyActorHandle> owner =
+        Ray.getActor(HybridRayContext.TIER_MANAGER_PREFIX + node, ctx.namespace);
+    if (owner.isEmpty()) {
+      throw new IOException(what + ": node " + node + "'s tier manager is gone (node lost?)");
+    }
+    return ctx.callBytes(owner.get(), "spark_read_segment", location);
+  }
+
+  @SuppressWarnings("unchecked")
+  static <E extends Throwable> RuntimeException sneaky(Throwable e) throws E {
+    throw (E) e;
+  }
+}

@@ -1,0 +1,258 @@
+package org.apache.spark.shuffle.hybridray;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.node.ArrayNode;
+import com.fasterxml.jackson.databind.node.ObjectNode;
+import io.ray.api.ObjectRef;
+import io.ray.api.PyActorHandle;
+import io.ray.api.Ray;
+import java.io.ByteArrayOutputStream;
+import java.io.IOException;
+import java.io.ObjectOutputStream;
+import java.nio.ByteBuffer;
+import java.nio.channels.SeekableByteChannel;
+import java.nio.file.FileAlreadyExistsException;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.nio.file.Paths;
+import java.nio.file.StandardCopyOption;
+import java.nio.file.StandardOpenOption;
+import java.nio.file.attribute.PosixFilePermissions;
+import java.util.ArrayList;
+import java.util.Base64;
+import java.util.EnumSet;
+import java.util.List;
+
+/**
+ * Stores one map attempt's segments in hybrid_ray's tiers, batch by batch: one space
+ * reservation from the node's tier manager for the whole batch (memory first, then disk:
+ * the same budgets, reserve fraction and byte cap as the Ray shuffles), the writes
+ * ({@code Ray.put} for memory, 0600 files in 0700 directories under the granted spill dir
+ * for disk, in the layout of {@code hybrid_ray/tiers/disk.py}), then one commit of the
+ * batch's segment metadata to the shuffle master. Settlements of the grants travel with the
+ * next reservation, the last ones asynchronously.
+ *
+ * <p>When neither local tier can take a segment the task fails with an error naming the
+ * refusals and the settings to change: Spark's shuffle manager has no remote tier yet, and
+ * writing to Spark's local dir instead would break the very disk budget the user set.
+ */
+final class RaySegmentSink implements SegmentSink {
+  static final String DATA_DIR_NAME = "hybrid_ray";
+
+  private final HybridRayContext ctx;
+  private final int shuffleId;
+  private final String shuffleKey;
+  private final int numPartitions;
+  private final int mapIndex;
+  private final long mapId;
+  // Grants not yet settled: [grant id, bytes written].
+  private final List<long[]> settlements = new ArrayList<>();
+  private final List<Path> uncommittedFiles = new ArrayList<>();
+  private boolean committedAny;
+
+  RaySegmentSink(HybridRayContext ctx, int shuffleId, String shuffleKey, int numPartitions,
+      int mapIndex, long mapId) {
+    this.ctx = ctx;
+    this.shuffleId = shuffleId;
+    this.shuffleKey = shuffleKey;
+    this.numPartitions = numPartitions;
+    this.mapIndex = mapIndex;
+    this.mapId = mapId;
+  }
+
+  @Override
+  public void store(List<PartitionSegmenter.Segment> segments, boolean last) throws IOException {
+    if (segments.isEmpty() && !last) {
+      return;
+    }
+    String node = ctx.nodeId();
+    PyActorHandle tierManager = ctx.tierManager(node);
+    ArrayNode stored = ctx.json.createArrayNode();
+    if (!segments.isEmpty()) {
+      ObjectNode request = ctx.json.createObjectNode();
+      request.put("shuffle", shuffleKey);
+      request.set("config", ctx.parse(ctx.configJson));
+      ArrayNode sizes = request.putArray("sizes");
+      for (PartitionSegmenter.Segment s : segments) {
+        sizes.add(s.frame().length);
+      }
+      request.set("settle", settlementsJson());
+      settlements.clear();
+      JsonNode placements = ctx.parse(ctx.call(tierManager, "spark_reserve",
+          ctx.toJson(request))).get("placements");
+      List<long[]> granted = new ArrayList<>();
+      try {
+        for (int i = 0; i < segments.size(); i++) {
+          PartitionSegmenter.Segment s = segments.get(i);
+          JsonNode p = placements.get(i);
+          if (p.get("tier").isNull()) {
+            throw new IOException(outOfSpace(s, p.get("refusals")));
+          }
+          String tier = p.get("tier").asText();
+          long grant = p.get("grant").asLong();
+          String location;
+          if (tier.equals("memory")) {
+            ObjectRef<byte[]> ref = Ray.put(s.frame());
+            ctx.own(shuffleId, mapId, ref);
+            location = Base64.getEncoder().encodeToString(serializeRef(ref));
+          } else {
+            Path path = segmentPath(p.get("target").asText(), s);
+            writePrivateFile(path, s.frame());
+            uncommittedFiles.add(path);
+            location = path.toString();
+          }
+          granted.add(new long[] {grant, s.frame().length});
+          ArrayNode meta = stored.addArray();
+          meta.add(s.partition()).add(s.index()).add(tier).add(s.frame().length).add(location);
+        }
+      } catch (IOException | RuntimeException e) {
+        // Grants of this batch not used (or whose data is about to be deleted): give back.
+        for (int i = granted.size(); i < segments.size(); i++) {
+          JsonNode p = placements.get(i);
+          if (!p.get("tier").isNull()) {
+            settlements.add(new long[] {p.get("grant").asLong(), -1});
+          }
+        }
+        settlements.addAll(granted);
+        throw e;
+      }
+      settlements.addAll(granted);
+    }
+    ObjectNode commit = ctx.json.createObjectNode();
+    commit.put("shuffle", shuffleKey);
+    commit.set("config", ctx.parse(ctx.configJson));
+    commit.put("num_partitions", numPartitions);
+    commit.put("map_index", mapIndex);
+    commit.put("map_id", mapId);
+    commit.put("node", node);
+    commit.put("final", last);
+    commit.set("segments", stored);
+    ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
+    committedAny = true;
+    uncommittedFiles.clear();
+    if (last && !settlements.isEmpty()) {
+      sendSettlements(tierManager);
+    }
+  }
+
+  @Override
+  public void abort(Throwable cause) {
+    for (Path path : uncommittedFiles) {
+      try {
+        Files.deleteIfExists(path);
+      } catch (IOException ignored) {
+        // The master's release removes the shuffle's directory anyway.
+      }
+    }
+    uncommittedFiles.clear();
+    ctx.dropAttempt(shuffleId, mapId);
+    try {
+      if (!settlements.isEmpty()) {
+        sendSettlements(ctx.tierManager(ctx.nodeId()));
+      }
+      if (committedAny) {
+        ObjectNode request = ctx.json.createObjectNode();
+        request.put("shuffle", shuffleKey);
+        request.put("map_id", mapId);
+        ctx.call(ctx.master(), "spark_abort", ctx.toJson(request));
+      }
+    } catch (IOException | RuntimeException ignored) {
+      // Best effort: a failed attempt's data goes with its shuffle's release at the latest.
+    }
+  }
+
+  private ArrayNode settlementsJson() {
+    ArrayNode out = ctx.json.createArrayNode();
+    for (long[] s : settlements) {
+      ArrayNode pair = out.addArray().add(s[0]);
+      if (s[1] < 0) {
+        pair.addNull();
+      } else {
+        pair.add(s[1]);
+      }
+    }
+    return out;
+  }
+
+  private void sendSettlements(PyActorHandle tierManager) throws IOException {
+    ObjectNode request = ctx.json.createObjectNode();
+    request.put("shuffle", shuffleKey);
+    request.set("settle", settlementsJson());
+    settlements.clear();
+    ctx.callAsync(tierManager, "spark_settle", ctx.toJson(request));
+  }
+
+  private String outOfSpace(PartitionSegmenter.Segment s, JsonNode refusals) {
+    StringBuilder why = new StringBuilder();
+    for (JsonNode r : refusals) {
+      why.append(why.length() == 0 ? "" : "; ").append(r.asText());
+    }
+    return "hybrid_ray: no tier can take a segment of " + s.frame().length + " bytes of "
+        + "Spark shuffle " + shuffleKey + " on node " + ctx.nodeId() + " (" + why + "). "
+        + "Spark shuffles use the memory and disk tiers only: give the disk tier room "
+        + "(ShuffleConfig spill_dirs on a larger disk, disk_capacity_bytes, "
+        + "min_reserve_fraction) or the memory tier more (memory_fraction), or start Spark "
+        + "with hybrid_shuffle=False for Spark's own shuffle";
+  }
+
+  /** {@code <spill dir>/hybrid_ray/<shuffle>/sub-<partition>/m<map>-a<attempt>-s<index>.seg}. */
+  Path segmentPath(String spillDir, PartitionSegmenter.Segment s) {
+    return segmentPath(spillDir, shuffleKey, mapIndex, mapId, s.partition(), s.index());
+  }
+
+  static Path segmentPath(String spillDir, String shuffleKey, int mapIndex, long mapId,
+      int partition, int index) {
+    return Paths.get(spillDir, DATA_DIR_NAME, shuffleKey, String.format("sub-%05d", partition),
+        String.format("m%06d-a%03d-s%06d.seg", mapIndex, mapId, index));
+  }
+
+  /** Create missing directories below {@code <spill>/hybrid_ray} as 0700, then write the
+   *  file as 0600 under a temporary name and rename it into place (never half visible). */
+  static void writePrivateFile(Path path, byte[] data) throws IOException {
+    makePrivateDir(path.getParent());
+    Path tmp = path.resolveSibling(path.getFileName() + "." + ProcessHandle.current().pid()
+        + ".inprogress");
+    try {
+      try (SeekableByteChannel ch = Files.newByteChannel(tmp,
+          EnumSet.of(StandardOpenOption.CREATE, StandardOpenOption.TRUNCATE_EXISTING,
+              StandardOpenOption.WRITE),
+          PosixFilePermissions.asFileAttribute(PosixFilePermissions.fromString("rw-------")))) {
+        ByteBuffer buf = ByteBuffer.wrap(data);
+        while (buf.hasRemaining()) {
+          ch.write(buf);
+        }
+      }
+      Files.move(tmp, path, StandardCopyOption.ATOMIC_MOVE, StandardCopyOption.REPLACE_EXISTING);
+    } catch (IOException e) {
+      Files.deleteIfExists(tmp);
+      if (String.valueOf(e.getMessage()).contains("No space left")) {
+        throw new IOException("hybrid_ray: no space left in " + path.getParent() + " while "
+            + "writing a Spark shuffle segment of " + data.length + " bytes (the disk filled "
+            + "after the grant: other processes write there too; raise min_reserve_fraction)",
+            e);
+      }
+      throw e;
+    }
+  }
+
+  static void makePrivateDir(Path dir) throws IOException {
+    if (Files.isDirectory(dir)) {
+      return;
+    }
+    makePrivateDir(dir.getParent());
+    try {
+      Files.createDirectory(dir,
+          PosixFilePermissions.asFileAttribute(PosixFilePermissions.fromString("rwx------")));
+    } catch (FileAlreadyExistsException ignored) {
+      // Another task of the shuffle made it first.
+    }
+  }
+
+  static byte[] serializeRef(ObjectRef<byte[]> ref) throws IOException {
+    ByteArrayOutputStream bytes = new ByteArrayOutputStream(128);
+    try (ObjectOutputStream out = new ObjectOutputStream(bytes)) {
+      out.writeObject(ref);
+    }
+    return bytes.toByteArray();
+  }
+}

@@ -1,0 +1,107 @@
+"""Spark's own exchanges through hybrid_ray: the JVM shuffle manager's jar and settings.
+
+``init_spark(..., hybrid_shuffle=True)`` plugs ``HybridRayShuffleManager`` (built from
+``jvm/`` by ``./dev setup``) into Spark through ``spark.shuffle.manager``; every ordinary
+exchange of every query (SQL joins, aggregations, windows, AQE's coalesced and skew-split
+reads, RDD ``reduceByKey``/``sortByKey``) then stores its map output in hybrid_ray's memory
+and disk tiers under the same shuffle master as the Ray shuffles.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import HybridRayError
+from hybrid_ray.report import ShuffleReport
+
+MANAGER_CLASS = "org.apache.spark.shuffle.hybridray.HybridRayShuffleManager"
+JAR_GLOB = "hybrid-ray-spark-*.jar"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Where the jar is looked for: packaged next to the bridge, or this checkout's Maven build.
+JAR_DIRS = (os.path.join(_PACKAGE_DIR, "jars"),
+            os.path.join(os.path.dirname(_PACKAGE_DIR), "jvm", "target"))
+
+
+class ShuffleJarMissingError(HybridRayError, RuntimeError):
+    """The shuffle manager's jar was not built; the message says how to build it."""
+
+
+def shuffle_manager_jar() -> str:
+    """Path of the built ``hybrid-ray-spark`` jar (``HYBRID_RAY_SPARK_JAR`` overrides)."""
+    override = os.environ.get("HYBRID_RAY_SPARK_JAR")
+    if override:
+        if not os.path.isfile(override):
+            raise ShuffleJarMissingError(f"HYBRID_RAY_SPARK_JAR={override} is not a file")
+        return override
+    for directory in JAR_DIRS:
+        found = sorted(glob.glob(os.path.join(directory, JAR_GLOB)))
+        if found:
+            return found[-1]
+    raise ShuffleJarMissingError(
+        "hybrid_ray's Spark shuffle manager jar is not built (looked for "
+        f"{JAR_GLOB} in {', '.join(JAR_DIRS)}): run `./dev setup` (Maven and a JDK 17 "
+        "build it from jvm/), or start Spark with hybrid_shuffle=False")
+
+
+def shuffle_manager_configs(config: ShuffleConfig, jar: str) -> dict[str, str]:
+    """Spark configs that route every ordinary exchange through hybrid_ray.
+
+    The jar goes on RayDP's executor classpath (``raydp.executor.extraClassPath``, which
+    RayDP puts first on the executor actor's ``-cp``; ``spark.executor.extraClassPath``
+    alone gives ClassNotFoundException and a hung query) and the driver's. No external
+    shuffle service, no AQE local shuffle reader and no reduce locality: map output is not
+    in Spark's block manager, so those would read files that do not exist.
+    """
+    from hybrid_ray.spark_jvm import config_to_json
+
+    return {
+        "spark.shuffle.manager": MANAGER_CLASS,
+        "spark.shuffle.service.enabled": "false",
+        "spark.sql.adaptive.localShuffleReader.enabled": "false",
+        "spark.shuffle.reduceLocality.enabled": "false",
+        "spark.hybridray.namespace": config.namespace,
+        "spark.hybridray.config": config_to_json(config),
+        # One segment size for every tier: a segment's tier is chosen after it is cut.
+        "spark.hybridray.segmentBytes": str(config.segment_bytes[TierName.MEMORY]),
+        "spark.hybridray.flushBytes": str(config.map_chunk_bytes),
+        "raydp.executor.extraClassPath": jar,
+        "spark.driver.extraClassPath": jar,
+    }
+
+
+def app_key(app_id: str) -> str:
+    """The application part of a Spark shuffle's hybrid_ray id (as the JVM derives it in
+    ``HybridRayContext.appKey``)."""
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", app_id)
+    return key[-80:]
+
+
+def app_prefix(app_id: str) -> str:
+    return f"spark-{app_key(app_id)}-"
+
+
+def reports(namespace: str, prefix: str) -> list[ShuffleReport]:
+    """One ``ShuffleReport`` per Spark shuffle whose id starts with ``prefix``."""
+    import ray
+
+    from hybrid_ray.actors import master_handle
+
+    summaries = ray.get(master_handle(namespace).spark_reports.remote(prefix))
+    return [_report(s) for s in summaries]
+
+
+def _report(summary: dict[str, Any]) -> ShuffleReport:
+    per_node = {node: {tier: (int(v[0]), int(v[1])) for tier, v in tiers.items()}
+                for node, tiers in summary["per_node_tier"].items()}
+    total = sum(v[0] for tiers in per_node.values() for v in tiers.values())
+    return ShuffleReport(
+        shuffle_id=summary["shuffle_id"], operation="spark exchange", mode="blocking",
+        spilling=summary["spilling"], num_maps=summary["num_maps"],
+        num_partitions=summary["num_partitions"], rows=0, input_bytes=total,
+        wall_time_s=summary["age_s"], per_node_tier=per_node, tier_switches=0,
+        spill_events=0, superseded_attempts=summary["superseded_attempts"],
+        hybrid_overlap=False, map_input="spark executors (JVM shuffle manager)")

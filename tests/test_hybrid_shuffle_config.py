@@ -1,0 +1,51 @@
+"""spark_bridge.hybrid_shuffle's Spark settings and jar lookup, without starting Spark."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_ray import ShuffleConfig
+from hybrid_ray.spark_jvm import config_from_json, config_to_json
+from spark_bridge import hybrid_shuffle
+from spark_bridge.hybrid_shuffle import app_prefix
+
+
+def test_spark_configs_wire_the_jar_and_the_settings(tmp_path):
+    MANAGER_CLASS, shuffle_manager_configs = (hybrid_shuffle.MANAGER_CLASS,
+                                              hybrid_shuffle.shuffle_manager_configs)
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], namespace="ns1", progress=False)
+    confs = shuffle_manager_configs(config, "/x/hybrid-ray-spark-0.1.0.jar")
+    assert confs["spark.shuffle.manager"] == MANAGER_CLASS
+    assert confs["raydp.executor.extraClassPath"] == confs["spark.driver.extraClassPath"] \
+        == "/x/hybrid-ray-spark-0.1.0.jar"
+    assert confs["spark.shuffle.service.enabled"] == "false"
+    assert confs["spark.sql.adaptive.localShuffleReader.enabled"] == "false"
+    assert confs["spark.hybridray.namespace"] == "ns1"
+    assert json.loads(confs["spark.hybridray.config"])["spill_dirs"] == [str(tmp_path)]
+
+
+def test_config_round_trips_without_remote_tier_or_credentials(tmp_path):
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], disk_capacity_bytes=5_000_000,
+                           remote_path=f"file://{tmp_path}/remote",
+                           storage_options={"secret": "s3cr3t"}, progress=False)
+    text = config_to_json(config)
+    assert "s3cr3t" not in text and "remote" not in json.loads(text)
+    back = config_from_json(json.loads(text))
+    assert back == config.replace(remote_path=None, storage_options={})
+
+
+def test_missing_jar_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.delenv("HYBRID_RAY_SPARK_JAR", raising=False)
+    monkeypatch.setattr(hybrid_shuffle, "JAR_DIRS", (str(tmp_path),))
+    with pytest.raises(hybrid_shuffle.ShuffleJarMissingError, match=r"\./dev setup"):
+        hybrid_shuffle.shuffle_manager_jar()
+    (tmp_path / "hybrid-ray-spark-0.1.0.jar").write_bytes(b"")
+    assert hybrid_shuffle.shuffle_manager_jar() == str(tmp_path / "hybrid-ray-spark-0.1.0.jar")
+
+
+def test_app_prefix_matches_the_jvms_shuffle_ids():
+    # HybridRayContext.appKey: characters outside [A-Za-z0-9_.-] become "_", last 80 kept.
+    assert app_prefix("spark-application-17/95") == "spark-spark-application-17_95-"
+    assert app_prefix("y" + "x" * 80) == "spark-" + "x" * 80 + "-"
