@@ -26,14 +26,16 @@ def start_local_ray():
     import ray
 
     if not ray.is_initialized():
-        # Workers must import test modules (remote functions defined in them).
+        # Workers must import test modules (remote functions defined in them) and this
+        # checkout's hybrid_ray (not another checkout's editable install: a git worktree).
         tests_dir = os.path.dirname(os.path.abspath(__file__))
+        repo_dir = os.path.dirname(tests_dir)
         # address="local": always a fresh local Ray, never the last cluster a multi-node
         # module recorded in /tmp/ray (ray.init() with no address would join it).
         ray.init(address="local", num_cpus=2, object_store_memory=2 * 1024**3,
                  include_dashboard=False,
                  log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+                 runtime_env={"env_vars": {"PYTHONPATH": f"{repo_dir}:{tests_dir}"}})
     return ray  # left running for later tests; Ray shuts down at interpreter exit
 
 
@@ -51,7 +53,7 @@ def multinode_cluster(nodes: int):
         cluster.add_node(num_cpus=1, object_store_memory=300 * 1024**2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+             runtime_env={"env_vars": {"PYTHONPATH": f"{os.path.dirname(tests_dir)}:{tests_dir}"}})
     return cluster
 
 
