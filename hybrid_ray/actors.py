@@ -114,6 +114,8 @@ class TierManagerActor:
         self.namespace = namespace
         # Grants handed to the JVM shuffle manager's writers (hybrid_ray.spark_jvm).
         self._jvm_grants = spark_jvm.JvmGrants()
+        # Spark session token -> its whole ShuffleConfig (from the master), or None.
+        self._spark_sessions: dict[str, Any] = {}
         # Shuffle -> consecutive sweeps that found the master without it.
         self._unknown_to_master: dict[str, int] = {}
         me = ray.get_runtime_context().current_actor
@@ -179,7 +181,27 @@ class TierManagerActor:
 
     # ---- the JVM shuffle manager (JSON strings in and out: see hybrid_ray.spark_jvm) ------
     def spark_reserve(self, request: str) -> str:
-        return json.dumps(self._jvm_grants.reserve(self.tm, json.loads(request)))
+        return json.dumps(self._jvm_grants.reserve(self.tm, json.loads(request),
+                                                   self._spark_session))
+
+    def _spark_session(self, token: str) -> Any:
+        """A Spark session's whole ShuffleConfig, asked of the master once per session."""
+        if token not in self._spark_sessions:
+            if len(self._spark_sessions) >= spark_jvm.SPARK_SESSIONS:
+                self._spark_sessions.clear()
+            self._spark_sessions[token] = ray.get(
+                master_handle(self.namespace).spark_session_config.remote(token),
+                timeout=MASTER_CALL_TIMEOUT_S)
+        return self._spark_sessions[token]
+
+    def spark_write_remote(self, request: str, frame: bytes) -> str:
+        """Store a JVM segment in its shuffle's remote tier (fsspec here, so no JVM needs
+        Hadoop's S3A); returns ``{"location": ...}``."""
+        return json.dumps(spark_jvm.write_remote(self.tm, json.loads(request), frame))
+
+    def spark_read_remote(self, request: str) -> bytes:
+        """A JVM segment from the remote tier, for a Spark reader on this node."""
+        return spark_jvm.read_remote(self.tm, json.loads(request), self._spark_session)
 
     def spark_settle(self, request: str) -> str:
         self._jvm_grants.settle(self.tm, json.loads(request).get("settle"))
@@ -253,6 +275,7 @@ class ShuffleMasterActor:
         self.last_loop_error = ""
         self._spark_history: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=spark_jvm.SPARK_HISTORY)
+        self._spark_sessions = spark_jvm.SparkSessions()
         threading.Thread(target=self._background_loop, daemon=True,
                          name="hybrid-ray-master-background").start()
 
@@ -450,9 +473,20 @@ class ShuffleMasterActor:
 
     def spark_commit(self, request: str) -> str:
         with self._lock:
-            spark_jvm.commit(self.registry, json.loads(request))
+            spark_jvm.commit(self.registry, json.loads(request), self._spark_sessions.get)
         self._queued()
         return "ok"
+
+    def spark_open_session(self, token: str, config: Any) -> None:
+        """Hold a Spark session's whole ShuffleConfig (remote tier and its credentials
+        included) under ``token``, the only part of it in Spark's configuration."""
+        with self._lock:
+            self._spark_sessions.open(token, config)
+
+    def spark_session_config(self, token: str) -> Any:
+        """The ShuffleConfig of an open Spark session, or None (for the tier managers)."""
+        with self._lock:
+            return self._spark_sessions.get(token)
 
     def spark_abort(self, request: str) -> str:
         with self._lock:
@@ -473,8 +507,11 @@ class ShuffleMasterActor:
     def spark_release(self, request: str) -> str:
         """Release Spark shuffles (``shuffles`` and/or all ids with ``prefix``), keeping
         their summaries for ``spark_reports``."""
+        parsed = json.loads(request)
         with self._lock:
-            ids = spark_jvm.matching(self.registry, json.loads(request))
+            ids = spark_jvm.matching(self.registry, parsed)
+            if parsed.get("close_session"):
+                self._spark_sessions.close(str(parsed["close_session"]))
             for shuffle_id in ids:
                 done = spark_jvm.summary(self.registry, shuffle_id)
                 done["released"] = True

@@ -23,30 +23,38 @@ import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleNotFoundError
+from hybrid_ray.errors import ConfigError, ShuffleNotFoundError
+from hybrid_ray.ids import check_id
 from hybrid_ray.master import ShuffleRegistry, ShuffleState
 from hybrid_ray.segment import SegmentId, SegmentMeta
 from hybrid_ray.tier_manager import TierManager
 from hybrid_ray.tiers import Grant
 
-# ShuffleConfig fields the JVM path passes on. The remote tier is not among them: Spark
-# shuffles use the memory and disk tiers (the JVM must not need Hadoop's S3A, and the
-# Python sidecar for fsspec is not built yet), so a config's remote_path is not sent and
-# credentials in storage_options never reach Spark's configuration.
+# ShuffleConfig fields the JVM path carries in Spark's configuration. The remote tier's
+# fields are not among them: ``remote_path`` and ``storage_options`` (credentials) must
+# never reach Spark's configuration, where the UI, event logs and error messages show them.
+# ``spark_bridge.init_spark`` hands the whole config to the shuffle master under a random
+# session token instead (``SESSION_FIELD``), and the actors look it up from there; the
+# remote tier's I/O runs in the tier managers (fsspec), so a JVM never needs Hadoop's S3A.
 JVM_CONFIG_FIELDS = ("memory_fraction", "memory_capacity_bytes", "spill_dirs",
                      "min_reserve_fraction", "disk_capacity_bytes", "segment_bytes", "spilling",
                      "memory_weight", "job_id", "orphan_ttl_s", "namespace")
+SESSION_FIELD = "session"
 # Released Spark shuffles whose summaries the master keeps for ``spark_shuffle_reports``.
 SPARK_HISTORY = 1000
+# Spark sessions whose full ShuffleConfig the master keeps (the oldest are forgotten first;
+# a session's config is dropped at ``stop_spark`` anyway).
+SPARK_SESSIONS = 64
 
 
-def config_to_json(config: ShuffleConfig) -> str:
-    """The part of ``config`` the JVM shuffle manager passes back to the actors."""
-    out: dict[str, Any] = {}
+def config_to_json(config: ShuffleConfig, session: str = "") -> str:
+    """The part of ``config`` the JVM shuffle manager passes back to the actors, with the
+    session token under which the master holds the whole config (if any)."""
+    out: dict[str, Any] = {SESSION_FIELD: session} if session else {}
     for name in JVM_CONFIG_FIELDS:
         value = getattr(config, name)
         if name == "spill_dirs":
@@ -65,22 +73,63 @@ def config_from_json(data: Mapping[str, Any] | None) -> ShuffleConfig:
     return ShuffleConfig(progress=False, **fields)
 
 
+SessionLookup = Callable[[str], "ShuffleConfig | None"]
+
+
+def resolve_config(data: Mapping[str, Any] | None, sessions: SessionLookup) -> ShuffleConfig:
+    """The config a JVM request stands for: its session's whole config where the master
+    holds one (remote tier included), else the fields the request carries. A session
+    token the master does not know (a driver that started Spark without ``init_spark``,
+    or a master restarted since) falls back to the carried fields: memory and disk only."""
+    token = (data or {}).get(SESSION_FIELD)
+    if token:
+        config = sessions(str(token))
+        if config is not None:
+            return config
+    return config_from_json(data)
+
+
+class SparkSessions:
+    """The master's table of Spark sessions' whole configs, by session token."""
+
+    def __init__(self) -> None:
+        self._configs: collections.OrderedDict[str, ShuffleConfig] = collections.OrderedDict()
+
+    def open(self, token: str, config: ShuffleConfig) -> None:
+        check_id("session token", token)
+        if not isinstance(config, ShuffleConfig):
+            raise ConfigError(f"a Spark session's config must be a ShuffleConfig, got "
+                              f"{type(config).__name__}")
+        self._configs[token] = config
+        self._configs.move_to_end(token)
+        while len(self._configs) > SPARK_SESSIONS:
+            self._configs.popitem(last=False)
+
+    def close(self, token: str) -> None:
+        self._configs.pop(token, None)
+
+    def get(self, token: str) -> ShuffleConfig | None:
+        return self._configs.get(token)
+
+
 # ---- shuffle master -------------------------------------------------------------------------
-def _ensure_registered(registry: ShuffleRegistry, request: Mapping[str, Any]) -> ShuffleState:
+def _ensure_registered(registry: ShuffleRegistry, request: Mapping[str, Any],
+                       sessions: SessionLookup) -> ShuffleState:
     shuffle_id = request["shuffle"]
     if shuffle_id not in registry.shuffle_ids():
         if shuffle_id in registry.released:
             raise ShuffleNotFoundError(f"Spark shuffle {shuffle_id!r} was released; a late "
                                        "map attempt cannot write to it")
         registry.register(shuffle_id, None, int(request["num_partitions"]),
-                          config_from_json(request.get("config")))
+                          resolve_config(request.get("config"), sessions))
     return registry.state(shuffle_id)
 
 
-def commit(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
+def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
+           sessions: SessionLookup) -> None:
     """Publish a batch of a map attempt's segments; ``final`` marks its output complete.
     Segments: ``[partition, index, tier, nbytes, location]``."""
-    state = _ensure_registered(registry, request)
+    state = _ensure_registered(registry, request, sessions)
     shuffle_id = state.shuffle_id
     registry.heartbeat(shuffle_id)
     map_id, map_index, node = int(request["map_id"]), int(request["map_index"]), request["node"]
@@ -184,13 +233,15 @@ class JvmGrants:
         for shuffle_id, settled in by_shuffle.items():
             tm.settle(shuffle_id, settled)
 
-    def reserve(self, tm: TierManager, request: Mapping[str, Any]) -> dict[str, Any]:
+    def reserve(self, tm: TierManager, request: Mapping[str, Any],
+                sessions: SessionLookup) -> dict[str, Any]:
         """Room for a batch of segments (``sizes``), after settling earlier grants: per
         segment ``{tier, grant, target, refusals}``; tier None when no local tier can take
-        it (refusals say why)."""
+        it (refusals say why). ``remote`` says whether the shuffle has a remote tier for
+        those (``write_remote``)."""
         shuffle_id = request["shuffle"]
         if shuffle_id not in tm.shuffle_ids():
-            tm.register_shuffle(shuffle_id, config_from_json(request.get("config")))
+            tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
         live = set(tm.shuffle_ids())
         for gid in [g for g, (s, _) in self.grants.items() if s not in live]:
             del self.grants[gid]  # their shuffle was released here
@@ -205,4 +256,34 @@ class JvmGrants:
             self.grants[gid] = (shuffle_id, placement.grant)
             out.append({"tier": placement.grant.tier.value, "grant": gid,
                         "target": placement.grant.target, "refusals": []})
-        return {"placements": out}
+        return {"placements": out, "remote": tm.remote_tier(shuffle_id) is not None}
+
+
+def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> dict[str, Any]:
+    """Store one JVM segment (``frame``: header and payload as the JVM encoded it) in the
+    shuffle's remote tier, at the path a Python segment of the same identity would get
+    (the map attempt's Spark task attempt id as its attempt); returns its ``location``."""
+    shuffle_id = request["shuffle"]
+    tier = tm.remote_tier(shuffle_id) if shuffle_id in tm.shuffle_ids() else None
+    if tier is None:
+        raise ConfigError(f"Spark shuffle {shuffle_id!r} has no remote tier on node "
+                          f"{tm.node_id} (start Spark with a ShuffleConfig that has "
+                          "remote_path, through spark_bridge.init_spark)")
+    segment = SegmentId(shuffle_id, int(request["map_index"]), int(request["partition"]),
+                        int(request["index"]), int(request["map_id"]), tier.job_id)
+    return {"location": tier.write_frame(segment, frame)}
+
+
+def read_remote(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) -> bytes:
+    """One JVM segment from the remote tier: ``location`` (checked to lie below the
+    config's job directory) and ``nbytes``, for any node's reader."""
+    shuffle_id = request["shuffle"]
+    if shuffle_id in tm.shuffle_ids() and tm.remote_tier(shuffle_id) is not None:
+        tier = tm.remote_tier(shuffle_id)
+    else:
+        tier = tm.remote_tier_of(resolve_config(request.get("config"), sessions))
+    if tier is None:
+        raise ConfigError(f"Spark shuffle {shuffle_id!r} has no remote tier in this "
+                          "session's ShuffleConfig; a remote segment cannot be read")
+    return tier.read_frame(str(request["location"]), int(request["nbytes"]),
+                           f"a segment of Spark shuffle {shuffle_id}")

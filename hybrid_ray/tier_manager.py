@@ -98,14 +98,7 @@ class TierManager:
             self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
                                              spill_dirs, config.min_reserve_fraction,
                                              config.disk_capacity_bytes)
-        remote_key = None
-        if config.remote_path is not None:
-            remote_key = (config.remote_path, config.job_id,
-                          tuple(sorted((k, repr(v)) for k, v in config.storage_options.items())))
-            if remote_key not in self._remotes:
-                self._remotes[remote_key] = RemoteTier(
-                    config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
-                    config.storage_options, check_reachable=False)
+        remote_key = self._remote_key(config)
         uses_memory = TierName.MEMORY in config.enabled_tiers
         self._shuffles[shuffle_id] = {
             "disk": disk_key, "remote": remote_key, "memory": uses_memory,
@@ -114,6 +107,29 @@ class TierManager:
         }
         self._rebalance_quotas()
         return self.memory.quota(shuffle_id) if uses_memory else 0
+
+    def _remote_key(self, config: ShuffleConfig) -> tuple | None:
+        """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""
+        if config.remote_path is None:
+            return None
+        key = (config.remote_path, config.job_id,
+               tuple(sorted((k, repr(v)) for k, v in config.storage_options.items())))
+        if key not in self._remotes:
+            self._remotes[key] = RemoteTier(
+                config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
+                config.storage_options, check_reachable=False)
+        return key
+
+    def remote_tier(self, shuffle_id: str) -> RemoteTier | None:
+        """The remote tier of a shuffle registered here, or None if its config has none."""
+        key = self._shuffles[shuffle_id]["remote"]
+        return None if key is None else self._remotes[key]
+
+    def remote_tier_of(self, config: ShuffleConfig) -> RemoteTier | None:
+        """The remote tier of ``config`` (shared with the shuffles registered with the same
+        one), for reading a shuffle that never wrote on this node."""
+        key = self._remote_key(config)
+        return None if key is None else self._remotes[key]
 
     def _rebalance_quotas(self) -> None:
         users = {s: info for s, info in self._shuffles.items() if info["memory"]}

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,8 +140,8 @@ def spark_configs(num_executors: int, executor_cores: int,
 
 
 # The running session's hybrid_ray Spark shuffles: (namespace, shuffle id prefix), or None.
-_session_shuffles: tuple[str, str] | None = None
-_last_session_shuffles: tuple[str, str] | None = None
+_session_shuffles: tuple[str, str, str] | None = None
+_last_session_shuffles: tuple[str, str, str] | None = None
 
 
 def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_cores: int = 1,
@@ -187,18 +188,25 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise ConfigError("shuffle_config must be a hybrid_ray.ShuffleConfig, got "
                           f"{type(shuffle_config).__name__}")
     check_environment()
-    extra: dict[str, str] = {}
+    session_token = ""
     if hybrid_shuffle:
         from spark_bridge.hybrid_shuffle import shuffle_manager_configs, shuffle_manager_jar
 
-        extra = shuffle_manager_configs(shuffle_config, shuffle_manager_jar())
+        session_token = f"s{uuid.uuid4().hex}"
+        extra = shuffle_manager_configs(shuffle_config, shuffle_manager_jar(), session_token)
         for key in ("raydp.executor.extraClassPath", "spark.driver.extraClassPath"):
             if configs and configs.get(key):
                 extra[key] = f"{extra[key]}:{configs[key]}"
         extra.update({k: str(v) for k, v in (configs or {}).items()
                       if k not in ("raydp.executor.extraClassPath",
                                    "spark.driver.extraClassPath")})
-        configs = extra
+    else:
+        # Spark's own shuffle, said explicitly: PySpark keeps one driver JVM per Python
+        # process, and an earlier session's --conf (hybrid_ray's manager) would otherwise
+        # carry over to executors that lack its jar (ClassNotFoundException, then a hang).
+        extra = {"spark.shuffle.manager": "sort",
+                 **{k: str(v) for k, v in (configs or {}).items()}}
+    configs = extra
     # Executors' Python workers (mapInArrow) must import hybrid_ray: use this interpreter.
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -212,7 +220,10 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     if hybrid_shuffle:
         from hybrid_ray.actors import get_master
 
-        get_master(shuffle_config.namespace)  # the JVM finds it by name; it cannot start it
+        # The JVM finds the master by name (it cannot start it); the master holds the
+        # session's whole config, remote tier included, for the actors serving the JVM.
+        ray.get(get_master(shuffle_config.namespace).spark_open_session.remote(
+            session_token, shuffle_config), timeout=120)
     try:
         cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
         session = raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
@@ -230,13 +241,13 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         from spark_bridge.hybrid_shuffle import app_prefix
 
         _session_shuffles = (shuffle_config.namespace,
-                             app_prefix(session.sparkContext.applicationId))
+                             app_prefix(session.sparkContext.applicationId), session_token)
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
     return session
 
 
-def _heartbeat_spark_shuffles(session: tuple[str, str]) -> None:
+def _heartbeat_spark_shuffles(session: tuple[str, str, str]) -> None:
     """Keep the session's Spark shuffles from the master's orphan TTL while it runs (the
     driver's JVM heartbeats too where it is connected to Ray; RayDP's often is not)."""
     import json
@@ -246,7 +257,7 @@ def _heartbeat_spark_shuffles(session: tuple[str, str]) -> None:
     from hybrid_ray.actors import master_handle
     from hybrid_ray.config import DRIVER_HEARTBEAT_S
 
-    namespace, prefix = session
+    namespace, prefix, _ = session
     while _session_shuffles == session:
         try:
             ray.get(master_handle(namespace).spark_heartbeat.remote(
@@ -267,6 +278,7 @@ def stop_spark() -> None:
     global _session_shuffles, _last_session_shuffles
     release_all()
     raydp.stop_spark(cleanup_data=True)
+    _wait_for_spark_masters_to_exit()
     if _session_shuffles is not None:
         import json
 
@@ -274,9 +286,32 @@ def stop_spark() -> None:
 
         from hybrid_ray.actors import master_handle
 
-        namespace, prefix = _session_shuffles
+        namespace, prefix, token = _session_shuffles
         _last_session_shuffles, _session_shuffles = _session_shuffles, None
-        ray.get(master_handle(namespace).spark_release.remote(json.dumps({"prefix": prefix})))
+        ray.get(master_handle(namespace).spark_release.remote(
+            json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
+
+
+# How long stop_spark waits for RayDP's Spark master actor to exit.
+SPARK_MASTER_EXIT_TIMEOUT_S = 60.0
+
+
+def _wait_for_spark_masters_to_exit(timeout_s: float = SPARK_MASTER_EXIT_TIMEOUT_S) -> None:
+    """RayDP's stop only *asks* its Spark master actor to exit (a fire-and-forget call);
+    until it has, its name is taken and the next ``init_spark`` of the process fails with
+    "The name ..._SPARK_MASTER is already taken". Wait, bounded, until it is gone."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors()]
+        if not any(n.endswith("_SPARK_MASTER") or n == "RAY_APP_MASTER" for n in names):
+            return
+        time.sleep(0.2)
+    raise SparkSetupError(f"RayDP's Spark master actor did not exit within {timeout_s:.0f} s "
+                          "of stop_spark(); `ray list actors` shows it")
 
 
 def spark_shuffle_reports() -> list[Any]:
@@ -287,4 +322,4 @@ def spark_shuffle_reports() -> list[Any]:
     current = _session_shuffles or _last_session_shuffles
     if current is None:
         return []
-    return reports(*current)
+    return reports(*current[:2])

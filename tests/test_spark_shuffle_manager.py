@@ -100,12 +100,20 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
     try:
         for name, query in _queries(spark).items():
             rows = _collect(query())
-            # Sorted rows, except where the query's own order is the result.
-            out["rows"][name] = rows if name in ("order_by", "rdd_sort_by_key") \
-                else sorted(rows, key=repr)
+            # Sorted rows, except where the query's own order is the result. sortByKey
+            # orders by key only: rows of equal keys come in fetch order, which no shuffle
+            # fixes, so its keys' order and its rows' multiset are compared.
+            if name == "order_by":
+                out["rows"][name] = rows
+            elif name == "rdd_sort_by_key":
+                out["rows"][name] = ([k for k, _ in rows], sorted(rows, key=repr))
+            else:
+                out["rows"][name] = sorted(rows, key=repr)
         if hybrid:
             out["plans"] = spark.sparkContext.getConf().get("spark.shuffle.manager")
             out["lost"] = _lost_segment_recovers(spark, config)
+            out["unregistered"] = _unregistered_shuffles_are_released(spark, config)
+            out["killed"] = _killed_executor_recovers(spark)
             out["reports_live"] = spark_bridge.spark_shuffle_reports()
     finally:
         spark_bridge.stop_spark()
@@ -134,6 +142,42 @@ def _lost_segment_recovers(spark, config):
         os.unlink(f)
     second = sorted(reduced.collect())
     return {"first": first, "second": second, "deleted": len(files)}
+
+
+def _live_spark_shuffles(config):
+    master = ray.get_actor("hybrid_ray_shuffle_master", namespace=config.namespace)
+    return sorted(s for s in ray.get(master.live_shuffles.remote()) if s.startswith("spark-"))
+
+
+def _unregistered_shuffles_are_released(spark, config):
+    """Spark's ContextCleaner unregisters a shuffle (here forced, as after a GC): the
+    driver's shuffle manager releases it in the master, and its files go."""
+    pairs = spark.sparkContext.parallelize(range(20_000), 3).map(lambda x: (x % 31, x))
+    assert sorted(pairs.groupByKey().mapValues(len).collect()) == [
+        (k, sum(1 for x in range(20_000) if x % 31 == k)) for k in range(31)]
+    live_before = _live_spark_shuffles(config)
+    cleaner = spark.sparkContext._jsc.sc().cleaner().get()
+    for shuffle in live_before:
+        cleaner.doCleanupShuffle(int(shuffle.rsplit("-", 1)[1]), True)
+    live_after = _live_spark_shuffles(config)
+    files = [f for d in config.spill_dirs for f in files_under(d) if "/spark-" in f]
+    return {"before": live_before, "after": live_after, "files": files}
+
+
+def _killed_executor_recovers(spark):
+    """Kill an executor after a shuffle's map stage: its memory-tier objects die with it
+    (Ray objects are owned by their executor, as Spark's own shuffle files without an
+    external shuffle service), the reread raises FetchFailedException, Spark recomputes
+    the lost maps on the executor left, and the rows stay exact."""
+    pairs = spark.sparkContext.parallelize(range(60_000), 6).map(lambda x: (x % 71, 1))
+    reduced = pairs.reduceByKey(lambda a, b: a + b, numPartitions=4)
+    first = sorted(reduced.collect())
+    executors = sorted((a for a in ray.util.list_named_actors(all_namespaces=True)
+                        if a["name"].startswith("raydp-executor-")), key=lambda a: a["name"])
+    victim = executors[-1]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
+    second = sorted(reduced.collect())
+    return {"first": first, "second": second, "killed": victim["name"]}
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +240,17 @@ def test_nothing_left_after_stop_spark(runs):
     assert hybrid["leftover_files"] == []
     assert hybrid["live"] == []
     assert all(v == 0 for v in hybrid["tier_bytes"].values()), hybrid["tier_bytes"]
+
+
+def test_unregistered_shuffle_is_released_with_its_files(runs):
+    unregistered = runs[0]["unregistered"]
+    assert unregistered["before"], "the session had no live Spark shuffle to unregister"
+    assert unregistered["after"] == []
+    assert unregistered["files"] == []
+
+
+def test_killed_executor_gives_exact_rows(runs):
+    killed = runs[0]["killed"]
+    expected = sorted((k, sum(1 for x in range(60_000) if x % 71 == k)) for k in range(71))
+    assert killed["first"] == expected
+    assert killed["second"] == expected

@@ -191,6 +191,14 @@ class RemoteTier(Tier):
 
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
+        path = self.write_frame(segment, payload)
+        return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
+                           node_id=node_id, location=path)
+
+    def write_frame(self, segment: SegmentId, payload: bytes | memoryview) -> str:
+        """Store ``payload`` (an encoded segment of any producer: the Python writers' or the
+        JVM shuffle manager's) at ``segment``'s path below the job directory; returns the
+        path. The shuffle's directory is marked first (see ``_write_marker``)."""
         path = self.segment_path(segment)
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
@@ -209,8 +217,7 @@ class RemoteTier(Tier):
         except Exception as exc:
             self._fail(RemoteTierError, f"writing {segment} to the remote tier at {path} "
                        f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
-        return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
-                           node_id=node_id, location=path)
+        return path
 
     def _write_marker(self, shuffle_id: str) -> None:
         """Mark the shuffle's directory (``SHUFFLE_MARKER_NAME``) before its first segment
@@ -252,18 +259,22 @@ class RemoteTier(Tier):
         return self.io_pool().submit(self.read, meta)
 
     def read(self, meta: SegmentMeta) -> bytes:
+        return self.read_frame(meta.location, meta.nbytes, str(meta.id))
+
+    def read_frame(self, path: str, nbytes: int, what: str) -> bytes:
+        """The ``nbytes`` stored at ``path``, which must lie below the job directory
+        (paths also come from other processes, e.g. a JVM reader's request)."""
+        require_inside_remote(self.job_root, path, "read", self._redactor.scrub(self.job_root))
         try:
             # The size is known: a ranged read is one GET (s3fs otherwise sends a HEAD
             # first to decide whether to split the download).
-            return self.fs.cat_file(meta.location, start=0, end=meta.nbytes,
-                                    **self._deadline(meta.nbytes))
+            return self.fs.cat_file(path, start=0, end=nbytes, **self._deadline(nbytes))
         except FileNotFoundError as exc:
-            self._fail(SegmentNotFoundError,
-                       f"{meta.id} is gone from the remote tier ({meta.location})", exc)
+            self._fail(SegmentNotFoundError, f"{what} is gone from the remote tier ({path})",
+                       exc)
         except Exception as exc:
-            self._fail(RemoteTierError, f"reading {meta.id} from the remote tier at "
-                       f"{meta.location} failed: {_describe(exc)}. "
-                       f"{self._timeout_hint(exc)}", exc)
+            self._fail(RemoteTierError, f"reading {what} from the remote tier at {path} "
+                       f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
 
     def has(self, segment: SegmentId) -> bool:
         return bool(self.fs.exists(self.segment_path(segment)))

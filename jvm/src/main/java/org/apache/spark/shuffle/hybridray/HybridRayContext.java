@@ -135,6 +135,16 @@ public final class HybridRayContext {
     }
   }
 
+  /** Call a Python actor method taking a string and bytes, returning a string. */
+  String callWithBytes(PyActorHandle actor, String method, String argument, byte[] data)
+      throws IOException {
+    try {
+      return actor.task(PyActorMethod.of(method, String.class), argument, data).remote().get();
+    } catch (RuntimeException e) {
+      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
   /** Fire-and-forget call (space settlements: nobody waits for them). */
   void callAsync(PyActorHandle actor, String method, String argument) {
     actor.task(PyActorMethod.of(method, String.class), argument).remote();

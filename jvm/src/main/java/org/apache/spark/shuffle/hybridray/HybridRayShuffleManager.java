@@ -18,12 +18,7 @@ import org.apache.spark.shuffle.sort.SortShuffleManager;
 import org.apache.spark.shuffle.sort.BypassMergeSortShuffleHandle;
 import org.apache.spark.shuffle.sort.SerializedShuffleHandle;
 import org.apache.spark.shuffle.sort.SortShuffleWriter;
-import org.apache.spark.shuffle.sort.UnsafeShuffleWriter;
-import org.apache.spark.shuffle.api.ShuffleExecutorComponents;
 import org.apache.spark.shuffle.BaseShuffleHandle;
-import org.apache.spark.storage.BlockManager;
-import org.apache.spark.SparkException;
-import java.lang.reflect.Constructor;
 import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
@@ -102,52 +97,21 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     if (!(handle instanceof HybridRayHandle)) {
       return super.getWriter(handle, mapId, context, metrics);
     }
+    if (handle instanceof HybridRayShuffleHandle.Serialized
+        || handle instanceof HybridRayShuffleHandle.Bypass) {
+      // No map-side combine: records go straight into per-partition memory buffers and
+      // from there into the tiers, never through Spark's local dir (see the writer).
+      BaseShuffleHandle<K, V, ?> base = (BaseShuffleHandle<K, V, ?>) handle;
+      return new HybridRayDirectWriter<>(ctx(), (HybridRayHandle) handle, base.dependency(),
+          mapId, context, metrics);
+    }
+    // Map-side combine (reduceByKey, SQL-less aggregations): Spark's sort writer, whose
+    // sorter keeps the data in memory unless the task runs short of it.
     HybridRayExecutorComponents components =
         new HybridRayExecutorComponents(ctx(), (HybridRayHandle) handle, context);
-    SparkEnv env = SparkEnv.get();
-    try {
-      if (handle instanceof HybridRayShuffleHandle.Serialized) {
-        return new UnsafeShuffleWriter<>(env.blockManager(), context.taskMemoryManager(),
-            (HybridRayShuffleHandle.Serialized<K, V>) handle, mapId, context, env.conf(),
-            metrics, components);
-      }
-      if (handle instanceof HybridRayShuffleHandle.Bypass) {
-        return bypassWriter(env, handle, mapId, metrics, components);
-      }
-    } catch (SparkException e) {
-      throw new IllegalStateException("hybrid_ray: cannot create Spark's shuffle writer: "
-          + e.getMessage(), e);
-    }
     return new SortShuffleWriter<>((HybridRayShuffleHandle<K, V, Object>) handle, mapId,
         context, metrics, components);
   }
-
-  /** Spark's bypass-merge writer; its class is package-private, hence reflection. */
-  @SuppressWarnings("unchecked")
-  private static <K, V> ShuffleWriter<K, V> bypassWriter(SparkEnv env, ShuffleHandle handle,
-      long mapId, ShuffleWriteMetricsReporter metrics, HybridRayExecutorComponents components) {
-    try {
-      Constructor<?> ctor = BYPASS_WRITER.get();
-      return (ShuffleWriter<K, V>) ctor.newInstance(env.blockManager(), handle, mapId,
-          env.conf(), metrics, components);
-    } catch (ReflectiveOperationException e) {
-      throw new IllegalStateException("hybrid_ray: cannot create Spark's bypass-merge shuffle "
-          + "writer (is this Spark 3.5?): " + e, e);
-    }
-  }
-
-  private static final java.util.function.Supplier<Constructor<?>> BYPASS_WRITER = () -> {
-    try {
-      Class<?> cls = Class.forName("org.apache.spark.shuffle.sort.BypassMergeSortShuffleWriter");
-      Constructor<?> ctor = cls.getDeclaredConstructor(BlockManager.class,
-          BypassMergeSortShuffleHandle.class, long.class, SparkConf.class,
-          ShuffleWriteMetricsReporter.class, ShuffleExecutorComponents.class);
-      ctor.setAccessible(true);
-      return ctor;
-    } catch (ReflectiveOperationException e) {
-      throw new IllegalStateException(e);
-    }
-  };
 
   @Override
   public <K, C> ShuffleReader<K, C> getReader(ShuffleHandle handle, int startMapIndex,

@@ -215,7 +215,9 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         String node = seg.get(2).asText();
         String location = seg.get(3).asText();
         String segWhat = "segment " + i + " (" + tier + " tier, node " + node + ") of " + what;
-        byte[] frame = readSegment(tier, node, location, segWhat);
+        byte[] frame = tier.equals("remote")
+            ? readRemote(location, seg.get(1).asLong(), segWhat)
+            : readSegment(tier, node, location, segWhat);
         int length = SegmentCodec.verify(frame,
             SegmentCodec.identity(shuffleKey, b.mapId, b.reduceId, i), segWhat);
         if (node.equals(ctx.nodeId())) {
@@ -237,6 +239,21 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     }
     metrics.incFetchWaitTime((System.nanoTime() - start) / 1_000_000);
     return new SequenceInputStream(Collections.enumeration(parts));
+  }
+
+  /** A remote-tier segment, read through this node's tier manager (fsspec). */
+  private byte[] readRemote(String location, long nbytes, String what) throws IOException {
+    ObjectNode request = ctx.json.createObjectNode();
+    request.put("shuffle", shuffleKey);
+    request.put("location", location);
+    request.put("nbytes", nbytes);
+    request.set("config", ctx.parse(ctx.configJson));
+    try {
+      return ctx.callBytes(ctx.tierManager(ctx.nodeId()), "spark_read_remote",
+          ctx.toJson(request));
+    } catch (IOException e) {
+      throw new IOException(what + ": " + e.getMessage(), e);
+    }
   }
 
   @SuppressWarnings("unchecked")

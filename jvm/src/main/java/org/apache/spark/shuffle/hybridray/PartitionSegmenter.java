@@ -74,6 +74,18 @@ public final class PartitionSegmenter {
     frame = null;
   }
 
+  /**
+   * Seal the open partition's partial segment and allow partitions from 0 again: a writer
+   * that buffers every partition at once (see {@link HybridRayDirectWriter}) hands its
+   * buffers over in rounds, each in increasing partition order. Segment indices go on.
+   */
+  public void startRound() {
+    if (current >= 0) {
+      finishPartition(current);
+    }
+    current = -1;
+  }
+
   private void open(int partition) {
     if (partition < 0 || partition >= lengths.length) {
       throw new IllegalArgumentException("partition " + partition + " is outside [0, "

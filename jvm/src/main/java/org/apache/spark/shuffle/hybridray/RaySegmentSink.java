@@ -32,9 +32,11 @@ import java.util.List;
  * batch's segment metadata to the shuffle master. Settlements of the grants travel with the
  * next reservation, the last ones asynchronously.
  *
- * <p>When neither local tier can take a segment the task fails with an error naming the
- * refusals and the settings to change: Spark's shuffle manager has no remote tier yet, and
- * writing to Spark's local dir instead would break the very disk budget the user set.
+ * <p>When neither local tier can take a segment it goes to the shuffle's remote tier,
+ * written by the node's tier manager (fsspec: S3 through s3fs, with the session's
+ * {@code storage_options}, which never enter Spark's configuration). Without a remote tier
+ * the task fails with an error naming the refusals and the settings to change: writing to
+ * Spark's local dir instead would break the very disk budget the user set.
  */
 final class RaySegmentSink implements SegmentSink {
   static final String DATA_DIR_NAME = "hybrid_ray";
@@ -78,15 +80,23 @@ final class RaySegmentSink implements SegmentSink {
       }
       request.set("settle", settlementsJson());
       settlements.clear();
-      JsonNode placements = ctx.parse(ctx.call(tierManager, "spark_reserve",
-          ctx.toJson(request))).get("placements");
+      JsonNode answer = ctx.parse(ctx.call(tierManager, "spark_reserve", ctx.toJson(request)));
+      JsonNode placements = answer.get("placements");
+      boolean hasRemote = answer.path("remote").asBoolean(false);
       List<long[]> granted = new ArrayList<>();
       try {
         for (int i = 0; i < segments.size(); i++) {
           PartitionSegmenter.Segment s = segments.get(i);
           JsonNode p = placements.get(i);
           if (p.get("tier").isNull()) {
-            throw new IOException(outOfSpace(s, p.get("refusals")));
+            if (!hasRemote) {
+              throw new IOException(outOfSpace(s, p.get("refusals")));
+            }
+            // Neither local tier has room: the node's tier manager stores it remotely.
+            ArrayNode meta = stored.addArray();
+            meta.add(s.partition()).add(s.index()).add("remote").add(s.frame().length)
+                .add(writeRemote(tierManager, s));
+            continue;
           }
           String tier = p.get("tier").asText();
           long grant = p.get("grant").asLong();
@@ -161,6 +171,21 @@ final class RaySegmentSink implements SegmentSink {
     }
   }
 
+  /** Store {@code s} in the shuffle's remote tier through the node's tier manager (its
+   *  fsspec filesystem: no Hadoop S3A here); returns the segment's location. */
+  private String writeRemote(PyActorHandle tierManager, PartitionSegmenter.Segment s)
+      throws IOException {
+    ObjectNode request = ctx.json.createObjectNode();
+    request.put("shuffle", shuffleKey);
+    request.put("map_index", mapIndex);
+    request.put("map_id", mapId);
+    request.put("partition", s.partition());
+    request.put("index", s.index());
+    String answer = ctx.callWithBytes(tierManager, "spark_write_remote", ctx.toJson(request),
+        s.frame());
+    return ctx.parse(answer).get("location").asText();
+  }
+
   private ArrayNode settlementsJson() {
     ArrayNode out = ctx.json.createArrayNode();
     for (long[] s : settlements) {
@@ -189,10 +214,10 @@ final class RaySegmentSink implements SegmentSink {
     }
     return "hybrid_ray: no tier can take a segment of " + s.frame().length + " bytes of "
         + "Spark shuffle " + shuffleKey + " on node " + ctx.nodeId() + " (" + why + "). "
-        + "Spark shuffles use the memory and disk tiers only: give the disk tier room "
-        + "(ShuffleConfig spill_dirs on a larger disk, disk_capacity_bytes, "
-        + "min_reserve_fraction) or the memory tier more (memory_fraction), or start Spark "
-        + "with hybrid_shuffle=False for Spark's own shuffle";
+        + "Give the disk tier room (ShuffleConfig spill_dirs on a larger disk, "
+        + "disk_capacity_bytes, min_reserve_fraction), the memory tier more "
+        + "(memory_fraction), or the shuffle a remote tier (ShuffleConfig remote_path, "
+        + "passed to spark_bridge.init_spark as shuffle_config)";
   }
 
   /** {@code <spill dir>/hybrid_ray/<shuffle>/sub-<partition>/m<map>-a<attempt>-s<index>.seg}. */
