@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from hybrid_ray import metrics
 from hybrid_ray.actors import (
     MASTER_CALL_TIMEOUT_S, ActorNodeStorage, existing_tier_manager, get_reader_slots,
     get_tier_manager, reader_count, start_actors,
@@ -106,14 +107,20 @@ def report_of(ds: Any) -> ShuffleReport:
 _REPORT_ATTR = "_hybrid_ray_report"
 
 
-def describe_cause(exc: BaseException) -> str:
-    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
-    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
-    exception chain, not pasted into messages)."""
+def _unwrap_task_error(exc: BaseException) -> BaseException:
+    """The error behind ``exc``: a task's error unwrapped from Ray's ``RayTaskError``s."""
     cause = exc
     while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None \
             and cause.cause is not cause:
         cause = cause.cause
+    return cause
+
+
+def describe_cause(exc: BaseException) -> str:
+    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
+    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
+    exception chain, not pasted into messages)."""
+    cause = _unwrap_task_error(exc)
     text = str(cause).strip()
     if isinstance(cause, ray.exceptions.RayTaskError):
         text = text.splitlines()[-1] if text else text  # no cause object: its last line
@@ -936,6 +943,8 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         with control:
             summary = ray.get(master.summary.remote(shuffle_id))
     except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):  # a user's stop is not a failure
+            metrics.record_error(_error_kind(exc))
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
         # down with it. Released, the shuffle is unknown to the master, so tasks still
         # running fail at their next commit or poll, and a map deletes what it wrote.
@@ -982,7 +991,14 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         control_plane=control.seconds + maps.control.seconds + reduce_times.control_plane)
     report = _make_report(summary, operation, config, ended - started, phases)
     _set_last_report(report)
+    metrics.record_shuffle(report)
     return ShuffleResult(list(reduce_refs), report, list(stats_refs))
+
+
+def _error_kind(exc: BaseException) -> str:
+    """The class name of the error behind a failed shuffle (a task's error unwrapped from
+    Ray's ``RayTaskError``, as ``describe_cause`` does): the ``kind`` of the error metric."""
+    return type(_unwrap_task_error(exc)).__name__
 
 
 def _reducer_window(config: ShuffleConfig) -> int:
