@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.master import PollResult, ShuffleRegistry, ShuffleState, metas_by_node
+from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tier_manager import NodeUsage, Placement, TierManager
 from hybrid_ray.tiers import Grant, RemoteTier
@@ -215,19 +216,26 @@ class TierManagerActor:
 
 
 class ActorNodeStorage:
-    """``NodeStorage`` for a write client: forwards space decisions to a tier-manager actor."""
+    """``NodeStorage`` for a write client: forwards space decisions to a tier-manager actor.
 
-    def __init__(self, actor: Any) -> None:
+    ``stopwatch``: times each call (the writer's control-plane time in its report).
+    """
+
+    def __init__(self, actor: Any, stopwatch: Stopwatch | None = None) -> None:
         self.actor = actor
+        self.stopwatch = stopwatch or Stopwatch()
 
     def reserve(self, shuffle_id, sizes, settled=()):
-        return ray.get(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled)))
+        with self.stopwatch:
+            return ray.get(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled)))
 
     def settle(self, shuffle_id, settled):
-        ray.get(self.actor.settle.remote(shuffle_id, list(settled)))
+        with self.stopwatch:
+            ray.get(self.actor.settle.remote(shuffle_id, list(settled)))
 
     def free_segments(self, shuffle_id, metas):
-        ray.get(self.actor.free_segments.remote(shuffle_id, list(metas)))
+        with self.stopwatch:
+            ray.get(self.actor.free_segments.remote(shuffle_id, list(metas)))
 
 
 def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,

@@ -70,6 +70,9 @@ class WriteStats:
     # Segments written uncompressed because compression was not paying (see
     # MIN_COMPRESSION_SAVING); 0 when compression is off or always paid.
     uncompressed_segments: int = 0
+    # Seconds the writer spent in bookkeeping calls to the master and its node's tier
+    # manager (see report.PhaseTimes.control_plane); 0 where nobody measured them.
+    control_plane_s: float = 0.0
 
     def merge(self, other: "WriteStats") -> None:
         for k, v in other.bytes_per_tier.items():
@@ -80,6 +83,7 @@ class WriteStats:
         self.tier_switches += other.tier_switches
         self.spill_events += other.spill_events
         self.uncompressed_segments += other.uncompressed_segments
+        self.control_plane_s += other.control_plane_s
 
 
 class WriteClient:

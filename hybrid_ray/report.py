@@ -10,6 +10,78 @@ from typing import Any
 from hybrid_ray.config import TierName
 
 
+@dataclasses.dataclass(frozen=True)
+class PhaseTimes:
+    """Where a shuffle's time went, in seconds.
+
+    ``startup``, ``map`` and ``reduce`` are spans of the timeline, measured on the driver
+    with ``time.perf_counter`` (one clock, so they compare with each other and with
+    ``ShuffleReport.wall_time_s``, which starts at the same instant):
+
+    - ``startup``: from the start of the shuffle's work (looking up, or starting, the
+      actors) until the first map is dispatched: planning the maps and registering the
+      shuffle with the master. A first shuffle's actor processes start here and in ``map``
+      (the master answers the registration, the writers their first map, once started).
+    - ``map``: first map dispatched to the last map seen finished by the driver (a lost
+      map run again extends it).
+    - ``reduce``: first reducer submitted to the last reducer seen finished. In hybrid
+      mode reducers start with the maps, so ``map`` and ``reduce`` overlap; in blocking
+      mode reducers start once every map finished, so ``map + reduce <= wall_time_s``.
+
+    The other two are totals over processes, not spans, so they may exceed the wall time:
+
+    - ``waiting``: seconds reducers slept because no new segment was committed yet (the
+      pauses between their polls of the master, and waits for the new attempt of a lost
+      map), **summed over all reducers**. 0 is normal in blocking mode: every segment is
+      there when the reducers start.
+    - ``control_plane``: seconds spent in bookkeeping calls to the shuffle master and the
+      tier managers, summed over the driver (registration, polling for lost maps,
+      heartbeats, freeing partitions, summary, release), the writers of the map attempts
+      that counted (starting the attempt, registering with the node's tier manager, space
+      reservations, commits) and the reducers (polls, loss reports). Data transfer is
+      not counted.
+    """
+
+    startup: float = 0.0
+    map: float = 0.0
+    reduce: float = 0.0
+    waiting: float = 0.0
+    control_plane: float = 0.0
+
+    def line(self) -> str:
+        """The phases on one line, as ``ShuffleReport.table`` shows them."""
+        return (f"phases: startup {self.startup:.2f} s  map {self.map:.2f} s  "
+                f"reduce {self.reduce:.2f} s  waiting {self.waiting:.2f} s (sum over "
+                f"reducers)  control plane {self.control_plane:.2f} s (sum over processes)")
+
+
+@dataclasses.dataclass
+class ReduceTimes:
+    """What one reducer measured of itself (see ``PhaseTimes.waiting`` and
+    ``PhaseTimes.control_plane``); the driver sums them over reducers."""
+
+    waiting: float = 0.0
+    control_plane: float = 0.0
+
+
+class Stopwatch:
+    """Sums the seconds spent inside ``with stopwatch:`` blocks (not reentrant).
+
+    Cheap enough to wrap every control-plane call: two ``perf_counter`` reads each.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+
 @dataclasses.dataclass
 class ShuffleReport:
     """What a shuffle did: where its bytes went, how it switched tiers, how fast it ran.
@@ -40,6 +112,9 @@ class ShuffleReport:
     # Where the maps read their rows, if not from Ray objects: "spark executors" (rows
     # handed over by Spark's Python workers) or "parquet files" (read by the writers).
     map_input: str = ""
+    # Where the time went (see PhaseTimes); None where it was not measured (the reports
+    # of the Spark bridge, whose maps run in Spark's tasks).
+    phases: PhaseTimes | None = None
 
     @property
     def throughput_mb_s(self) -> float:
@@ -76,8 +151,10 @@ class ShuffleReport:
             f"{self.lost_maps_rerun})  "
             f"reducers overlapped mappers: {'yes' if self.hybrid_overlap else 'no'}  "
             f"uncompressed (compression not paying) segments {self.uncompressed_segments}",
-            f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}",
         ]
+        if self.phases is not None:
+            lines.append("  " + self.phases.line())
+        lines.append(f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}")
         for node, tiers in sorted(self.per_node_tier.items()):
             for tier in TierName:
                 if tier.value in tiers:

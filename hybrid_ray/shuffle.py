@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from hybrid_ray import metrics
 from hybrid_ray.actors import (
     MASTER_CALL_TIMEOUT_S, ActorNodeStorage, existing_tier_manager, get_reader_slots,
     get_tier_manager, reader_count, start_actors,
@@ -37,7 +38,7 @@ from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
     split_by_partition,
 )
-from hybrid_ray.report import ProgressBar, ShuffleReport
+from hybrid_ray.report import PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport, Stopwatch
 
 # Reducers poll the master with exponential backoff between these bounds while waiting.
 POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
@@ -106,14 +107,20 @@ def report_of(ds: Any) -> ShuffleReport:
 _REPORT_ATTR = "_hybrid_ray_report"
 
 
-def describe_cause(exc: BaseException) -> str:
-    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
-    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
-    exception chain, not pasted into messages)."""
+def _unwrap_task_error(exc: BaseException) -> BaseException:
+    """The error behind ``exc``: a task's error unwrapped from Ray's ``RayTaskError``s."""
     cause = exc
     while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None \
             and cause.cause is not cause:
         cause = cause.cause
+    return cause
+
+
+def describe_cause(exc: BaseException) -> str:
+    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
+    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
+    exception chain, not pasted into messages)."""
+    cause = _unwrap_task_error(exc)
     text = str(cause).strip()
     if isinstance(cause, ray.exceptions.RayTaskError):
         text = text.splitlines()[-1] if text else text  # no cause object: its last line
@@ -142,20 +149,29 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     reports it, so the driver can seal with the attempts whose Spark tasks succeeded).
     """
     node_id = ray.get_runtime_context().get_node_id()
-    attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, os.getpid()))
+    # Every bookkeeping call of this attempt is timed into one stopwatch: the report's
+    # control-plane time (the stats travel with finish_map, so that call is not in it).
+    control = Stopwatch()
+    with control:
+        attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id,
+                                                  os.getpid()))
     if attempt is None:
         return None
     if on_attempt is not None:
         on_attempt(attempt)
     tm = get_tier_manager(node_id, config.namespace)
-    ray.get(tm.register_shuffle.remote(shuffle_id, config))
+    with control:
+        ray.get(tm.register_shuffle.remote(shuffle_id, config))
     superseded = []
 
     def commit(metas):
-        if not ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas)):
+        with control:
+            live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas))
+        if not live:
             superseded.append(True)
 
-    client = WriteClient(shuffle_id, map_index, num_partitions, config, ActorNodeStorage(tm),
+    client = WriteClient(shuffle_id, map_index, num_partitions, config,
+                         ActorNodeStorage(tm, control),
                          _io_tiers_cached(config, node_id, own_memory_segments),
                          attempt=attempt, node_id=node_id, on_commit=commit)
     try:
@@ -189,6 +205,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded "
                                      "before it finished; its segments do not count")
         return None
+    client.stats.control_plane_s = control.seconds
     finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
     if not finished and raise_if_superseded:
         # Spark runs speculative attempts side by side: report failure so Spark keeps the
@@ -323,8 +340,8 @@ _IO_CACHE: dict[tuple[str, str, bool], dict] = {}
 
 
 def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
-                      master: Any, missing_wait_s: float = MISSING_SEGMENT_WAIT_S
-                      ) -> list[pa.Table]:
+                      master: Any, missing_wait_s: float = MISSING_SEGMENT_WAIT_S,
+                      times: ReduceTimes | None = None) -> list[pa.Table]:
     """All rows of one subpartition, in map order, once every map has finished.
 
     Follows the maps while they write (hybrid): polls the master for new segments and reads
@@ -336,8 +353,13 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     attempt will bring it back, so the read fails at once with ``SegmentNotFoundError``
     naming the segment and its path. Waits for a coming attempt end after
     ``missing_wait_s`` with the same error.
+
+    ``times``, if given, is added the seconds this read slept waiting for segments not
+    committed yet and spent in calls to the master (see ``report.PhaseTimes``).
     """
     node_id = ray.get_runtime_context().get_node_id()
+    times = times if times is not None else ReduceTimes()
+    control, waiting = Stopwatch(), Stopwatch()
 
     def fetch_from_node(meta):
         # Never start a tier manager here: one pinned to a dead node would never run.
@@ -363,7 +385,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     missing_since: float | None = None
     missing: tuple[Any, Exception] | None = None  # (meta, its error) while waiting
     while True:
-        result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors, os.getpid()))
+        with control:
+            result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors,
+                                                os.getpid()))
         got = False
         try:
             for map_index, attempt, reset, _ in result.updates:
@@ -383,11 +407,16 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                     # or remote segment of a finished map on a live node is lost for good.
                     if meta.tier == TierName.MEMORY or isinstance(
                             exc, SegmentLostWithNodeError):
-                        if not ray.get(master.report_lost.remote(shuffle_id, map_index,
-                                                                 attempt)):
+                        with control:
+                            rerun = ray.get(master.report_lost.remote(
+                                shuffle_id, map_index, attempt))
+                        if not rerun:
                             raise
-                    elif _finished_attempt(master, shuffle_id, map_index) == attempt:
-                        raise _segment_lost(meta, exc, subpartition) from exc
+                    else:
+                        with control:
+                            finished = _finished_attempt(master, shuffle_id, map_index)
+                        if finished == attempt:
+                            raise _segment_lost(meta, exc, subpartition) from exc
                     missing = (meta, exc)
                     raise _AwaitingAttempt() from None
                 _, nxt = cursors.get(map_index, (attempt, 0))
@@ -404,13 +433,18 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                     f"the {meta.tier.value} tier ({meta.location or 'object store'}) and no "
                     f"new attempt of map {meta.id.map_partition} started within "
                     f"{missing_wait_s:.0f} s ({exc})") from exc
-            time.sleep(POLL_MAX_S)
+            with waiting:
+                time.sleep(POLL_MAX_S)
             continue
         if result.done and not got:
             break
         delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
         if not got:
-            time.sleep(delay)
+            # Nothing new was committed: this sleep is the reducer waiting for the maps.
+            with waiting:
+                time.sleep(delay)
+    times.waiting += waiting.seconds
+    times.control_plane += control.seconds
     return [t for m in sorted(per_map) for t in per_map[m]]
 
 
@@ -438,14 +472,17 @@ class _AwaitingAttempt(Exception):
 
 def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
                      partitioner: Partitioner, config: ShuffleConfig, master: Any
-                     ) -> tuple[pa.Table, tuple[int, int, pa.Schema]]:
-    """One reducer (run by a reader ``ShuffleWorkerActor``): the finished partition and its (rows,
-    bytes, schema), from which the driver builds the output Dataset's block metadata
-    instead of running a task per block to learn it."""
-    tables = read_subpartition(shuffle_id, subpartition, config, master)
+                     ) -> tuple[pa.Table, tuple[int, int, pa.Schema], ReduceTimes]:
+    """One reducer (run by a reader ``ShuffleWorkerActor``): the finished partition, its
+    (rows, bytes, schema), from which the driver builds the output Dataset's block
+    metadata instead of running a task per block to learn it, and the reducer's waiting
+    and control-plane seconds for the report. Three separate returns: the driver waits on
+    the small ones without pulling the table to its node."""
+    times = ReduceTimes()
+    tables = read_subpartition(shuffle_id, subpartition, config, master, times=times)
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     table = partitioner.finalize(table, subpartition)
-    return table, (table.num_rows, table.nbytes, table.schema)
+    return table, (table.num_rows, table.nbytes, table.schema), times
 
 
 @ray.remote
@@ -494,6 +531,11 @@ class _MapDispatcher:
         self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
         self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
         self._dead_slots: set[int] = set()
+        # For the report's phases (perf_counter): when the first map was dispatched and
+        # the last one was seen finished, and the time spent asking the master for lost maps.
+        self.first_dispatch: float | None = None
+        self.last_finish: float | None = None
+        self.control = Stopwatch()
         self._dispatch()
 
     @property
@@ -526,13 +568,16 @@ class _MapDispatcher:
                 map_index = self._running.pop(slot)[0]
                 try:
                     self.results[map_index] = ray.get(ref)
+                    self.last_finish = time.perf_counter()
                 except WORKER_LOST_ERRORS as exc:
                     node = self._writers[slot][0]
                     if not lost_with_node(node, exc):
                         raise
                     self._drop_node(node)
                     self._requeue([map_index])
-        self._requeue(ray.get(self._master.take_lost.remote(self._shuffle_id)))
+        with self.control:
+            lost = ray.get(self._master.take_lost.remote(self._shuffle_id))
+        self._requeue(lost)
         self._dispatch()
 
     def _requeue(self, maps: Sequence[int]) -> None:
@@ -564,6 +609,8 @@ class _MapDispatcher:
             ref = writer.run.remote(self._map_fn, self._shuffle_id, pick, self._blocks[pick],
                                     *self._args)
             self._running[slot] = (pick, ref)
+            if self.first_dispatch is None:
+                self.first_dispatch = time.perf_counter()
 
 
 def _block_locations(blocks: Sequence[ray.ObjectRef]
@@ -702,14 +749,15 @@ class _ReaderPool:
         return len(self._busy) < len(self._readers)
 
     def submit(self, sub: int, fn: Callable[..., Any], *args: Any
-               ) -> tuple[ray.ObjectRef, ray.ObjectRef]:
-        """Run ``fn(*args)`` (reducing ``sub``) on a free reader: (table, stats) refs."""
+               ) -> tuple[ray.ObjectRef, ray.ObjectRef, ray.ObjectRef]:
+        """Run ``fn(*args)`` (reducing ``sub``) on a free reader: the refs of its three
+        returns (table, stats, times: see ``reduce_partition``)."""
         node, reader = next((n, r) for n, r in self._readers
                             if _actor_key(r) not in self._busy)
         self._busy[_actor_key(reader)] = sub
         self._node_of[sub] = node
-        table_ref, stats_ref = reader.run.options(num_returns=2).remote(fn, *args)
-        return table_ref, stats_ref
+        table_ref, stats_ref, times_ref = reader.run.options(num_returns=3).remote(fn, *args)
+        return table_ref, stats_ref, times_ref
 
     def done(self, sub: int) -> None:
         self._busy = {k: s for k, s in self._busy.items() if s != sub}
@@ -804,15 +852,20 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         ray.init()
     window = _reducer_window(config)
     check_remote_tier(config)
+    # The wall clock and the phases start together, before the actors are looked up (or
+    # started): the report's startup phase is what a user waits for before the first map.
+    started = time.perf_counter()
+    control = Stopwatch()  # the driver's calls to the master (PhaseTimes.control_plane)
     # Every actor at once (a no-op lookup once they run, or after hybrid_ray.init): started
     # one by one on first use, they made a first shuffle many times slower than the next.
     actors = start_actors(config.namespace, reader_count(config))
     master = actors.master.handle
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    started = time.monotonic()
     inputs, input_nodes = _map_inputs(blocks, config)
     # Recoverable: a map whose memory-tier output died with its writer is run again.
-    ray.get(master.register.remote(shuffle_id, len(inputs), num_partitions, config, True))
+    with control:
+        ray.get(master.register.remote(shuffle_id, len(inputs), num_partitions, config,
+                                       True))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
     readers: _ReaderPool | None = None
     try:
@@ -827,9 +880,14 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         reduce_refs: list[ray.ObjectRef | None] = [None] * num_partitions
         stats_refs: list[ray.ObjectRef | None] = [None] * num_partitions
         running: dict[ray.ObjectRef, int] = {}  # stats ref -> subpartition
+        times_refs: dict[int, ray.ObjectRef] = {}  # subpartition -> its ReduceTimes
         finished: set[int] = set()  # subpartitions whose block is stored
         todo = collections.deque(range(num_partitions))
         last_beat = 0.0
+        # The reduce phase (perf_counter) and the reducers' own times, summed.
+        reduce_start: float | None = None
+        reduce_end: float | None = None
+        reduce_times = ReduceTimes()
         while True:
             maps.poll()
             if maps.lost_nodes - readers.lost_nodes:
@@ -853,28 +911,40 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
                         continue
                     readers.done(sub)
                     finished.add(sub)
+                    reduce_end = time.perf_counter()
+                    # Returned with the stats, so ready now: a small inlined object.
+                    times = ray.get(times_refs[sub])
+                    reduce_times.waiting += times.waiting
+                    reduce_times.control_plane += times.control_plane
                     # Its block is stored (owned by this driver): its segments can go now.
-                    master.free_subpartition.remote(shuffle_id, sub)
+                    with control:
+                        master.free_subpartition.remote(shuffle_id, sub)
             if hybrid or maps_done:
                 while todo and readers.has_free():
                     sub = todo.popleft()
-                    table_ref, stats_ref = readers.submit(
+                    table_ref, stats_ref, times_refs[sub] = readers.submit(
                         sub, reduce_partition, shuffle_id, sub, schema, partitioner,
                         config, master)
                     reduce_refs[sub], stats_refs[sub] = table_ref, stats_ref
                     running[stats_ref] = sub
+                    if reduce_start is None:
+                        reduce_start = time.perf_counter()
             progress.update(maps.num_finished, len(inputs), len(finished), num_partitions)
             if maps_done and len(finished) == num_partitions:
                 break
             if time.monotonic() - last_beat > HEARTBEAT_S:
-                master.heartbeat.remote(shuffle_id)
+                with control:
+                    master.heartbeat.remote(shuffle_id)
                 last_beat = time.monotonic()
             # Wake on the next map or reducer to finish (or fail: handled above).
             ray.wait(maps.running_refs() + list(running), num_returns=1, timeout=0.5,
                      fetch_local=False)
         _check_outputs_survived(reduce_refs, readers)
-        summary = ray.get(master.summary.remote(shuffle_id))
+        with control:
+            summary = ray.get(master.summary.remote(shuffle_id))
     except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):  # a user's stop is not a failure
+            metrics.record_error(_error_kind(exc))
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
         # down with it. Released, the shuffle is unknown to the master, so tasks still
         # running fail at their next commit or poll, and a map deletes what it wrote.
@@ -904,14 +974,31 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
             f"{operation} shuffle {shuffle_id} failed: {describe_cause(exc)} (its data was "
             "removed; the remote traceback is on this error's __cause__)")
         raise error from exc
-    ray.get(master.release.remote(shuffle_id))
+    with control:
+        ray.get(master.release.remote(shuffle_id))
     # Every reducer has returned: its block is stored, owned by this driver.
     readers.close()
     progress.update(len(inputs), len(inputs), num_partitions, num_partitions, force=True)
     progress.close()
-    report = _make_report(summary, operation, config, time.monotonic() - started)
+    ended = time.perf_counter()
+    # No map (no input) or no reducer: that phase took no time; startup ran until then.
+    first_map = maps.first_dispatch or ended
+    phases = PhaseTimes(
+        startup=first_map - started,
+        map=(maps.last_finish or first_map) - first_map,
+        reduce=(reduce_end or ended) - (reduce_start or ended),
+        waiting=reduce_times.waiting,
+        control_plane=control.seconds + maps.control.seconds + reduce_times.control_plane)
+    report = _make_report(summary, operation, config, ended - started, phases)
     _set_last_report(report)
+    metrics.record_shuffle(report)
     return ShuffleResult(list(reduce_refs), report, list(stats_refs))
+
+
+def _error_kind(exc: BaseException) -> str:
+    """The class name of the error behind a failed shuffle (a task's error unwrapped from
+    Ray's ``RayTaskError``, as ``describe_cause`` does): the ``kind`` of the error metric."""
+    return type(_unwrap_task_error(exc)).__name__
 
 
 def _reducer_window(config: ShuffleConfig) -> int:
@@ -931,7 +1018,10 @@ def _reducer_window(config: ShuffleConfig) -> int:
 
 
 def _make_report(summary: dict, operation: str, config: ShuffleConfig,
-                 wall: float) -> ShuffleReport:
+                 wall: float, phases: PhaseTimes | None = None) -> ShuffleReport:
+    """The report of a finished shuffle from the master's ``summary``. ``phases``: the
+    driver's measurements, to which the writers' control-plane time (in the maps' stats)
+    is added; None leaves the report without phases (not measured)."""
     stats = WriteStats()
     for s in summary["map_stats"]:
         if s is not None:
@@ -951,6 +1041,8 @@ def _make_report(summary: dict, operation: str, config: ShuffleConfig,
         lost_maps_rerun=summary["lost_maps_rerun"],
         hybrid_overlap=bool(first is not None and last is not None and first < last),
         uncompressed_segments=stats.uncompressed_segments,
+        phases=None if phases is None else dataclasses.replace(
+            phases, control_plane=phases.control_plane + stats.control_plane_s),
     )
 
 
