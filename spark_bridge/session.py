@@ -147,16 +147,16 @@ _last_session_shuffles: tuple[str, str, str] | None = None
 def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_cores: int = 1,
                executor_memory: str | int = "2GB", configs: Mapping[str, str] | None = None,
                *, ray_address: str | None = None, shuffle_config: Any = None,
-               hybrid_shuffle: bool = False) -> Any:
+               hybrid_shuffle: bool = True) -> Any:
     """Start Spark on the Ray cluster through RayDP and return its ``SparkSession``.
 
-    With ``hybrid_shuffle=True`` every ordinary exchange of the session (SQL,
-    DataFrame and RDD shuffles) stores its map output in hybrid_ray's memory and disk
-    tiers through ``HybridRayShuffleManager`` (see ``spark_bridge.hybrid_shuffle``), with
+    With ``hybrid_shuffle=True`` (the default) every ordinary exchange of the session
+    (SQL, DataFrame and RDD shuffles, AQE's coalesced and skew-split reads) stores its map
+    output in hybrid_ray's memory, disk and remote tiers through
+    ``HybridRayShuffleManager`` (see ``spark_bridge.hybrid_shuffle``), with
     ``shuffle_config`` (a ``ShuffleConfig``; default ``ShuffleConfig()``) giving the spill
-    dirs, budgets and namespace. ``hybrid_shuffle=False`` (for now the default: the
-    driver releases a Spark shuffle's data only at ``stop_spark``, see the README) gives
-    Spark's own shuffle.
+    dirs, budgets, remote tier and namespace. ``hybrid_shuffle=False`` gives Spark's own
+    shuffle. The shuffle manager's jar is built from ``jvm/`` by ``./dev setup``.
     Settings in ``configs`` win over the ones this adds.
 
     Connects to (or starts) Ray first: ``ray_address`` or ``RAY_ADDRESS``, else a local Ray.

@@ -70,6 +70,30 @@ def ray_local():
     return start_local_ray()
 
 
+# Namespace of the Spark sessions' own exchanges in the modules using the ``spark``
+# fixture: apart from the bridge's shuffles, whose tier accounting those tests check.
+SPARK_EXCHANGE_NAMESPACE = "hr_spark_exchanges"
+
+
+@pytest.fixture(scope="module")
+def spark(request):
+    """One RayDP Spark session per module (~30 s to start), its exchanges through
+    hybrid_ray's shuffle manager (the default) in ``SPARK_EXCHANGE_NAMESPACE``."""
+    import spark_bridge
+    from hybrid_ray import ShuffleConfig
+
+    start_local_ray()
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    session = spark_bridge.init_spark(
+        f"hybrid_ray-{module}", num_executors=2, executor_cores=1, executor_memory="1GB",
+        configs={"spark.sql.shuffle.partitions": "4"},
+        shuffle_config=ShuffleConfig(namespace=SPARK_EXCHANGE_NAMESPACE, progress=False))
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    spark_bridge.stop_spark()
+    assert spark_bridge.held_shuffles() == []
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """A moto S3 server on 127.0.0.1: real HTTP, real S3 API (as s3fs tests itself)."""

@@ -49,3 +49,34 @@ def test_app_prefix_matches_the_jvms_shuffle_ids():
     # HybridRayContext.appKey: characters outside [A-Za-z0-9_.-] become "_", last 80 kept.
     assert app_prefix("spark-application-17/95") == "spark-spark-application-17_95-"
     assert app_prefix("y" + "x" * 80) == "spark-" + "x" * 80 + "-"
+
+
+def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):
+    from hybrid_ray.spark_jvm import SPARK_SESSIONS, SparkSessions, resolve_config
+
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], remote_path=f"file://{tmp_path}/r",
+                           storage_options={"secret": "s3cr3t"}, progress=False)
+    sessions = SparkSessions()
+    sessions.open("s1", config)
+    carried = json.loads(config_to_json(config, "s1"))
+    assert carried["session"] == "s1" and "s3cr3t" not in json.dumps(carried)
+    # The master's copy, remote tier and credentials included, wins over the carried part.
+    assert resolve_config(carried, sessions.get) == config
+    # An unknown (or closed) session falls back to what Spark's conf carries: no remote.
+    sessions.close("s1")
+    assert resolve_config(carried, sessions.get).remote_path is None
+    # Bounded: the oldest sessions are forgotten first.
+    for i in range(SPARK_SESSIONS + 5):
+        sessions.open(f"t{i}", config)
+    assert sessions.get("t0") is None and sessions.get(f"t{SPARK_SESSIONS + 4}") == config
+
+
+def test_session_token_and_config_are_checked():
+    from hybrid_ray.errors import ConfigError, InvalidIdError
+    from hybrid_ray.spark_jvm import SparkSessions
+
+    sessions = SparkSessions()
+    with pytest.raises(InvalidIdError, match="session token"):
+        sessions.open("../x", ShuffleConfig(progress=False))
+    with pytest.raises(ConfigError, match="must be a ShuffleConfig"):
+        sessions.open("s1", {"remote_path": "s3://b"})

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 import spark_bridge
-from conftest import assert_no_leftovers, base_config, record_fault_outcome, start_local_ray
+from conftest import assert_no_leftovers, base_config, record_fault_outcome
 from hybrid_ray import HashPartitioner, MiB
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
@@ -31,18 +31,6 @@ def _ship_this_module_by_value():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield
     cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-
-
-@pytest.fixture(scope="module")
-def spark(request):
-    start_local_ray()
-    session = spark_bridge.init_spark("hybrid_ray-fault-tests", num_executors=2,
-                                      executor_cores=1, executor_memory="1GB",
-                                      configs={"spark.sql.shuffle.partitions": "4"})
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    spark_bridge.stop_spark()
-    assert spark_bridge.held_shuffles() == []
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,472 @@
+"""A multi-query SQL workload on PySpark (RayDP): hybrid_ray's shuffle manager against
+Spark's own shuffle, in one run, plus the capped-disk contrast.
+
+    python -m benchmarks.spark_sql                      # scale 0.1, 2 rounds
+    python -m benchmarks.spark_sql --scale 0.3 --rounds 3 --capped-disk-mib 48
+
+Data: a TPC-H-like generator (``generate``: the eight TPC-H tables' shapes and key
+relations at ``--scale``, values drawn with numpy from ``--seed``), written once as parquet.
+Queries: nine TPC-H-like queries (``QUERIES``: pricing summary, shipping priority, local
+supplier volume, returned items, ship modes, customer distribution, large-volume customers,
+a window, a distinct count) with broadcast joins off, so every join shuffles both sides.
+
+Each mode runs in a fresh Python process with a fresh local Ray, so neither inherits the
+other's warm JVM: the first round of each query is its first call (JIT, executors' first
+tasks), later rounds are warm. Both modes must return the same rows for every query (a
+row-multiset fingerprint), or the run fails. The capped-disk case puts Spark's local dir
+and hybrid_ray's spill dir on one small tmpfs (root only): a wide repartition fails there
+with Spark's own shuffle and finishes through hybrid_ray with its remote tier (an S3 API
+over HTTP: ``--remote`` or a moto server started here).
+
+Results go to ``benchmarks/results/spark-sql/`` (markdown and JSON) and to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "spark-sql")
+SPARK_CONFIGS = {
+    "spark.sql.shuffle.partitions": "8",
+    "spark.sql.autoBroadcastJoinThreshold": "-1",   # every join shuffles both sides
+    "spark.sql.adaptive.enabled": "true",
+}
+EPOCH_1992 = 8035  # days from 1970-01-01 to 1992-01-01
+
+
+# ---- data ---------------------------------------------------------------------------------
+def generate(out_dir: str, scale: float, seed: int) -> dict[str, str]:
+    """Write the TPC-H-like tables at ``scale`` (1.0 = 6M lineitems) as parquet files;
+    returns table name -> path."""
+    rng = np.random.default_rng(seed)
+    n_cust, n_supp = max(150, int(150_000 * scale)), max(10, int(10_000 * scale))
+    n_part, n_orders = max(200, int(200_000 * scale)), max(1500, int(1_500_000 * scale))
+    words = np.array(["furious", "sly", "careful", "blithe", "quick", "fluffy", "slow",
+                      "quiet", "ruthless", "thin", "close", "dogged", "daring", "brave"])
+
+    def comments(n: int) -> pa.Array:
+        picks = rng.integers(0, len(words), size=(n, 4))
+        return pa.array([" ".join(row) for row in words[picks]])
+
+    tables: dict[str, pa.Table] = {
+        "nation": pa.table({"n_nationkey": np.arange(25, dtype=np.int32),
+                            "n_name": [f"NATION{i:02d}" for i in range(25)],
+                            "n_regionkey": (np.arange(25) % 5).astype(np.int32)}),
+        "customer": pa.table({
+            "c_custkey": np.arange(1, n_cust + 1, dtype=np.int64),
+            "c_name": [f"Customer#{i:09d}" for i in range(1, n_cust + 1)],
+            "c_nationkey": rng.integers(0, 25, n_cust, dtype=np.int32),
+            "c_acctbal": np.round(rng.uniform(-999.99, 9999.99, n_cust), 2),
+            "c_mktsegment": np.array(["AUTOMOBILE", "BUILDING", "FURNITURE", "HOUSEHOLD",
+                                      "MACHINERY"])[rng.integers(0, 5, n_cust)]}),
+        "supplier": pa.table({
+            "s_suppkey": np.arange(1, n_supp + 1, dtype=np.int64),
+            "s_nationkey": rng.integers(0, 25, n_supp, dtype=np.int32),
+            "s_acctbal": np.round(rng.uniform(-999.99, 9999.99, n_supp), 2)}),
+        "part": pa.table({
+            "p_partkey": np.arange(1, n_part + 1, dtype=np.int64),
+            "p_brand": [f"Brand#{a}{b}" for a, b in rng.integers(1, 6, (n_part, 2))],
+            "p_size": rng.integers(1, 51, n_part, dtype=np.int32),
+            "p_retailprice": np.round(rng.uniform(900, 2000, n_part), 2)}),
+    }
+    orderdate = EPOCH_1992 + rng.integers(0, 2400, n_orders)
+    tables["orders"] = pa.table({
+        "o_orderkey": np.arange(1, n_orders + 1, dtype=np.int64),
+        "o_custkey": rng.integers(1, n_cust + 1, n_orders),
+        "o_orderstatus": np.array(["F", "O", "P"])[rng.integers(0, 3, n_orders)],
+        "o_totalprice": np.round(rng.uniform(800, 500_000, n_orders), 2),
+        "o_orderdate": pa.array(orderdate.astype(np.int32), pa.date32()),
+        "o_orderpriority": np.array(["1-URGENT", "2-HIGH", "3-MEDIUM", "4-NOT SPECIFIED",
+                                     "5-LOW"])[rng.integers(0, 5, n_orders)],
+        "o_shippriority": np.zeros(n_orders, dtype=np.int32)})
+    lines_per_order = rng.integers(1, 8, n_orders)
+    n_lines = int(lines_per_order.sum())
+    l_orderkey = np.repeat(np.arange(1, n_orders + 1, dtype=np.int64), lines_per_order)
+    shipdate = np.repeat(orderdate, lines_per_order) + rng.integers(1, 122, n_lines)
+    tables["lineitem"] = pa.table({
+        "l_orderkey": l_orderkey,
+        "l_partkey": rng.integers(1, n_part + 1, n_lines),
+        "l_suppkey": rng.integers(1, n_supp + 1, n_lines),
+        "l_linenumber": np.concatenate([np.arange(1, k + 1) for k in lines_per_order])
+                          .astype(np.int32),
+        "l_quantity": rng.integers(1, 51, n_lines).astype(np.float64),
+        "l_extendedprice": np.round(rng.uniform(900, 100_000, n_lines), 2),
+        "l_discount": np.round(rng.integers(0, 11, n_lines) / 100, 2),
+        "l_tax": np.round(rng.integers(0, 9, n_lines) / 100, 2),
+        "l_returnflag": np.array(["A", "N", "R"])[rng.integers(0, 3, n_lines)],
+        "l_linestatus": np.array(["F", "O"])[rng.integers(0, 2, n_lines)],
+        "l_shipdate": pa.array(shipdate.astype(np.int32), pa.date32()),
+        "l_receiptdate": pa.array((shipdate + rng.integers(1, 31, n_lines)).astype(np.int32),
+                                  pa.date32()),
+        "l_shipmode": np.array(["AIR", "FOB", "MAIL", "RAIL", "REG AIR", "SHIP", "TRUCK"])[
+            rng.integers(0, 7, n_lines)],
+        "l_comment": comments(n_lines)})
+    paths = {}
+    for name, table in tables.items():
+        paths[name] = os.path.join(out_dir, f"{name}.parquet")
+        pq.write_table(table, paths[name], row_group_size=256 * 1024)
+    return paths
+
+
+QUERIES: dict[str, str] = {
+    "q1_pricing_summary": """
+        select l_returnflag, l_linestatus, sum(l_quantity) as sum_qty,
+               sum(l_extendedprice) as sum_base, sum(l_extendedprice * (1 - l_discount)) as disc,
+               avg(l_discount) as avg_disc, count(*) as n
+        from lineitem where l_shipdate <= date '1998-09-02'
+        group by l_returnflag, l_linestatus""",
+    "q3_shipping_priority": """
+        select l_orderkey, o_orderdate, o_shippriority,
+               sum(l_extendedprice * (1 - l_discount)) as revenue
+        from customer join orders on c_custkey = o_custkey
+             join lineitem on l_orderkey = o_orderkey
+        where c_mktsegment = 'BUILDING' and o_orderdate < date '1995-03-15'
+              and l_shipdate > date '1995-03-15'
+        group by l_orderkey, o_orderdate, o_shippriority
+        order by revenue desc, l_orderkey limit 20""",
+    "q5_local_supplier": """
+        select n_name, sum(l_extendedprice * (1 - l_discount)) as revenue
+        from customer join orders on c_custkey = o_custkey
+             join lineitem on l_orderkey = o_orderkey
+             join supplier on l_suppkey = s_suppkey and c_nationkey = s_nationkey
+             join nation on s_nationkey = n_nationkey
+        where o_orderdate >= date '1994-01-01' and o_orderdate < date '1995-01-01'
+        group by n_name""",
+    "q10_returned_items": """
+        select c_custkey, c_name, n_name, sum(l_extendedprice * (1 - l_discount)) as revenue
+        from customer join orders on c_custkey = o_custkey
+             join lineitem on l_orderkey = o_orderkey
+             join nation on c_nationkey = n_nationkey
+        where l_returnflag = 'R' and o_orderdate >= date '1993-10-01'
+              and o_orderdate < date '1994-01-01'
+        group by c_custkey, c_name, n_name order by revenue desc, c_custkey limit 20""",
+    "q12_ship_modes": """
+        select l_shipmode,
+               sum(case when o_orderpriority in ('1-URGENT', '2-HIGH') then 1 else 0 end) as high,
+               sum(case when o_orderpriority not in ('1-URGENT', '2-HIGH') then 1 else 0 end)
+                   as low
+        from orders join lineitem on o_orderkey = l_orderkey
+        where l_receiptdate >= date '1994-01-01' and l_receiptdate < date '1995-01-01'
+        group by l_shipmode""",
+    "q13_customer_distribution": """
+        select c_count, count(*) as custdist from (
+            select c_custkey, count(o_orderkey) as c_count
+            from customer left join orders on c_custkey = o_custkey
+            group by c_custkey) group by c_count""",
+    "q18_large_volume": """
+        select c_name, c_custkey, o_orderkey, o_totalprice, sum(l_quantity) as qty
+        from customer join orders on c_custkey = o_custkey
+             join lineitem on o_orderkey = l_orderkey
+        where o_orderkey in (select l_orderkey from lineitem group by l_orderkey
+                             having sum(l_quantity) > 250)
+        group by c_name, c_custkey, o_orderkey, o_totalprice""",
+    "window_top_orders": """
+        select o_custkey, o_orderkey, o_totalprice from (
+            select o_custkey, o_orderkey, o_totalprice,
+                   row_number() over (partition by o_custkey
+                                      order by o_totalprice desc, o_orderkey) as r
+            from orders) where r <= 2""",
+    "distinct_parts_per_supplier": """
+        select l_suppkey, count(distinct l_partkey) as parts
+        from lineitem join part on l_partkey = p_partkey where p_size < 25
+        group by l_suppkey""",
+}
+
+
+def fingerprint(rows: list[Any]) -> str:
+    """Digest of a result's row multiset (order-free: rows are sorted by their repr)."""
+    h = hashlib.sha256()
+    for text in sorted(repr(tuple(r)) for r in rows):
+        h.update(text.encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+# ---- one mode, in its own process ---------------------------------------------------------
+def run_mode(mode: str, paths: dict[str, str], rounds: int, extra: dict[str, str],
+             shuffle_config: Any = None, queries: dict[str, str] | None = None) -> dict:
+    """Start Spark (``mode``: "hybrid_ray" or "spark"), run every query ``rounds`` times;
+    per query: seconds per round, row count and fingerprint (or the error)."""
+    import ray
+
+    import spark_bridge
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    started = time.perf_counter()
+    spark = spark_bridge.init_spark(f"sql-bench-{mode}", num_executors=2, executor_cores=1,
+                                    executor_memory="2GB", configs={**SPARK_CONFIGS, **extra},
+                                    shuffle_config=shuffle_config,
+                                    hybrid_shuffle=(mode == "hybrid_ray"))
+    spark.sparkContext.setLogLevel("ERROR")
+    out: dict[str, Any] = {"mode": mode, "startup_s": time.perf_counter() - started,
+                           "queries": {}}
+    try:
+        for name, path in paths.items():
+            spark.read.parquet(path).createOrReplaceTempView(name)
+        for name, sql in (queries or QUERIES).items():
+            entry: dict[str, Any] = {"seconds": []}
+            for _ in range(rounds):
+                t = time.perf_counter()
+                try:
+                    rows = spark.sql(sql).collect()
+                except Exception as exc:  # noqa: BLE001 - recorded, compared, reported
+                    entry["error"] = str(exc).strip().splitlines()[0][:300]
+                    break
+                entry["seconds"].append(time.perf_counter() - t)
+                entry["rows"], entry["fingerprint"] = len(rows), fingerprint(rows)
+            out["queries"][name] = entry
+        if mode == "hybrid_ray":
+            out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
+    finally:
+        spark_bridge.stop_spark()
+    if mode == "hybrid_ray":
+        out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
+    return out
+
+
+def _tier_bytes(reports: list[Any]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for report in reports:
+        for tier, nbytes in report.bytes_per_tier().items():
+            totals[tier] = totals.get(tier, 0) + nbytes
+    return totals
+
+
+CAPPED_QUERY = {"capped_wide_repartition": """
+    select l_shipmode, count(*) as n, max(wide) as m from (
+        select l_shipmode, concat(l_comment, sha2(cast(l_orderkey * 10 + l_linenumber
+               as string), 512)) as wide
+        from lineitem distribute by l_orderkey) group by l_shipmode"""}
+
+
+def run_capped(mode: str, paths: dict[str, str], disk: str, remote: str,
+               storage_options: dict[str, Any]) -> dict:
+    from hybrid_ray import MiB, ShuffleConfig
+
+    local_dir = os.path.join(disk, f"local-{mode}")
+    os.makedirs(local_dir, exist_ok=True)
+    config = ShuffleConfig(spill_dirs=[os.path.join(disk, "spill")],
+                           memory_capacity_bytes=16 * MiB, remote_path=remote,
+                           storage_options=storage_options, progress=False)
+    return run_mode(mode, {"lineitem": paths["lineitem"]}, 1,
+                    {"spark.local.dir": local_dir, "spark.task.maxFailures": "2"},
+                    shuffle_config=config, queries=CAPPED_QUERY)
+
+
+def _child(args: argparse.Namespace) -> int:
+    paths = json.loads(args.paths)
+    if args.capped_disk:
+        result = run_capped(args.child, paths, args.capped_disk, args.remote,
+                            json.loads(args.storage_options or "{}"))
+    else:
+        result = run_mode(args.child, paths, args.rounds, {})
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _spawn(mode: str, args: argparse.Namespace, paths: dict[str, str], **capped: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, "-m", "benchmarks.spark_sql", "--child", mode,
+           "--paths", json.dumps(paths), "--rounds", str(args.rounds), "--result", result_path]
+    for key, value in capped.items():
+        cmd += [f"--{key.replace('_', '-')}", value]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        with open(result_path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"mode": mode, "error": (proc.stderr or proc.stdout).strip()[-1500:],
+                "queries": {}}
+    finally:
+        os.unlink(result_path)
+
+
+# ---- report ---------------------------------------------------------------------------------
+def summarize(own: dict, ours: dict) -> dict[str, Any]:
+    """Per query: first-call and best warm seconds of both modes, speed-up (Spark's time /
+    hybrid_ray's), and whether the rows agree; totals; the issue's goals."""
+    rows, mismatches = [], []
+    totals = {"spark_first": 0.0, "ours_first": 0.0, "spark_warm": 0.0, "ours_warm": 0.0}
+    for name in QUERIES:
+        a, b = own["queries"].get(name, {}), ours["queries"].get(name, {})
+        if "error" in a or "error" in b or not a.get("seconds") or not b.get("seconds"):
+            mismatches.append(name)
+            rows.append({"query": name, "error": a.get("error") or b.get("error") or "missing"})
+            continue
+        same = a["fingerprint"] == b["fingerprint"]
+        if not same:
+            mismatches.append(name)
+        first_a, first_b = a["seconds"][0], b["seconds"][0]
+        warm_a = min(a["seconds"][1:] or a["seconds"])
+        warm_b = min(b["seconds"][1:] or b["seconds"])
+        for key, value in (("spark_first", first_a), ("ours_first", first_b),
+                           ("spark_warm", warm_a), ("ours_warm", warm_b)):
+            totals[key] += value
+        rows.append({"query": name, "rows": b["rows"], "same_rows": same,
+                     "spark_first_s": first_a, "ours_first_s": first_b,
+                     "spark_warm_s": warm_a, "ours_warm_s": warm_b,
+                     "speedup_first": first_a / first_b, "speedup_warm": warm_a / warm_b})
+    ok_rows = [r for r in rows if "error" not in r]
+    worst = min((min(r["speedup_first"], r["speedup_warm"]) for r in ok_rows), default=0.0)
+    return {
+        "queries": rows, "totals": totals, "mismatches": mismatches,
+        "speedup_total_first": totals["spark_first"] / max(totals["ours_first"], 1e-9),
+        "speedup_total_warm": totals["spark_warm"] / max(totals["ours_warm"], 1e-9),
+        "worst_query_speedup": worst,
+        "goals": {"total at least as fast as Spark's own shuffle (warm)":
+                  totals["ours_warm"] <= totals["spark_warm"],
+                  "no query slower than 0.8x": worst >= 0.8,
+                  "same rows for every query": not mismatches},
+    }
+
+
+def markdown(summary: dict, meta: dict, capped: dict | None) -> str:
+    lines = ["# Spark SQL workload: hybrid_ray's shuffle manager vs Spark's own shuffle",
+             "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: "
+             f"{meta['cpus']} cores; scale {meta['scale']} ({meta['lineitems']:,} lineitems); "
+             f"{meta['rounds']} rounds per query (first call, then best warm).", "",
+             "| query | rows | same rows | Spark first s | hybrid_ray first s | speed-up first "
+             "| Spark warm s | hybrid_ray warm s | speed-up warm |",
+             "|---|---:|:-:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["queries"]:
+        if "error" in r:
+            lines.append(f"| {r['query']} | error: {r['error']} |||||||| ")
+            continue
+        lines.append(f"| {r['query']} | {r['rows']} | {'yes' if r['same_rows'] else 'NO'} "
+                     f"| {r['spark_first_s']:.2f} | {r['ours_first_s']:.2f} "
+                     f"| {r['speedup_first']:.2f}x | {r['spark_warm_s']:.2f} "
+                     f"| {r['ours_warm_s']:.2f} | {r['speedup_warm']:.2f}x |")
+    t = summary["totals"]
+    lines += [f"| **total** | | | {t['spark_first']:.2f} | {t['ours_first']:.2f} "
+              f"| {summary['speedup_total_first']:.2f}x | {t['spark_warm']:.2f} "
+              f"| {t['ours_warm']:.2f} | {summary['speedup_total_warm']:.2f}x |", "",
+              f"Spark start-up: own shuffle {meta['startup_spark_s']:.1f} s, hybrid_ray "
+              f"{meta['startup_ours_s']:.1f} s. hybrid_ray's bytes per tier: "
+              f"{meta.get('tier_bytes')}.", "", "Goals:"]
+    lines += [f"- {goal}: {'met' if met else 'NOT met'}" for goal, met in
+              summary["goals"].items()]
+    if capped is not None:
+        lines += ["", f"Capped disk ({capped['mib']} MiB tmpfs for Spark's local dir and the "
+                  "disk tier; remote tier on an S3 API over HTTP):",
+                  f"- Spark's own shuffle: {capped['spark']}",
+                  f"- hybrid_ray: {capped['ours']}"]
+    return "\n".join(lines) + "\n"
+
+
+def _capped_outcome(result: dict) -> str:
+    entry = result.get("queries", {}).get("capped_wide_repartition", {})
+    if "error" in entry or "error" in result:
+        return f"failed: {entry.get('error') or result.get('error', '')[:300]}"
+    return (f"finished in {entry['seconds'][0]:.1f} s, {entry['rows']} rows "
+            f"(fingerprint {entry['fingerprint']}); bytes per tier {result.get('tier_bytes')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.spark_sql", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=float, default=0.1, help="1.0 = 6M lineitems (default 0.1)")
+    p.add_argument("--rounds", type=int, default=2, help="runs per query (first + warm)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capped-disk-mib", type=int, default=0,
+                   help="also run the capped-disk contrast on a tmpfs of this size (root)")
+    p.add_argument("--remote", default=None, help="remote tier URL for the capped run "
+                   "(default: a moto S3 server started here)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per mode")
+    p.add_argument("--out", default=RESULTS_DIR)
+    # Internal: one mode in a child process.
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--paths", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--capped-disk", default="", help=argparse.SUPPRESS)
+    p.add_argument("--storage-options", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args)
+    if args.scale <= 0 or args.rounds < 1:
+        p.error("--scale must be > 0 and --rounds >= 1")
+    with tempfile.TemporaryDirectory(prefix="hr-sql-bench-") as data_dir:
+        print(f"generating TPC-H-like data at scale {args.scale} ...", flush=True)
+        paths = generate(data_dir, args.scale, args.seed)
+        lineitems = pq.ParquetFile(paths["lineitem"]).metadata.num_rows
+        results = {}
+        for mode in ("spark", "hybrid_ray"):
+            print(f"running {len(QUERIES)} queries x {args.rounds} with {mode} ...", flush=True)
+            results[mode] = _spawn(mode, args, paths)
+            if "error" in results[mode]:
+                print(f"{mode} failed: {results[mode]['error']}", file=sys.stderr)
+                return 1
+        capped = _run_capped_contrast(args, paths) if args.capped_disk_mib else None
+    summary = summarize(results["spark"], results["hybrid_ray"])
+    meta = {"command": "python -m benchmarks.spark_sql " + " ".join(argv or sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
+            "scale": args.scale, "lineitems": lineitems, "rounds": args.rounds,
+            "startup_spark_s": results["spark"]["startup_s"],
+            "startup_ours_s": results["hybrid_ray"]["startup_s"],
+            "tier_bytes": results["hybrid_ray"].get("tier_bytes")}
+    text = markdown(summary, meta, capped)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary, "capped": capped, "raw": results}, f,
+                  indent=1)
+    print(text)
+    return 0 if not summary["mismatches"] else 1
+
+
+def _run_capped_contrast(args: argparse.Namespace, paths: dict[str, str]) -> dict:
+    disk = tempfile.mkdtemp(prefix="hr-sql-capped-")
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.capped_disk_mib}m",
+                            "tmpfs", disk], capture_output=True, text=True)
+    if mount.returncode != 0:
+        os.rmdir(disk)
+        return {"mib": args.capped_disk_mib, "spark": "not run (cannot mount a tmpfs: "
+                f"{mount.stderr.strip()})", "ours": "not run"}
+    server = None
+    try:
+        remote, options = args.remote, {}
+        if remote is None:
+            import socket
+
+            import s3fs
+            from moto.server import ThreadedMotoServer
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            server.start()
+            options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench",
+                       "secret": "bench"}
+            s3fs.S3FileSystem(**options).mkdir("hr-bench")
+            remote = "s3://hr-bench/shuffle"
+        out = {"mib": args.capped_disk_mib}
+        for mode, key in (("spark", "spark"), ("hybrid_ray", "ours")):
+            print(f"capped disk: {mode} ...", flush=True)
+            out[key] = _capped_outcome(_spawn(mode, args, paths, capped_disk=disk,
+                                              remote=remote,
+                                              storage_options=json.dumps(options)))
+        return out
+    finally:
+        if server is not None:
+            server.stop()
+        subprocess.run(["umount", "-l", disk], check=False)
+        os.rmdir(disk)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
