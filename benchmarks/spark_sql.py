@@ -185,10 +185,17 @@ QUERIES: dict[str, str] = {
 }
 
 
+def _canonical(value: Any) -> Any:
+    """Floats to 10 significant digits: a sum of doubles depends on the order its terms
+    arrive in, which no shuffle fixes (Spark's own differs between runs in the last bits)."""
+    return float(f"{value:.10g}") if isinstance(value, float) else value
+
+
 def fingerprint(rows: list[Any]) -> str:
-    """Digest of a result's row multiset (order-free: rows are sorted by their repr)."""
+    """Digest of a result's row multiset (order-free: rows are sorted by their repr),
+    floats compared to 10 significant digits."""
     h = hashlib.sha256()
-    for text in sorted(repr(tuple(r)) for r in rows):
+    for text in sorted(repr(tuple(_canonical(v) for v in r)) for r in rows):
         h.update(text.encode())
         h.update(b"\n")
     return h.hexdigest()[:16]
@@ -226,11 +233,17 @@ def run_mode(mode: str, paths: dict[str, str], rounds: int, extra: dict[str, str
                     break
                 entry["seconds"].append(time.perf_counter() - t)
                 entry["rows"], entry["fingerprint"] = len(rows), fingerprint(rows)
+                if len(rows) <= 30:  # small results kept whole, to diff a mismatch
+                    entry["result"] = sorted(repr(tuple(_canonical(v) for v in r))
+                                             for r in rows)
             out["queries"][name] = entry
         if mode == "hybrid_ray":
             out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
     finally:
-        spark_bridge.stop_spark()
+        try:
+            spark_bridge.stop_spark()
+        except Exception as exc:  # noqa: BLE001 - the measurements stand; say what failed
+            out["stop_error"] = str(exc).strip().splitlines()[0][:300]
     if mode == "hybrid_ray":
         out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
     return out

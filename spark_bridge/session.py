@@ -270,26 +270,29 @@ def _heartbeat_spark_shuffles(session: tuple[str, str, str]) -> None:
 def stop_spark() -> None:
     """Release every hybrid_ray shuffle the bridge still holds, then stop RayDP's Spark.
     The session's Spark shuffles are released by the shuffle manager as Spark stops, and
-    here again in case the driver could not reach the master."""
+    here again in case the driver could not reach the master, also when RayDP's own stop
+    fails (its error is raised after the release)."""
     import raydp
 
     from spark_bridge.exchange import release_all
 
     global _session_shuffles, _last_session_shuffles
     release_all()
-    raydp.stop_spark(cleanup_data=True)
-    _wait_for_spark_masters_to_exit()
-    if _session_shuffles is not None:
-        import json
+    try:
+        raydp.stop_spark(cleanup_data=True)
+        _wait_for_spark_masters_to_exit()
+    finally:
+        if _session_shuffles is not None:
+            import json
 
-        import ray
+            import ray
 
-        from hybrid_ray.actors import master_handle
+            from hybrid_ray.actors import master_handle
 
-        namespace, prefix, token = _session_shuffles
-        _last_session_shuffles, _session_shuffles = _session_shuffles, None
-        ray.get(master_handle(namespace).spark_release.remote(
-            json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
+            namespace, prefix, token = _session_shuffles
+            _last_session_shuffles, _session_shuffles = _session_shuffles, None
+            ray.get(master_handle(namespace).spark_release.remote(
+                json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
 
 
 # How long stop_spark waits for RayDP's Spark master actor to exit.

@@ -17,7 +17,9 @@ import java.nio.file.Paths;
 import java.util.ArrayList;
 import java.util.Base64;
 import java.util.Collections;
+import java.util.HashMap;
 import java.util.List;
+import java.util.Map;
 import java.util.NoSuchElementException;
 import java.util.Optional;
 import org.apache.spark.Aggregator;
@@ -80,6 +82,10 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     this.context = context;
     this.metrics = metrics;
   }
+
+  /** Bounds of one batched memory-tier fetch (see {@code prefetchMemorySegments}). */
+  static final long PREFETCH_BYTES = 64L << 20;
+  static final int PREFETCH_REFS = 1024;
 
   @Override
   @SuppressWarnings({"unchecked", "rawtypes"})
@@ -177,6 +183,7 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
           return false;
         }
         Block b = blocks.get(next);
+        prefetchMemorySegments(where, next);
         InputStream in = fetch(b, where.get(next));
         next++;
         InputStream wrapped = SparkEnv.get().serializerManager()
@@ -193,6 +200,66 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
       }
       metrics.incRecordsRead(1);
       return current.next();
+    }
+  }
+
+  // Memory-tier segments fetched ahead by location (serialized ref), taken when read.
+  private final Map<String, byte[]> prefetched = new HashMap<>();
+  private int prefetchedUpTo;
+
+  /**
+   * Fetch the memory-tier segments of the blocks from {@code from} on with one
+   * {@code Ray.get} of many refs, up to {@link #PREFETCH_BYTES} or {@link #PREFETCH_REFS}:
+   * one round trip to the object store instead of one per segment (segments are small
+   * when a map's output is spread over many partitions). A batch that fails is left to
+   * the per-segment path, which names the lost block in its FetchFailedException.
+   */
+  private void prefetchMemorySegments(List<JsonNode> where, int from) {
+    if (from < prefetchedUpTo) {
+      return;
+    }
+    List<String> locations = new ArrayList<>();
+    List<ObjectRef<byte[]>> refs = new ArrayList<>();
+    long bytes = 0;
+    int i = from;
+    for (; i < where.size() && bytes < PREFETCH_BYTES && refs.size() < PREFETCH_REFS; i++) {
+      JsonNode segments = where.get(i);
+      if (segments == null || segments.isNull()) {
+        continue;
+      }
+      for (JsonNode seg : segments) {
+        if (seg.get(0).asText().equals("memory")) {
+          try {
+            refs.add(decodeRef(seg.get(3).asText()));
+          } catch (IOException e) {
+            return;  // the per-segment path reports it
+          }
+          locations.add(seg.get(3).asText());
+          bytes += seg.get(1).asLong();
+        }
+      }
+    }
+    prefetchedUpTo = i;
+    if (refs.size() < 2) {
+      return;
+    }
+    try {
+      List<byte[]> frames = Ray.get(refs, ctx.fetchTimeoutMs);
+      for (int k = 0; k < frames.size(); k++) {
+        prefetched.put(locations.get(k), frames.get(k));
+      }
+    } catch (RuntimeException e) {
+      prefetched.clear();  // some object is gone: each segment is fetched (and named) alone
+    }
+  }
+
+  @SuppressWarnings("unchecked")
+  private static ObjectRef<byte[]> decodeRef(String location) throws IOException {
+    try (ObjectInputStream in = new ObjectInputStream(
+        new ByteArrayInputStream(Base64.getDecoder().decode(location)))) {
+      return (ObjectRef<byte[]>) in.readObject();
+    } catch (ClassNotFoundException e) {
+      throw new IOException("cannot decode an object reference", e);
     }
   }
 
@@ -260,6 +327,10 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   private byte[] readSegment(String tier, String node, String location, String what)
       throws IOException {
     if (tier.equals("memory")) {
+      byte[] ahead = prefetched.remove(location);
+      if (ahead != null) {
+        return ahead;
+      }
       ObjectRef<byte[]> ref;
       try (ObjectInputStream in = new ObjectInputStream(
           new ByteArrayInputStream(Base64.getDecoder().decode(location)))) {
