@@ -229,7 +229,10 @@ def run_mode(mode: str, paths: dict[str, str], rounds: int, extra: dict[str, str
                 try:
                     rows = spark.sql(sql).collect()
                 except Exception as exc:  # noqa: BLE001 - recorded, compared, reported
-                    entry["error"] = str(exc).strip().splitlines()[0][:300]
+                    text = str(exc)
+                    entry["error"] = text.strip().splitlines()[0][:300] + (
+                        " (No space left on device)" if "No space left on device" in text
+                        else "")
                     break
                 entry["seconds"].append(time.perf_counter() - t)
                 entry["rows"], entry["fingerprint"] = len(rows), fingerprint(rows)
