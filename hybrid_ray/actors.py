@@ -418,12 +418,6 @@ class ShuffleMasterActor:
         self._queued()
         return result
 
-    def consumed(self, shuffle_id: str, subpartition: int) -> bool:
-        with self._lock:
-            result = self.registry.consumed(shuffle_id, subpartition)
-        self._queued()
-        return result
-
     def release(self, shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
         """Forget the shuffle and delete its data before returning; a deletion that fails
         (storage down) never raises here: it stays queued and is retried until the data is
@@ -527,6 +521,13 @@ class ShuffleMasterActor:
                 self.registry.release(shuffle_id)
         self._run_deletions()
         return json.dumps({"released": ids})
+
+    def spark_fallback(self, request: str) -> str:
+        """A Spark shuffle that Spark's own shuffle serves (barrier stage, push-based):
+        kept among the session's summaries so ``spark_shuffle_reports`` says so."""
+        with self._lock:
+            self._spark_history.append(spark_jvm.fallback_summary(json.loads(request)))
+        return "ok"
 
     def spark_reports(self, prefix: str) -> list[dict[str, Any]]:
         """Summaries of the Spark shuffles whose id starts with ``prefix``: released ones

@@ -3,8 +3,8 @@
 ``ShuffleRegistry`` is plain Python; ``actors.ShuffleMasterActor`` wraps it as one named actor
 per Ray namespace. It decides which map attempt's segments count (exactly once: the first
 attempt to finish wins; a newer attempt supersedes an unfinished older one, whose segments
-are deleted), tells readers what is available, and releases shuffles: on request, when all
-subpartitions were consumed, or when the driver stops heartbeating for ``orphan_ttl_s``.
+are deleted), tells readers what is available, and releases shuffles: on request (the driver, when its
+reducers are done), or when the driver stops heartbeating for ``orphan_ttl_s``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ class ShuffleState:
     maps: list[MapState]
     readers: dict[int, ReaderState] = dataclasses.field(default_factory=dict)
     nodes: set[str] = dataclasses.field(default_factory=set)
-    consumed: set[int] = dataclasses.field(default_factory=set)
     # Subpartitions whose data was deleted because their reducer's output is stored.
     freed: set[int] = dataclasses.field(default_factory=set)
     superseded_attempts: int = 0
@@ -355,18 +354,6 @@ class ShuffleRegistry:
                 meta.object_ref.clear()  # the master's reference: the object can go
         return len(metas)
 
-    def consumed(self, shuffle_id: str, subpartition: int) -> bool:
-        """A reducer finished its subpartition; the shuffle is released once all are consumed.
-        Returns True if this released the shuffle."""
-        state = self._shuffles.get(shuffle_id)
-        if state is None:
-            return False
-        state.consumed.add(subpartition)
-        if len(state.consumed) == state.num_subpartitions:
-            self.release(shuffle_id)
-            return True
-        return False
-
     # ---- release --------------------------------------------------------------------------------
     def release(self, shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
         """Delete all data of a shuffle on every node and the remote tier. ``reason`` is
@@ -516,10 +503,6 @@ class ShuffleRegistry:
             "age_s": self._clock() - state.created,
             "mode": state.config.mode.value,
         }
-
-    def remote_tier_configs(self) -> list[ShuffleConfig]:
-        return [s.config for s in self._shuffles.values() if s.config.remote_path]
-
 
 def metas_by_node(metas: Sequence[SegmentMeta]) -> dict[str, list[SegmentMeta]]:
     out: dict[str, list[SegmentMeta]] = collections.defaultdict(list)

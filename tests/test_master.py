@@ -70,9 +70,9 @@ def test_first_finished_attempt_wins(registry):
     assert not registry.finish_map("s", 0, a)
 
 
-def test_release_on_consumption_and_unknown_shuffle(registry):
-    assert not registry.consumed("s", 0)
-    assert registry.consumed("s", 1)
+def test_release_and_unknown_shuffle(registry):
+    assert registry.release("s")
+    assert not registry.release("s")  # released once
     assert registry.released_ids == ["s"]
     with pytest.raises(ShuffleNotFoundError, match="released"):
         registry.poll("s", 0, {})
