@@ -216,6 +216,15 @@ def summary(registry: ShuffleRegistry, shuffle_id: str) -> dict[str, Any]:
     }
 
 
+def fallback_summary(request: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary of a Spark shuffle served by Spark's own shuffle, with the reason."""
+    shuffle_id = check_id("shuffle", request["shuffle"])
+    return {"shuffle_id": shuffle_id, "num_maps": int(request.get("num_maps", 0)),
+            "num_partitions": int(request.get("num_partitions", 0)), "per_node_tier": {},
+            "superseded_attempts": 0, "spilling": "none", "age_s": 0.0, "released": True,
+            "fallback": str(request.get("reason", ""))[:300]}
+
+
 # ---- tier manager ---------------------------------------------------------------------------
 @dataclasses.dataclass
 class JvmGrants:

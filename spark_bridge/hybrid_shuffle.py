@@ -107,4 +107,6 @@ def _report(summary: dict[str, Any]) -> ShuffleReport:
         num_partitions=summary["num_partitions"], rows=0, input_bytes=total,
         wall_time_s=summary["age_s"], per_node_tier=per_node, tier_switches=0,
         spill_events=0, superseded_attempts=summary["superseded_attempts"],
-        hybrid_overlap=False, map_input="spark executors (JVM shuffle manager)")
+        hybrid_overlap=False,
+        map_input=(f"Spark's own shuffle (fallback: {summary['fallback']})"
+                   if summary.get("fallback") else "spark executors (JVM shuffle manager)"))

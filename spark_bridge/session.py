@@ -278,6 +278,8 @@ def stop_spark() -> None:
 
     global _session_shuffles, _last_session_shuffles
     release_all()
+    if _session_shuffles is not None:
+        _quiesce_driver_shuffle_manager()
     try:
         raydp.stop_spark(cleanup_data=True)
         _wait_for_spark_masters_to_exit()
@@ -293,6 +295,24 @@ def stop_spark() -> None:
             _last_session_shuffles, _session_shuffles = _session_shuffles, None
             ray.get(master_handle(namespace).spark_release.remote(
                 json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
+
+
+def _quiesce_driver_shuffle_manager() -> None:
+    """Stop the driver JVM's shuffle manager from calling Ray: RayDP's stop shuts the
+    driver's Ray down before it stops Spark, and a call in flight then crashed the JVM.
+    Best effort: a JVM that is gone has nothing left to stop."""
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        return
+    try:
+        sc._jvm.org.apache.spark.shuffle.hybridray.HybridRayShuffleManager.quiesceDriver()
+    except Exception as exc:  # noqa: BLE001 - Py4J errors; stop goes on regardless
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "could not quiesce hybrid_ray's driver shuffle manager: %s", exc)
 
 
 # How long stop_spark waits for RayDP's Spark master actor to exit.

@@ -113,6 +113,7 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
             out["plans"] = spark.sparkContext.getConf().get("spark.shuffle.manager")
             out["lost"] = _lost_segment_recovers(spark, config)
             out["unregistered"] = _unregistered_shuffles_are_released(spark, config)
+            out["barrier"] = _barrier_stage_falls_back(spark)  # needs both executors
             out["killed"] = _killed_executor_recovers(spark)
             out["reports_live"] = spark_bridge.spark_shuffle_reports()
     finally:
@@ -178,6 +179,13 @@ def _killed_executor_recovers(spark):
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
     second = sorted(reduced.collect())
     return {"first": first, "second": second, "killed": victim["name"]}
+
+
+def _barrier_stage_falls_back(spark):
+    """A barrier map stage is served by Spark's own shuffle; the reports say so."""
+    pairs = spark.sparkContext.parallelize(range(1000), 2).barrier().mapPartitions(
+        lambda it: it).map(lambda x: (x % 3, 1))
+    return sorted(pairs.reduceByKey(lambda a, b: a + b).collect())
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +262,12 @@ def test_killed_executor_gives_exact_rows(runs):
     expected = sorted((k, sum(1 for x in range(60_000) if x % 71 == k)) for k in range(71))
     assert killed["first"] == expected
     assert killed["second"] == expected
+
+
+def test_barrier_stage_uses_sparks_own_shuffle_and_the_report_says_so(runs):
+    hybrid = runs[0]
+    assert hybrid["barrier"] == [(0, 334), (1, 333), (2, 333)]
+    fallbacks = [r for r in hybrid["reports"] if r.map_input.startswith("Spark's own shuffle")]
+    assert len(fallbacks) == 1, [r.map_input for r in hybrid["reports"]]
+    assert "barrier stage" in fallbacks[0].map_input
+    assert fallbacks[0].per_node_tier == {}

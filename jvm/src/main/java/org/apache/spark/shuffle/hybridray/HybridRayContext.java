@@ -34,6 +34,7 @@ public final class HybridRayContext {
   public static final String CONF_SEGMENT_BYTES = "spark.hybridray.segmentBytes";
   public static final String CONF_FLUSH_BYTES = "spark.hybridray.flushBytes";
   public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
+  public static final String CONF_CALL_TIMEOUT_MS = "spark.hybridray.callTimeoutMs";
 
   private static HybridRayContext instance;
 
@@ -43,6 +44,8 @@ public final class HybridRayContext {
   final int segmentBytes;
   final long flushBytes;
   final long fetchTimeoutMs;
+  /** Bound of every call to the master or a tier manager (a wedged actor fails the task). */
+  final long callTimeoutMs;
   final String appKey;
   final ObjectMapper json = new ObjectMapper();
 
@@ -59,6 +62,7 @@ public final class HybridRayContext {
     this.segmentBytes = (int) conf.getSizeAsBytes(CONF_SEGMENT_BYTES, "4m");
     this.flushBytes = conf.getSizeAsBytes(CONF_FLUSH_BYTES, "32m");
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
+    this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.appKey = appKey(conf.getAppId());
   }
 
@@ -129,7 +133,7 @@ public final class HybridRayContext {
   /** Call a Python actor method taking and returning strings; errors become IOException. */
   String call(PyActorHandle actor, String method, String argument) throws IOException {
     try {
-      return actor.task(PyActorMethod.of(method, String.class), argument).remote().get();
+      return actor.task(PyActorMethod.of(method, String.class), argument).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
       throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
     }
@@ -139,7 +143,7 @@ public final class HybridRayContext {
   String callWithBytes(PyActorHandle actor, String method, String argument, byte[] data)
       throws IOException {
     try {
-      return actor.task(PyActorMethod.of(method, String.class), argument, data).remote().get();
+      return actor.task(PyActorMethod.of(method, String.class), argument, data).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
       throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
     }
@@ -152,7 +156,7 @@ public final class HybridRayContext {
 
   byte[] callBytes(PyActorHandle actor, String method, String argument) throws IOException {
     try {
-      return actor.task(PyActorMethod.of(method, byte[].class), argument).remote().get();
+      return actor.task(PyActorMethod.of(method, byte[].class), argument).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
       throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
     }

@@ -38,6 +38,7 @@ import org.slf4j.LoggerFactory;
 public class HybridRayShuffleManager extends SortShuffleManager {
   private static final Logger LOG = LoggerFactory.getLogger(HybridRayShuffleManager.class);
   private static final long HEARTBEAT_MS = 5_000;
+  private static final long HEARTBEAT_JOIN_MS = 30_000;
 
   private final SparkConf conf;
   private final boolean isDriver;
@@ -45,10 +46,49 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   private final Set<Integer> hybridShuffles = ConcurrentHashMap.newKeySet();
   private volatile Thread heartbeat;
 
+  // The driver's manager, for quiesceDriver(); set while its SparkContext runs.
+  private static volatile HybridRayShuffleManager driverManager;
+  // Set once the driver's Ray is about to shut down: no more calls through it.
+  private volatile boolean rayClosing;
+
   public HybridRayShuffleManager(SparkConf conf) {
     super(conf);
     this.conf = conf;
     this.isDriver = "driver".equals(conf.get("spark.executor.id", "driver"));
+    if (isDriver) {
+      driverManager = this;
+    }
+  }
+
+  /**
+   * Stop the driver's calls into Ray (the heartbeat thread, releases) and wait for one in
+   * flight. RayDP's stop shuts the driver JVM's Ray down <em>before</em> it stops Spark, and
+   * a call still using Ray's core worker then crashed the JVM; {@code spark_bridge.stop_spark}
+   * calls this first (through Py4J) and releases the session's data itself.
+   */
+  public static void quiesceDriver() {
+    HybridRayShuffleManager manager = driverManager;
+    if (manager != null) {
+      manager.rayClosing = true;
+      manager.stopHeartbeat();
+    }
+  }
+
+  private boolean rayUsable() {
+    return !rayClosing && Ray.isInitialized();
+  }
+
+  private void stopHeartbeat() {
+    Thread beat = heartbeat;
+    if (beat != null) {
+      beat.interrupt();
+      try {
+        beat.join(HEARTBEAT_JOIN_MS);
+      } catch (InterruptedException e) {
+        Thread.currentThread().interrupt();
+      }
+      heartbeat = null;
+    }
   }
 
   private HybridRayContext ctx() {
@@ -72,6 +112,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     String reason = fallbackReason(dependency, conf);
     if (reason != null) {
       LOG.warn("hybrid_ray: shuffle {} uses Spark's own shuffle: {}", shuffleId, reason);
+      reportFallback(shuffleId, dependency, reason);
       return super.registerShuffle(shuffleId, dependency);
     }
     ShuffleHandle spark = super.registerShuffle(shuffleId, dependency);
@@ -132,7 +173,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     boolean removed = super.unregisterShuffle(shuffleId);
     HybridRayContext ctx = ctx();
     ctx.dropShuffle(shuffleId);  // executors: this JVM's memory-tier objects of it go
-    if (isDriver && hybridShuffles.remove(shuffleId)) {
+    if (isDriver && hybridShuffles.remove(shuffleId) && rayUsable()) {
       release(ctx, new String[] {ctx.shuffleKey(shuffleId)}, null);
     }
     return removed;
@@ -145,15 +186,38 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     } finally {
       HybridRayContext ctx = ctx();
       ctx.dropAll();
-      Thread beat = heartbeat;
-      if (beat != null) {
-        beat.interrupt();
-      }
+      stopHeartbeat();
       if (isDriver) {
         hybridShuffles.clear();
-        release(ctx, null, ctx.appPrefix());
+        if (rayUsable()) {
+          release(ctx, null, ctx.appPrefix());
+        }
+        if (driverManager == this) {
+          driverManager = null;
+        }
       }
       HybridRayContext.reset();
+    }
+  }
+
+  /** Tell the master that Spark's own shuffle serves {@code shuffleId} and why, so the
+   *  session's reports show it (best effort: the log has it anyway). */
+  private void reportFallback(int shuffleId, ShuffleDependency<?, ?, ?> dependency,
+      String reason) {
+    if (!isDriver || !rayUsable()) {
+      return;
+    }
+    try {
+      HybridRayContext ctx = ctx();
+      ObjectNode request = ctx.json.createObjectNode();
+      request.put("shuffle", ctx.shuffleKey(shuffleId));
+      request.put("reason", reason);
+      request.put("num_partitions", dependency.partitioner().numPartitions());
+      request.put("num_maps", dependency.rdd().getNumPartitions());
+      ctx.call(ctx.master(), "spark_fallback", ctx.toJson(request));
+    } catch (Exception e) {
+      LOG.debug("hybrid_ray: could not report the fallback of shuffle {}: {}", shuffleId,
+          e.toString());
     }
   }
 
@@ -190,7 +254,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     Thread t = new Thread(() -> {
       while (!Thread.currentThread().isInterrupted()) {
         try {
-          if (Ray.isInitialized() && !hybridShuffles.isEmpty()) {
+          if (rayUsable() && !hybridShuffles.isEmpty()) {
             HybridRayContext ctx = ctx();
             ObjectNode request = ctx.json.createObjectNode();
             request.put("prefix", ctx.appPrefix());
