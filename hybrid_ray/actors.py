@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -87,15 +87,18 @@ def _node_alive(node_id: str) -> bool:
     return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
 
 
-def _call_periodically(actor: Any, interval_s: float) -> None:
+def _call_periodically(actor: Any, interval_s: float,
+                       on_error: Callable[[BaseException], None]) -> None:
     """Call ``actor.sweep_orphans`` every ``interval_s`` through the actor's own queue, so
-    the sweep never runs beside another call on the actor's single-threaded state."""
+    the sweep never runs beside another call on the actor's single-threaded state. A
+    failed or late sweep is handed to ``on_error`` (counted, shown by ``usage``/``status``)
+    and the next one tries again."""
     while True:
         time.sleep(interval_s)
         try:
             ray.get(actor.sweep_orphans.remote(), timeout=interval_s)
-        except Exception:  # noqa: BLE001 - the next sweep tries again
-            pass
+        except Exception as exc:  # noqa: BLE001 - reported through on_error, then retried
+            on_error(exc)
 
 
 def _node_object_store_bytes(node_id: str) -> int:
@@ -120,7 +123,10 @@ class TierManagerActor:
         # Shuffle -> consecutive sweeps that found the master without it.
         self._unknown_to_master: dict[str, int] = {}
         me = ray.get_runtime_context().current_actor
-        threading.Thread(target=_call_periodically, args=(me, ORPHAN_SWEEP_INTERVAL_S),
+        self.sweep_errors = 0
+        self.last_sweep_error = ""
+        threading.Thread(target=_call_periodically,
+                         args=(me, ORPHAN_SWEEP_INTERVAL_S, self._sweep_failed),
                          daemon=True, name="hybrid-ray-orphan-sweep").start()
 
     def sweep_orphans(self) -> list[str]:
@@ -177,8 +183,13 @@ class TierManagerActor:
     def read_disk_segment(self, meta: SegmentMeta) -> bytes:
         return self.tm.read_disk_segment(meta)
 
+    def _sweep_failed(self, exc: BaseException) -> None:
+        self.sweep_errors += 1
+        self.last_sweep_error = f"{type(exc).__name__}: {exc}"[:500]
+
     def usage(self) -> NodeUsage:
-        return self.tm.usage()
+        return dataclasses.replace(self.tm.usage(), sweep_errors=self.sweep_errors,
+                                   last_sweep_error=self.last_sweep_error)
 
     # ---- the JVM shuffle manager (JSON strings in and out: see hybrid_ray.spark_jvm) ------
     def spark_reserve(self, request: str) -> str:

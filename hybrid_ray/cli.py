@@ -199,6 +199,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for t in node.tiers:
             cap = "unbounded" if t.capacity_bytes is None else f"{t.capacity_bytes / 1e6:.1f} MB"
             print(f"  {t.tier.value:<7} used {t.used_bytes / 1e6:10.1f} MB of {cap}")
+        if getattr(node, "sweep_errors", 0):
+            print(f"  orphan sweeps failed: {node.sweep_errors} (last: {node.last_sweep_error})")
     pending = status.get("pending_deletions", [])
     if pending:
         print(f"{len(pending)} deletion(s) pending (retried until the data is gone):")

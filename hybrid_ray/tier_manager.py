@@ -39,6 +39,9 @@ class NodeUsage:
     tiers: tuple[TierUsage, ...]
     shuffles: tuple[str, ...]
     quotas: dict[str, int]
+    # Failed background orphan sweeps of the node's tier manager, and the last one's error.
+    sweep_errors: int = 0
+    last_sweep_error: str = ""
 
 
 def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,

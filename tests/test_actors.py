@@ -118,3 +118,29 @@ def test_tier_manager_releases_shuffles_its_master_no_longer_holds(ray_local, tm
     usage = ray.get(tm.usage.remote())
     assert usage.shuffles == () and usage.quotas == {}
     assert all(t.used_bytes == 0 for t in usage.tiers)
+
+
+def test_failed_orphan_sweeps_are_counted_not_swallowed(ray_local):
+    """The tier manager's periodic sweep reports each failure (status shows the count and
+    the last error) instead of dropping it, and keeps sweeping."""
+    import threading
+
+    from hybrid_ray.actors import _call_periodically
+
+    @ray_local.remote
+    class BrokenSweeper:
+        def sweep_orphans(self):
+            raise RuntimeError("master unreachable")
+
+    errors: list[BaseException] = []
+    actor = BrokenSweeper.remote()
+    threading.Thread(target=_call_periodically, args=(actor, 0.2, errors.append),
+                     daemon=True).start()
+    def raised() -> int:  # the first calls may time out while the actor starts
+        return sum("master unreachable" in str(e) for e in errors)
+
+    deadline = time.monotonic() + 30
+    while raised() < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert raised() >= 2, errors
+    ray_local.kill(actor)
