@@ -88,13 +88,14 @@ def _node_alive(node_id: str) -> bool:
 
 
 def _call_periodically(actor: Any, interval_s: float,
-                       on_error: Callable[[BaseException], None]) -> None:
+                       on_error: Callable[[BaseException], None],
+                       stop: threading.Event | None = None) -> None:
     """Call ``actor.sweep_orphans`` every ``interval_s`` through the actor's own queue, so
     the sweep never runs beside another call on the actor's single-threaded state. A
     failed or late sweep is handed to ``on_error`` (counted, shown by ``usage``/``status``)
-    and the next one tries again."""
-    while True:
-        time.sleep(interval_s)
+    and the next one tries again. Runs until ``stop`` is set (for the actor: forever)."""
+    stop = stop or threading.Event()
+    while not stop.wait(interval_s):
         try:
             ray.get(actor.sweep_orphans.remote(), timeout=interval_s)
         except Exception as exc:  # noqa: BLE001 - reported through on_error, then retried

@@ -134,13 +134,20 @@ def test_failed_orphan_sweeps_are_counted_not_swallowed(ray_local):
 
     errors: list[BaseException] = []
     actor = BrokenSweeper.remote()
-    threading.Thread(target=_call_periodically, args=(actor, 0.2, errors.append),
-                     daemon=True).start()
+    # Stopped at the end: a thread left calling into Ray after this module's Ray is shut
+    # down would auto-start a Ray without the tests' runtime_env for the next module.
+    stop = threading.Event()
+    sweeper = threading.Thread(target=_call_periodically,
+                               args=(actor, 0.2, errors.append, stop), daemon=True)
+    sweeper.start()
     def raised() -> int:  # the first calls may time out while the actor starts
         return sum("master unreachable" in str(e) for e in errors)
 
     deadline = time.monotonic() + 30
     while raised() < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
+    stop.set()
+    sweeper.join(timeout=10)
+    assert not sweeper.is_alive()
     assert raised() >= 2, errors
     ray_local.kill(actor)
