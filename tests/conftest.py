@@ -125,19 +125,26 @@ def s3_bucket(moto_endpoint):
         pass
 
 
-@pytest.fixture
-def small_disk():
-    """A 64 MiB tmpfs (a real filesystem that fills up); skipped where mounting is refused."""
+def mounted_tmpfs(size_mib: int, skip_reason: str):
+    """Yield a fresh tmpfs of ``size_mib`` MiB (a real filesystem that fills up), unmounted
+    and removed afterwards; the test is skipped, with ``skip_reason``, where mounting is
+    refused. For generator fixtures: ``yield from mounted_tmpfs(...)``."""
     path = tempfile.mkdtemp(prefix="hr-tmpfs-")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", path],
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", path],
                             capture_output=True, text=True)
     if result.returncode != 0:
         os.rmdir(path)
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
-                    "disk-full behaviour is covered with disk_capacity_bytes instead")
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); {skip_reason}")
     yield path
     subprocess.run(["umount", "-l", path], check=False)
     os.rmdir(path)
+
+
+@pytest.fixture
+def small_disk():
+    """A 64 MiB tmpfs; skipped where mounting is refused."""
+    yield from mounted_tmpfs(64, "disk-full behaviour is covered with disk_capacity_bytes "
+                                 "instead")
 
 
 def files_under(path: str) -> list[str]:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import tempfile
 
 import pytest
 
 import spark_bridge
-from conftest import files_under, start_local_ray
+from conftest import files_under, mounted_tmpfs, start_local_ray
 from hybrid_ray import MiB, ShuffleConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
@@ -27,15 +25,7 @@ KEYS = 1000
 
 @pytest.fixture(scope="module")
 def tiny_disk():
-    path = tempfile.mkdtemp(prefix="hr-spark-tmpfs-")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", path],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        os.rmdir(path)
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()})")
-    yield path
-    subprocess.run(["umount", "-l", path], check=False)
-    os.rmdir(path)
+    yield from mounted_tmpfs(24, "the capped-disk contrast needs a disk that fills up")
 
 
 @pytest.fixture(scope="module")
