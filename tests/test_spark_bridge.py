@@ -488,7 +488,15 @@ def test_direct_scan_maps_lost_with_their_writer_are_rerun_exactly(spark, tmp_pa
         victim = holders[0]
         victim_maps = {i for i, m in enumerate(before)
                        if m["pid"] == victim and m["segments_per_tier"].get("memory", 0)}
+        victim_refs = [meta.object_ref[0]
+                       for meta in ray.get(master.segments.remote(shuffle.shuffle_id))
+                       if meta.tier.value == "memory" and meta.id.map_partition in victim_maps]
         os.kill(victim, signal.SIGKILL)
+        # The raylet frees a dead owner's objects asynchronously: a reader that came first
+        # could still read them, lose nothing, and re-run nothing. Reduce only once they
+        # are really gone, so the loss (and its recovery) is what this test exercises.
+        _wait_until_lost(victim_refs, timeout_s=60)
+        del victim_refs
         out = exchange.reduce_frame(spark, [shuffle], _passthrough, df.schema)
         assert sorted(out.collect()) == sorted(df.collect())
         after = ray.get(master.progress.remote(shuffle.shuffle_id))["maps"]
@@ -500,6 +508,22 @@ def test_direct_scan_maps_lost_with_their_writer_are_rerun_exactly(spark, tmp_pa
         released = spark_bridge.release_all()
     assert released == 1
     assert_no_leftovers(cfg, ray)
+
+
+def _wait_until_lost(refs: list, timeout_s: float) -> None:
+    """Return once every ref's object is unreadable (its owner died); fail after timeout."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        try:
+            ray.get(pending[0], timeout=5)
+        except ray.exceptions.ObjectLostError:  # OwnerDiedError is one
+            pending.pop(0)
+            continue
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.monotonic() < deadline, f"{len(pending)} objects of a dead writer still readable"
+        time.sleep(0.2)
 
 
 def _passthrough(inputs, _sub):
