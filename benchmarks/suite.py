@@ -342,7 +342,9 @@ class Bench:
         import ray
 
         for name, workload, size in cases:
-            ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
+            # "local": a Ray of the suite's own, never a cluster `ray start` left here.
+            ray.init(address="local", num_cpus=self.args.cpus,
+                     object_store_memory=self._object_store_bytes(),
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
             try:
                 self._warm_up_ray()
@@ -420,7 +422,8 @@ class Bench:
         # The machine's CPUs, as a user's session has them: init_spark has the executors
         # claim only half of Ray's CPUs, so the conversion path's Ray tasks can run (with
         # every CPU held by executors, spark_raydp_convert used to hang).
-        ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
+        ray.init(address="local", num_cpus=self.args.cpus,
+                 object_store_memory=self._object_store_bytes(),
                  include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             spark = spark_bridge.init_spark("hybrid_ray-bench", num_executors=self.args.cpus,

@@ -55,8 +55,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                remote_path=f"file://{remote}", compression="lz4",
                                segment_bytes={"memory": MiB, "disk": 2 * MiB,
                                               "remote": 4 * MiB})
-        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        # Always a Ray of its own ("local"): the demo is self-contained, and without it
+        # ray.init() would join any cluster `ray start` left on this machine (or
+        # RAY_ADDRESS) and fail there, as num_cpus cannot be given to an existing one.
+        ray.init(address="local", num_cpus=args.cpus, include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
         ds = ray.data.from_arrow(table).repartition(args.blocks).materialize()
         print(f"hybrid_ray demo: {args.rows:,} rows ({data_bytes / 1e6:.1f} MB) in "
               f"{args.blocks} blocks -> {args.partitions} partitions by 'key'")

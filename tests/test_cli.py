@@ -100,3 +100,19 @@ def test_cleanup_without_a_cluster_removes_nothing_unless_told(tmp_path):
     proc, _ = _cli("cleanup", "--spill-dir", spill, "--older-than", "0s", "--no-cluster")
     assert proc.returncode == 0, proc.stderr
     assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))
+
+
+def test_demo_runs_on_a_ray_of_its_own_and_leaves_nothing(tmp_path):
+    """The README's first command: the demo shuffles through all three tiers, checks the
+    multiset and counts leftover files. It starts its own Ray even where RAY_ADDRESS (or a
+    `ray start` cluster) names another one: it used to try to join it and fail."""
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}  # nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "hybrid_ray.cli", "demo", "--rows", "20000",
+                           "--blocks", "4", "--partitions", "4"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rows in 20,000 out 20,000; multiset identical: True" in proc.stdout
+    assert "files left in spill and remote dirs: 0" in proc.stdout
+    tiers = {line.split()[1] for line in proc.stdout.splitlines()
+             if len(line.split()) == 4 and line.split()[1] in ("memory", "disk", "remote")}
+    assert tiers == {"memory", "disk", "remote"}, proc.stdout
