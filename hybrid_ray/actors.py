@@ -275,17 +275,33 @@ def existing_tier_manager(node_id: str, namespace: str) -> Any | None:
         return None
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)
+# Readers' long polls wait in their own thread pool, so however many wait, commits and
+# registrations still find a thread. Beyond this many waiting polls, further ones queue for
+# at most MAX_POLL_WAIT_S (a waiting poll returns by then).
+POLL_THREADS = 64
+MAX_POLL_WAIT_S = 1.0
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8,
+            concurrency_groups={"poll": POLL_THREADS})
 class ShuffleMasterActor:
     """One per namespace. Calls are serialised by a lock; a background thread expires
     orphans and retries deletions that failed. Deleting data (tier managers, the remote
     store) never happens under the lock: the registry queues it and ``_run_deletions``
     performs it, so a slow or failing store never blocks registrations, commits or polls.
+
+    Readers long-poll (``poll(..., wait_s)``): a poll with nothing new waits on
+    ``_changed``, which every state change notifies, instead of the reader sleeping and
+    asking again. Profiled before (1 GiB, 2 cores): half of the readers' CPU and much of the
+    master's went to polls that found nothing, and a segment committed during a reader's
+    backoff sleep waited for the sleep to end.
     """
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._lock = threading.RLock()
+        # Notified (under _lock) by every call that may give a reader something new.
+        self._changed = threading.Condition(self._lock)
         # One deletion runner at a time (the background thread, or a release call).
         self._deletion_lock = threading.Lock()
         self._wake = threading.Event()
@@ -360,6 +376,7 @@ class ShuffleMasterActor:
                     last_expiry = time.monotonic()
                     with self._lock:
                         self.registry.expire()
+                        self._changed.notify_all()
                 self._run_deletions()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
                 self.loop_errors += 1
@@ -383,12 +400,14 @@ class ShuffleMasterActor:
             self.registry.expire()
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
                                    recoverable)
+            self._changed.notify_all()  # expire may have released shuffles polled for
         self._queued()
 
     def seal(self, shuffle_id: str, num_maps: int,
              attempts: dict[int, int] | None = None) -> None:
         with self._lock:
             self.registry.seal(shuffle_id, num_maps, attempts)
+            self._changed.notify_all()
         self._queued()
 
     def heartbeat(self, shuffle_id: str) -> None:
@@ -398,6 +417,7 @@ class ShuffleMasterActor:
     def begin_map(self, shuffle_id: str, map_index: int, node_id: str, pid: int) -> int | None:
         with self._lock:
             result = self.registry.begin_map(shuffle_id, map_index, node_id, pid)
+            self._changed.notify_all()
         self._queued()
         return result
 
@@ -405,24 +425,41 @@ class ShuffleMasterActor:
                metas: list[SegmentMeta]) -> bool:
         with self._lock:
             result = self.registry.commit(shuffle_id, map_index, attempt, metas)
+            self._changed.notify_all()
         self._queued()
         return result
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any) -> bool:
         with self._lock:
-            return self.registry.finish_map(shuffle_id, map_index, attempt, stats)
+            result = self.registry.finish_map(shuffle_id, map_index, attempt, stats)
+            self._changed.notify_all()
+            return result
 
     def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
         with self._lock:
-            return self.registry.report_lost(shuffle_id, map_index, attempt)
+            result = self.registry.report_lost(shuffle_id, map_index, attempt)
+            self._changed.notify_all()
+            return result
 
     def take_lost(self, shuffle_id: str) -> list[int]:
         with self._lock:
             return self.registry.take_lost(shuffle_id)
 
-    def poll(self, shuffle_id: str, subpartition: int, cursors: dict, pid: int) -> PollResult:
+    @ray.method(concurrency_group="poll")
+    def poll(self, shuffle_id: str, subpartition: int, cursors: dict, pid: int,
+             wait_s: float = 0.0) -> PollResult:
+        """The reader's news (``ShuffleRegistry.poll``). With nothing new and the
+        subpartition not complete, wait up to ``wait_s`` (at most ``MAX_POLL_WAIT_S``) for
+        a change before answering; ``PollResult.waited_s`` says how long it waited."""
+        start = time.monotonic()
+        deadline = start + max(0.0, min(float(wait_s), MAX_POLL_WAIT_S))
         with self._lock:
-            return self.registry.poll(shuffle_id, subpartition, cursors, pid)
+            while True:
+                result = self.registry.poll(shuffle_id, subpartition, cursors, pid)
+                remaining = deadline - time.monotonic()
+                if result.updates or result.done or remaining <= 0:
+                    return dataclasses.replace(result, waited_s=time.monotonic() - start)
+                self._changed.wait(remaining)
 
     def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
         with self._lock:
@@ -436,6 +473,7 @@ class ShuffleMasterActor:
         gone (``status()['pending_deletions']``), so a caller's own error is not masked."""
         with self._lock:
             released = self.registry.release(shuffle_id, reason, failed)
+            self._changed.notify_all()
         self._run_deletions()
         return released
 
@@ -446,6 +484,7 @@ class ShuffleMasterActor:
     def expire(self) -> list[str]:
         with self._lock:
             result = self.registry.expire()
+            self._changed.notify_all()
         self._queued()
         return result
 

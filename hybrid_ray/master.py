@@ -82,6 +82,9 @@ class PollResult:
 
     updates: list[tuple[int, int, bool, list[SegmentMeta]]]
     done: bool
+    # Seconds the master held the poll waiting for news (a long poll): the reader's
+    # waiting time, not control-plane time.
+    waited_s: float = 0.0
 
 
 # Deletes the data of segments (callback to the tier managers / remote tier).

@@ -41,7 +41,9 @@ from hybrid_ray.partitioning import (
 from hybrid_ray.report import PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport, Stopwatch
 
 # Reducers poll the master with exponential backoff between these bounds while waiting.
-POLL_MIN_S, POLL_MAX_S = 0.005, 0.25
+# A reader's long poll waits at most this long in the master for new segments (then it
+# asks again); a reader waiting for a map attempt to restart checks every POLL_RETRY_S.
+POLL_WAIT_S, POLL_RETRY_S = 1.0, 0.25
 # The driver heartbeats the master this often; the master expires a silent shuffle after
 # its config's orphan_ttl_s.
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: E402
@@ -378,16 +380,19 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     reader = ReadClient(_io_tiers_cached(config, node_id), node_id, fetch_from_node)
     cursors: dict[int, tuple[int, int]] = {}
     per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
-    delay = POLL_MIN_S
     # A segment that vanished while its map was being retried (the dead attempt's data is
     # deleted) is expected: wait for the master to reset that map to the new attempt.
     # Still missing after missing_wait_s without a reset is real loss: fail loudly.
     missing_since: float | None = None
     missing: tuple[Any, Exception] | None = None  # (meta, its error) while waiting
     while True:
+        # A long poll: the master answers at once if something is new, else holds the
+        # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
         with control:
             result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors,
-                                                os.getpid()))
+                                                os.getpid(), POLL_WAIT_S))
+        control.seconds -= result.waited_s
+        waiting.seconds += result.waited_s
         got = False
         try:
             for map_index, attempt, reset, _ in result.updates:
@@ -434,15 +439,10 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                     f"new attempt of map {meta.id.map_partition} started within "
                     f"{missing_wait_s:.0f} s ({exc})") from exc
             with waiting:
-                time.sleep(POLL_MAX_S)
+                time.sleep(POLL_RETRY_S)
             continue
         if result.done and not got:
             break
-        delay = POLL_MIN_S if got else min(delay * 2, POLL_MAX_S)
-        if not got:
-            # Nothing new was committed: this sleep is the reducer waiting for the maps.
-            with waiting:
-                time.sleep(delay)
     times.waiting += waiting.seconds
     times.control_plane += control.seconds
     return [t for m in sorted(per_map) for t in per_map[m]]

@@ -151,3 +151,37 @@ def test_failed_orphan_sweeps_are_counted_not_swallowed(ray_local):
     assert not sweeper.is_alive()
     assert raised() >= 2, errors
     ray_local.kill(actor)
+
+
+def test_master_long_poll_waits_for_news_and_answers_on_commit(ray_local, tmp_path):
+    """A reader's poll with nothing new waits in the master (it does not return at once
+    to be asked again), a commit answers it at once, and polls waiting on other
+    subpartitions, more than the master's default threads, neither block that commit nor
+    wake with nothing for them."""
+    from hybrid_ray import SegmentId, SegmentMeta, TierName
+    from hybrid_ray.actors import MAX_POLL_WAIT_S
+
+    namespace = f"longpoll-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace)
+    master = get_master(namespace)
+    ray.get(master.register.remote("shf-poll", 1, 2, cfg))
+    attempt = ray.get(master.begin_map.remote("shf-poll", 0, "n1", 1))
+
+    idle = ray.get(master.poll.remote("shf-poll", 0, {}, 1, 0.5))
+    assert idle.updates == [] and not idle.done
+    assert idle.waited_s >= 0.5  # it waited for news, the whole time asked for
+
+    others = [master.poll.remote("shf-poll", 1, {}, 1, MAX_POLL_WAIT_S) for _ in range(16)]
+    waiting = master.poll.remote("shf-poll", 0, {}, 1, MAX_POLL_WAIT_S)
+    time.sleep(0.2)
+    meta = SegmentMeta(SegmentId("shf-poll", 0, 0, 0, attempt), TierName.DISK, 10, 1, "n1",
+                       "/x/0-0-0")
+    assert ray.get(master.commit.remote("shf-poll", 0, attempt, [meta]))
+    answered = ray.get(waiting)
+    assert [(m, a, reset, [x.id for x in metas]) for m, a, reset, metas in answered.updates] \
+        == [(0, attempt, False, [meta.id])]
+    assert answered.waited_s < MAX_POLL_WAIT_S  # woken by the commit, not by its deadline
+    for result in ray.get(others):  # subpartition 1 got nothing: they waited it out
+        assert result.updates == [] and result.waited_s >= MAX_POLL_WAIT_S * 0.9
+    ray.get(master.release.remote("shf-poll"))
