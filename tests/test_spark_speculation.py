@@ -27,7 +27,7 @@ from hybrid_ray import KiB, ShuffleConfig
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 SECOND_NODE_IP = "127.0.0.2"
-ROWS, MAPS, SLOW_MAP = 40_000, 4, 1
+ROWS, MAPS, SLOW_MAP = 80_000, 4, 1
 # The slow first attempt of SLOW_MAP sleeps this long after half its rows: far longer than
 # the speculative copy needs (the job must not wait for it), so only a kill ends it.
 SLOW_S = 60
@@ -84,6 +84,14 @@ def _slow_first_attempt(index, rows):
         yield row
 
 
+def _payload(x):
+    """A row's value: barely compressible, so the stalled attempt's first half (~1 MB)
+    fills several flushes of its writer, however well Spark's codec compresses."""
+    import hashlib
+
+    return (x, hashlib.sha256(str(x).encode()).hexdigest())
+
+
 def _map_stage_tasks(spark, job_group):
     """(index, task id, attempt, speculative, status) of each task of the job's map stage,
     from Spark's status store."""
@@ -130,7 +138,7 @@ def speculated(two_host_cluster, tmp_path_factory):
         assert sc.parallelize(range(8), 8).map(lambda x: x + 1).sum() == 36
         sc.setJobGroup("speculation", "a slow map task gets a speculative copy")
         pairs = sc.parallelize(range(ROWS), MAPS).mapPartitionsWithIndex(
-            _slow_first_attempt).map(lambda x: (x % 13, (x, f"row-{x:08d}")))
+            _slow_first_attempt).map(lambda x: (x % 13, _payload(x)))
         # Every segment file seen while the job runs, the killed attempt's included.
         seen: set = set()
         running = threading.Event()
@@ -187,7 +195,7 @@ def test_slow_map_got_a_speculative_copy_that_won(speculated):
 
 
 def test_exchange_rows_are_exactly_the_input(speculated):
-    expected = sorted((x % 13, (x, f"row-{x:08d}")) for x in range(ROWS))
+    expected = sorted((x % 13, _payload(x)) for x in range(ROWS))
     assert sorted(speculated["rows"]) == expected
 
 
