@@ -51,6 +51,7 @@ public final class HybridRayContext {
 
   private volatile PyActorHandle master;
   private volatile String nodeId;
+  private volatile List<String> spillDirs;
   private final Map<String, PyActorHandle> tierManagers = new ConcurrentHashMap<>();
   // Spark shuffle id -> map attempt id -> refs of the memory-tier segments it wrote here.
   private final Map<Integer, Map<Long, List<ObjectRef<byte[]>>>> ownedRefs =
@@ -99,6 +100,17 @@ public final class HybridRayContext {
       nodeId = Ray.getRuntimeContext().getCurrentNodeId().toString();
     }
     return nodeId;
+  }
+
+  /**
+   * This node's spill dirs (from {@code spark.hybridray.config}): the only directories
+   * whose disk segment files a reader here opens ({@link LocalSegmentFiles}).
+   */
+  List<String> spillDirs() throws IOException {
+    if (spillDirs == null) {
+      spillDirs = LocalSegmentFiles.spillDirs(parse(configJson), nodeId());
+    }
+    return spillDirs;
   }
 
   PyActorHandle master() throws IOException {

@@ -11,9 +11,7 @@ import java.io.IOException;
 import java.io.InputStream;
 import java.io.ObjectInputStream;
 import java.io.SequenceInputStream;
-import java.nio.file.Files;
 import java.nio.file.NoSuchFileException;
-import java.nio.file.Paths;
 import java.util.ArrayList;
 import java.util.Base64;
 import java.util.Collections;
@@ -53,7 +51,10 @@ import scala.collection.Iterator;
  * {@code MapOutputTracker} (a map's {@code mapId} is the task attempt that Spark accepted),
  * so a failed, killed or speculative loser attempt is never read. Their segments come from
  * the shuffle master in one call; a segment that is gone, unreadable or fails its checksum
- * raises {@code FetchFailedException}, so Spark recomputes that map.
+ * raises {@code FetchFailedException}, so Spark recomputes that map. A local disk segment
+ * whose path lies outside this node's spill dirs is never opened
+ * ({@link LocalSegmentFiles}): the task fails with an error naming the path and the allowed
+ * directories (not a fetch failure: recomputing the map would not make the path safe).
  */
 final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   private final HybridRayContext ctx;
@@ -295,6 +296,8 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         }
         parts.add(new ByteArrayInputStream(frame, SegmentCodec.HEADER_BYTES, length));
       }
+    } catch (LocalSegmentFiles.UnsafeSegmentPathException e) {
+      throw e;  // not a lost segment: recomputing the map would not make the path safe
     } catch (IOException | RuntimeException e) {
       throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
           b.reduceId, "hybrid_ray: " + e.getMessage(), e));
@@ -347,9 +350,11 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     }
     if (node.equals(ctx.nodeId())) {
       try {
-        return Files.readAllBytes(Paths.get(location));
+        return LocalSegmentFiles.read(location, ctx.spillDirs());
       } catch (NoSuchFileException e) {
         throw new IOException(what + " is gone from the disk tier (" + location + ")", e);
+      } catch (LocalSegmentFiles.UnsafeSegmentPathException e) {
+        throw new LocalSegmentFiles.UnsafeSegmentPathException(what + ": " + e.getMessage());
       }
     }
     Optional<PyActorHandle> owner =
