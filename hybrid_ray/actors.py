@@ -29,7 +29,6 @@ from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tier_manager import NodeUsage, Placement, TierManager
 from hybrid_ray.tiers import Grant, RemoteTier
-from hybrid_ray.tiers.disk import require_segment_file
 
 MASTER_NAME = "hybrid_ray_shuffle_master"
 # A custom resource only the head node has (Ray 2.x): actors that ask for a sliver of it run
@@ -222,7 +221,7 @@ class TierManagerActor:
 
     def spark_read_segment(self, location: str) -> bytes:
         """A disk segment file of this node, for a Spark reader on another node."""
-        require_segment_file(location, "serve")
+        self.tm.require_own_segment_file(location, "serve")
         with open(location, "rb") as f:
             return f.read()
 

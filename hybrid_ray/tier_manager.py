@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleNotFoundError
+from hybrid_ray.errors import ShuffleNotFoundError, UnsafePathError
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
@@ -225,8 +226,24 @@ class TierManager:
     def read_disk_segment(self, meta: SegmentMeta) -> bytes:
         """Serve a disk segment of this node to a reader on another node (only a segment
         file: the location comes from the caller)."""
-        require_segment_file(meta.location, "serve")
+        self.require_own_segment_file(meta.location, "serve")
         return read_segment_file(meta)
+
+    def require_own_segment_file(self, location: str, action: str) -> str:
+        """``location`` if it is a segment file inside the data dir of one of this node's
+        disk tiers (symlinks resolved), else ``UnsafePathError``. A location comes from
+        another process (the master's books, a Spark reader); the shape check alone would
+        let a bad one name any ``.../hybrid_ray/<id>/sub-<n>/<file>`` on this node."""
+        require_segment_file(location, action)
+        real = os.path.realpath(location)
+        roots = sorted({os.path.realpath(d) for disk in self._disks.values()
+                        for d in disk.data_dirs()})
+        if not any(real.startswith(root + os.sep) for root in roots):
+            raise UnsafePathError(
+                f"refusing to {action} {location!r}: it is not inside the data dir of a "
+                f"spill dir of this node's disk tier ({', '.join(roots) or 'none registered'}"
+                "). This is a bug in the caller; please report it")
+        return location
 
     def usage(self) -> NodeUsage:
         tiers = [self.memory.usage()] + [d.usage() for d in self._disks.values()]

@@ -368,3 +368,27 @@ def test_redaction_rule():
     # An "@" in a local path is not a credential: messages keep their paths.
     assert Redactor("file:///home/me@corp/x").scrub("/home/me/y") == "/home/me/y"
     assert Redactor(None, {"secret": "ab"}).scrub("a b ab") == "a b ab"  # too short to scrub
+
+
+def test_tier_manager_serves_only_files_inside_its_own_data_dirs(tmp_path):
+    """A reader on another node (Python or a Spark JVM) names the file to serve. A
+    segment-shaped path outside this node's spill dirs, or a symlink in the data dir
+    pointing out of it, is refused; before, only the path's shape was checked."""
+    tm = TierManager("node-a", 0)
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
+    tm.register_shuffle("shf-1", cfg)
+    elsewhere = victim(tmp_path / "other" / "hybrid_ray" / "shf-1" / "sub-00000")
+    shaped = SegmentMeta(SegmentId("shf-1", 0, 0, 0), TierName.DISK, 9, 1, "node-a", elsewhere)
+    with pytest.raises(UnsafePathError, match="not inside the data dir"):
+        tm.read_disk_segment(shaped)
+    with pytest.raises(UnsafePathError, match="not inside the data dir"):
+        tm.require_own_segment_file(elsewhere, "serve")
+    inside_dir = tmp_path / "spill" / "hybrid_ray" / "shf-1" / "sub-00000"
+    inside_dir.mkdir(parents=True)
+    link = inside_dir / "m00000-a0000-s00000.seg"
+    link.symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match="not inside the data dir"):
+        tm.require_own_segment_file(str(link), "serve")
+    real = inside_dir / "m00001-a0000-s00000.seg"
+    real.write_bytes(b"x")
+    assert tm.require_own_segment_file(str(real), "serve") == str(real)

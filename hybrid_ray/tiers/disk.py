@@ -174,6 +174,11 @@ class DiskTier(Tier):
     def capacity_bytes(self) -> int | None:
         return self._capacity
 
+    def data_dirs(self) -> list[str]:
+        """hybrid_ray's data dir in each spill dir: every segment file of this tier is in
+        one of them."""
+        return list(self._data_dirs.values())
+
     def _unusable(self, spill_dir: str) -> str | None:
         """Why ``spill_dir`` cannot take files, or None. A missing directory is recreated
         (0700): the tier lives as long as its node's tier manager, and a spill dir can be
