@@ -164,10 +164,6 @@ def make_reduce_function(address: str, shuffles: Sequence[BridgeShuffle], reduce
     return reduce_partitions
 
 
-def concat_or_empty(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
-    return pa.concat_tables(tables) if tables else schema.empty_table()
-
-
 # ---- on the driver ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class BridgeShuffle:
@@ -340,7 +336,8 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
                   config: ShuffleConfig, operation: str,
                   transform: ChunkTransform | None = None,
                   shuffled_schema: pa.Schema | None = None,
-                  direct_scan: bool = True) -> BridgeShuffle:
+                  direct_scan: bool = True,
+                  scan: parquet_scan.ParquetScan | None = None) -> BridgeShuffle:
     """Shuffle ``df``'s rows (after ``transform``) into ``num_partitions`` subpartitions.
 
     If ``df`` is a plain scan of local parquet files (and ``direct_scan``), hybrid_ray's
@@ -360,8 +357,12 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
     shuffle = BridgeShuffle(f"spk-{uuid.uuid4().hex[:12]}", num_partitions, config,
                             shuffled_schema or to_arrow_schema(df.schema))
     started = time.monotonic()
-    scan, why_not = parquet_scan.plan_scan(df, config.map_chunk_bytes) if direct_scan \
-        else (None, "direct_scan=False")
+    if scan is not None:  # planned by the caller (``plan_scan``): not planned twice
+        why_not = ""
+    elif direct_scan:
+        scan, why_not = parquet_scan.plan_scan(df, config.map_chunk_bytes)
+    else:
+        why_not = "direct_scan=False"
     if scan is not None:
         # The map count is known: readers can tell when the shuffle is complete. Lost maps
         # (their writer died with their memory-tier segments) can be run again.

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError, HybridRayError
 
 # Packages of java.base that Spark, Arrow and Ray's Java serializer reflect into.
@@ -141,6 +142,8 @@ def spark_configs(num_executors: int, executor_cores: int,
 
 # The running session's hybrid_ray Spark shuffles: (namespace, shuffle id prefix), or None.
 _session_shuffles: tuple[str, str, str] | None = None
+# The running session's ShuffleConfig, when its exchanges go through hybrid_ray's manager.
+_session_config: ShuffleConfig | None = None
 _last_session_shuffles: tuple[str, str, str] | None = None
 
 
@@ -214,7 +217,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     import ray
     import raydp
 
-    global _session_shuffles
+    global _session_shuffles, _session_config
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     if hybrid_shuffle:
@@ -242,6 +245,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
 
         _session_shuffles = (shuffle_config.namespace,
                              app_prefix(session.sparkContext.applicationId), session_token)
+        _session_config = shuffle_config
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
     return session
@@ -276,8 +280,9 @@ def stop_spark() -> None:
 
     from spark_bridge.exchange import release_all
 
-    global _session_shuffles, _last_session_shuffles
+    global _session_shuffles, _last_session_shuffles, _session_config
     release_all()
+    _session_config = None
     if _session_shuffles is not None:
         _quiesce_driver_shuffle_manager()
     try:
@@ -346,3 +351,9 @@ def spark_shuffle_reports() -> list[Any]:
     if current is None:
         return []
     return reports(*current[:2])
+
+
+def session_shuffle_config() -> ShuffleConfig | None:
+    """The ShuffleConfig of the running Spark session's shuffle manager (given to
+    ``init_spark(shuffle_config=...)``), or None if no session runs hybrid_ray's manager."""
+    return _session_config
