@@ -42,6 +42,15 @@ MB = 1_000_000
 # RayDP's Spark <-> Ray Dataset converters ran at 7-15 MB/s here: the conversion-path case
 # runs on at most this much of the data so the whole suite stays within its time.
 RAYDP_CONVERT_MAX_BYTES = 256 * MB
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ray_runtime_env() -> dict:
+    """Ray workers import this checkout's hybrid_ray and benchmarks (a git worktree, not
+    another checkout's editable install), whatever the driver's PYTHONPATH: as
+    tests/conftest.py does."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"env_vars": {"PYTHONPATH": ROOT + (os.pathsep + path if path else "")}}
 
 
 @dataclasses.dataclass
@@ -342,8 +351,10 @@ class Bench:
         import ray
 
         for name, workload, size in cases:
-            ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+            ray.init(address="local", num_cpus=self.args.cpus,
+                     object_store_memory=self._object_store_bytes(),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=ray_runtime_env())
             try:
                 self._warm_up_ray()
                 ds, expected = self._dataset(workload, size)
@@ -378,7 +389,7 @@ class Bench:
                 for _ in range(nodes - 1):
                     cluster.add_node(num_cpus=per_node, object_store_memory=store)
                 ray.init(address=cluster.address, log_to_driver=False,
-                         configure_logging=False)
+                         configure_logging=False, runtime_env=ray_runtime_env())
                 cluster.wait_for_nodes()
                 # Hybrid only: Ray Data's hash-shuffle warm-up hung a 2 x 1-CPU cluster.
                 self._warm_up_ray(ray_data=False)
@@ -420,8 +431,12 @@ class Bench:
         # The machine's CPUs, as a user's session has them: init_spark has the executors
         # claim only half of Ray's CPUs, so the conversion path's Ray tasks can run (with
         # every CPU held by executors, spark_raydp_convert used to hang).
-        ray.init(num_cpus=self.args.cpus, object_store_memory=self._object_store_bytes(),
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a fresh Ray of our own, never a cluster another process left
+        # running on this machine (ray.init() would join it, and refuses num_cpus).
+        ray.init(address="local", num_cpus=self.args.cpus,
+                 object_store_memory=self._object_store_bytes(),
+                 include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=ray_runtime_env())
         try:
             spark = spark_bridge.init_spark("hybrid_ray-bench", num_executors=self.args.cpus,
                                             executor_cores=1, executor_memory="3GB",
