@@ -68,6 +68,10 @@ class CaseResult:
     error: str | None = None
     tier_bytes: dict[str, int] | None = None
     note: str = ""
+    # The first timed round (the first call on its cluster and data) and the best of the
+    # later ones (warm); None where there was no such round or it failed.
+    first_mb_s: float | None = None
+    warm_mb_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +83,20 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in [
-    Scenario("machine_disk_write", "machine", "sequential write to the spill dir, fsync'd"),
-    Scenario("machine_memory_copy", "machine", "single-threaded memory copy"),
+    Scenario("machine_disk_write", "machine",
+             "sequential write to the spill dir, 8 MiB writes each fdatasync'd"),
+    Scenario("machine_memcpy_fresh", "machine",
+             "single-threaded memory copy into fresh pages (faulted in by the copy)"),
+    Scenario("machine_memcpy_warm", "machine",
+             "single-threaded memory copy into pages already touched"),
+    Scenario("machine_ray_put", "machine",
+             "ray.put of 4, 8 and 16 MiB numpy buffers into a warm object store"),
+    Scenario("machine_hash_key", "machine",
+             "hybrid_ray's key hash + partition id over a gensort block, one core"),
+    Scenario("machine_take", "machine",
+             "argsort by partition + take (the map's gather) of a gensort block, one core"),
+    Scenario("machine_reducer_concat", "machine",
+             "a reducer's concat of 32 pieces into one contiguous table, one core"),
     Scenario("raydata_shuffle_v2", "ray", "Ray Data repartition, SHUFFLE_V2 (the default)"),
     Scenario("raydata_hash", "ray", "Ray Data repartition, HASH_SHUFFLE"),
     Scenario("raydata_hash_disk", "ray",
@@ -244,15 +260,57 @@ class Bench:
     def _run_machine(self, cases: list[tuple[str, str, int]]) -> None:
         from benchmarks import machine
 
+        measure = {"machine_disk_write": lambda: machine.disk_write(self.workdir),
+                   "machine_memcpy_fresh": machine.memcpy_fresh,
+                   "machine_memcpy_warm": machine.memcpy_warm,
+                   "machine_hash_key": machine.hash_key,
+                   "machine_take": machine.take_gather,
+                   "machine_reducer_concat": machine.reducer_concat}
         for name, _, _ in cases:
+            if name == "machine_ray_put":
+                self._machine_ray_put()
+                continue
             result = CaseResult(name, "machine", "-", 0)
             try:
-                result.mb_s = (machine.disk_write_mb_s(self.workdir) if name ==
-                               "machine_disk_write" else machine.memory_copy_mb_s())
-                result.verified = True
+                self._limit_result(result, measure[name]())
             except Exception as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
             self.record(result)
+
+    @staticmethod
+    def _limit_result(result: CaseResult, limit: Any) -> CaseResult:
+        result.size_bytes, result.seconds = limit.nbytes, limit.seconds
+        result.mb_s, result.verified, result.note = limit.mb_s, True, limit.note
+        if limit.rounds:
+            result.first_mb_s = limit.rounds[0]
+            result.warm_mb_s = max(limit.rounds[1:]) if len(limit.rounds) > 1 else None
+            result.note += f"; best of {len(limit.rounds)} (" + \
+                " / ".join(f"{r:.0f}" for r in limit.rounds) + " MB/s)"
+        return result
+
+    def _machine_ray_put(self) -> None:
+        """One row per buffer size, on a Ray started as the Ray cases start theirs."""
+        import ray
+
+        from benchmarks import machine
+
+        self._total += 2  # three rows for one planned case
+        try:
+            ray.init(address="local", num_cpus=self.args.cpus,
+                     object_store_memory=self._object_store_bytes(),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=ray_runtime_env())
+            try:
+                limits = machine.ray_put()
+            finally:
+                ray.shutdown()
+            for size, limit in limits.items():
+                self.record(self._limit_result(
+                    CaseResult(f"machine_ray_put_{size >> 20}mib", "machine", "-", 0), limit))
+        except Exception as exc:
+            self._total -= 2
+            self.record(CaseResult("machine_ray_put", "machine", "-", 0,
+                                   error=f"{type(exc).__name__}: {exc}"))
 
     # one local Ray
     def _hybrid_config(self, name: str, size: int, spill: str) -> Any:
@@ -567,7 +625,7 @@ class Bench:
             return
         try:
             with self._spark({"spark.local.dir": local, "spark.task.maxFailures": "1"}) as spark:
-                self._spark_cases(spark, cases, local)
+                self._spark_cases(spark, cases, local, rounds=self.args.rounds)
         except Exception as exc:
             self._record_session_failure(cases, exc)
         finally:
@@ -592,11 +650,21 @@ def best_round(results: list[CaseResult], what: str = "rounds") -> CaseResult:
     (a shuffle that loses rows once is broken, however fast its other rounds)."""
     failed = [r for r in results if not r.verified]
     best = failed[0] if failed else max(results, key=lambda r: r.mb_s or 0.0)
+    best.first_mb_s, best.warm_mb_s = first_and_warm(results)
     if len(results) > 1:
         speeds = " / ".join(f"{r.mb_s:.1f}" if r.verified and r.mb_s else "failed"
                             for r in results)
         best.note += f"; best of {len(results)} {what} ({speeds} MB/s)"
     return best
+
+
+def first_and_warm(results: list[CaseResult]) -> tuple[float | None, float | None]:
+    """The first round's speed (the first call) and the best later round's (warm); None
+    for a round that did not verify, or no later round."""
+    def speed(r):
+        return r.mb_s if r.verified else None
+    later = [speed(r) for r in results[1:] if speed(r)]
+    return (speed(results[0]) if results else None), (max(later) if later else None)
 
 
 ERROR_CAUSES = ("No space left on device", "OutOfSpaceError", "OutOfMemoryError",
@@ -638,8 +706,53 @@ def _best(results: list[CaseResult], family: str | None = None, case: str | None
     return max(pool, key=lambda r: r.mb_s) if pool else None
 
 
-def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
-    """The issue's goals, as ratios measured in this run (None where a side is missing)."""
+MACHINE_RATES = {"hash": "machine_hash_key", "take": "machine_take",
+                 "concat": "machine_reducer_concat", "memcpy_fresh": "machine_memcpy_fresh",
+                 "memcpy_warm": "machine_memcpy_warm", "disk": "machine_disk_write"}
+
+
+def machine_rates(results: list[CaseResult]) -> dict[str, float]:
+    """The floor's step rates (MB/s, one core) from the machine rows of a run; ``put`` is
+    the fastest buffer size's (a floor takes the best the machine showed)."""
+    speeds = {r.case: r.mb_s for r in results if r.family == "machine" and r.verified
+              and r.mb_s}
+    rates = {k: speeds[case] for k, case in MACHINE_RATES.items() if case in speeds}
+    puts = [v for k, v in speeds.items() if k.startswith("machine_ray_put_")]
+    if puts:
+        rates["put"] = max(puts)
+    return rates
+
+
+FLOORS = (  # (name, disk fraction, durable, hybrid_ray case compared with it)
+    ("memory tier", 0.0, False, "hybrid_memory"),
+    ("half on disk (page cache)", 0.5, False, "hybrid_memory_disk"),
+    ("half on disk (fdatasync'd)", 0.5, True, "hybrid_memory_disk"),
+)
+
+
+def floors(results: list[CaseResult], cores: int | None) -> list[dict[str, Any]]:
+    """The shuffle floors this run's machine rows give (``machine.shuffle_floor``), each
+    with its hybrid_ray case's throughput as a fraction of it; [] without the rows."""
+    from benchmarks.machine import shuffle_floor
+
+    rates = machine_rates(results)
+    out = []
+    for name, fraction, durable, case in FLOORS:
+        try:
+            floor = shuffle_floor(rates, cores or 1, fraction, durable)
+        except (KeyError, ValueError):
+            continue
+        measured = _best(results, case=case)
+        out.append({"floor": name, "disk_fraction": fraction, "durable": durable,
+                    "cores": cores or 1, **floor, "case": case,
+                    "case_mb_s": measured.mb_s if measured else None,
+                    "fraction": measured.mb_s / floor["mb_s"] if measured else None})
+    return out
+
+
+def goals(results: list[CaseResult], cores: int | None = None) -> list[dict[str, Any]]:
+    """The issue's goals, as ratios measured in this run (None where a side is missing).
+    Rows with no target (``target`` None) are reported, not judged."""
     main = _best(results, case="hybrid_memory_disk")
     default = _best(results, case="raydata_shuffle_v2")
     fastest = _best(results, family="ray_data")
@@ -664,6 +777,12 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
         {"goal": "hybrid_disk_capped vs uncapped hybrid_memory_disk", "target": 0.5,
          "ratio": ratio(capped, main)},
     ]
+    for f in floors(results, cores):
+        if f["durable"]:
+            continue
+        out.append({"goal": f"{f['case']} as a fraction of the {f['floor']} floor "
+                            f"({f['mb_s']:.0f} MB/s on {f['cores']} cores)",
+                    "target": None, "ratio": f["fraction"]})
     native_capped = next((r for r in results if r.case == "spark_native_capped"), None)
     bridge_capped = next((r for r in results if r.case == "spark_bridge_capped"), None)
     if native_capped and bridge_capped:
@@ -674,7 +793,8 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
                               f"{'verified' if bridge_capped.verified else bridge_capped.error}"})
     for g in out:
         if "met" not in g:
-            g["met"] = None if g["ratio"] is None else g["ratio"] >= g["target"]
+            g["met"] = None if g["ratio"] is None or g["target"] is None \
+                else g["ratio"] >= g["target"]
     return out
 
 
@@ -693,9 +813,14 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
              f"{meta['cpus']} CPUs, {meta['memory_gib']:.0f} GiB RAM; size "
              f"{meta['size_bytes'] / MB:.0f} MB; {meta['partitions']} partitions; "
              f"command: `{meta['command']}`", "",
-             "| case | workload | MB | nodes | MB/s | s | verified | memory / disk / remote MB"
+             "Every case ran `--rounds` timed rounds on the same cluster and data: MB/s is "
+             "the best verified round, *first call* the first round (cold caches, first "
+             "touches of the object store), *warm* the best later one. Machine rows: the "
+             "repeats of one measurement.", "",
+             "| case | workload | MB | nodes | MB/s | s | first call MB/s | warm MB/s | verified"
+             " | memory / disk / remote MB"
              " | vs Ray Data default | vs fastest Ray Data | vs Spark | note |",
-             "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
 
     def vs(r, base):
         if r.family == "machine" or not (r.mb_s and base and base.mb_s):
@@ -706,16 +831,34 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
                             ("memory", "disk", "remote")) if r.tier_bytes else "-")
         lines.append(
             f"| {r.case} | {r.workload} | {r.size_bytes / MB:.0f} | {r.nodes} | "  # noqa
-            f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | "
+            f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | {_speed(r.first_mb_s)} | "
+            f"{_speed(r.warm_mb_s)} | "
             f"{'yes' if r.verified else 'NO: ' + (r.error or '')} | {tiers} | "
             f"{vs(r, default)} | {vs(r, fastest)} | {vs(r, spark)} | {r.note} |")
     lines += ["", "## Goals (ratios measured in this run)", "",
               "| goal | target | measured | met |", "|---|---:|---:|---|"]
-    for g in goals(results):
+    for g in goals(results, meta.get("cpus")):
         measured = f"{g['ratio']:.2f}x" if g["ratio"] is not None else g.get("detail", "-")
         target = f"{g['target']:.2f}x" if g["target"] is not None else "-"
-        met = {True: "yes", False: "no", None: "not measured"}[g["met"]]
+        met = "no target" if g["target"] is None and g["ratio"] is not None else \
+            {True: "yes", False: "no", None: "not measured"}[g["met"]]
         lines.append(f"| {g['goal']} | {target} | {measured} | {met} |")
+    floor_rows = floors(results, meta.get("cpus"))
+    if floor_rows:
+        lines += ["", "## Shuffle floor (from this run's machine rows)", "",
+                  "CPU-seconds per GiB of a repartition by key: hash + take (map) + "
+                  "ray.put (memory tier) or page-cache write and read (disk) + reducer "
+                  "concat, at the single-core rates measured above, divided over the "
+                  "cores; the fdatasync'd variant also bounds by the disk's write rate "
+                  "(hybrid_ray does not fdatasync its spill files, so it is not a bound on "
+                  "it while the page cache holds them).", "",
+                  "| floor | CPU-s per GiB | wall s per GiB | floor MB/s | case | case MB/s "
+                  "| fraction of floor |", "|---|---:|---:|---:|---|---:|---:|"]
+        for f in floor_rows:
+            lines.append(f"| {f['floor']} | {f['cpu_s_per_gib']:.2f} | "
+                         f"{f['wall_s_per_gib']:.2f} | {f['mb_s']:.0f} | {f['case']} | "
+                         f"{_speed(f['case_mb_s'])} | "
+                         f"{'-' if f['fraction'] is None else format(f['fraction'], '.2f')} |")
     growth = scaling(results)
     if len(growth) > 1:
         lines += ["", "## Cost growth (hybrid_memory_disk, gensort)", "",
@@ -726,6 +869,10 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
                      f"from {growth[0]['size_gib']:.2f} to {growth[-1]['size_gib']:.2f} GiB "
                      "(1.00x is flat).")
     return "\n".join(lines) + "\n"
+
+
+def _speed(mb_s: float | None) -> str:
+    return "-" if mb_s is None else f"{mb_s:.1f}"
 
 
 def chart(results: list[CaseResult], path: str) -> str | None:
@@ -761,7 +908,9 @@ def write_outputs(results: list[CaseResult], meta: dict[str, Any], out_dir: str)
     paths = [os.path.join(out_dir, n) for n in ("results.json", "results.md", "results.png")]
     with open(paths[0], "w") as f:
         json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results],
-                   "goals": goals(results), "scaling": scaling(results)}, f, indent=2)
+                   "goals": goals(results, meta.get("cpus")),
+                   "floors": floors(results, meta.get("cpus")),
+                   "scaling": scaling(results)}, f, indent=2)
     with open(paths[1], "w") as f:
         f.write(markdown(results, meta))
     problem = chart(results, paths[2])

@@ -107,3 +107,93 @@ def test_bench_rejects_unknown_scenarios():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--scenario", "warp_speed"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown scenario(s) ['warp_speed']" in proc.stderr
+
+
+# ---- machine limits and the shuffle floor -------------------------------------------------------
+def test_machine_measurements_report_their_bytes_and_seconds(tmp_path):
+    from benchmarks import machine
+
+    disk = machine.disk_write(str(tmp_path), nbytes=2 << 20, chunk=1 << 20)
+    assert disk.nbytes == 2 << 20 and disk.seconds > 0 and "fdatasync" in disk.note
+    assert list(tmp_path.iterdir()) == []  # its file is gone
+    fresh = machine.memcpy_fresh(1 << 20, repeats=2)
+    assert fresh.seconds > 0 and len(fresh.rounds) == 2 and fresh.mb_s == max(fresh.rounds)
+
+
+def test_shuffle_floor_adds_the_steps_cpu_seconds_and_divides_over_cores():
+    from benchmarks.machine import GiB, MB, shuffle_floor
+
+    gib_mb = GiB / MB
+    rates = {"hash": 1000.0, "take": 500.0, "put": 1000.0, "concat": 1000.0,
+             "memcpy_fresh": 2000.0, "memcpy_warm": 4000.0, "disk": 100.0}
+    memory = shuffle_floor(rates, cores=2)
+    cpu = gib_mb * (1 / 1000 + 1 / 500 + 1 / 1000 + 1 / 1000)
+    assert memory["cpu_s_per_gib"] == pytest.approx(cpu)
+    assert memory["wall_s_per_gib"] == pytest.approx(cpu / 2)
+    assert memory["mb_s"] == pytest.approx(gib_mb / (cpu / 2))
+    assert memory["device_s_per_gib"] == 0
+    # Half on disk: half the puts become a page-cache write and read.
+    half = shuffle_floor(rates, cores=2, disk_fraction=0.5)
+    assert half["cpu_s_per_gib"] == pytest.approx(
+        cpu - 0.5 * gib_mb / 1000 + 0.5 * gib_mb * (1 / 2000 + 1 / 4000))
+    # Durable: the disk's write of the spilled half bounds the wall time when it is slower.
+    durable = shuffle_floor(rates, cores=2, disk_fraction=0.5, durable=True)
+    assert durable["device_s_per_gib"] == pytest.approx(0.5 * gib_mb / 100)
+    assert durable["wall_s_per_gib"] == pytest.approx(0.5 * gib_mb / 100)
+    assert shuffle_floor({**rates, "disk": 1e9}, 2, 0.5, True)["wall_s_per_gib"] == \
+        pytest.approx(half["wall_s_per_gib"])
+    # All on disk needs no put rate; a missing rate or bad argument is an error.
+    assert shuffle_floor({k: v for k, v in rates.items() if k != "put"}, 1, 1.0)["mb_s"] > 0
+    with pytest.raises(KeyError, match="put"):
+        shuffle_floor({k: v for k, v in rates.items() if k != "put"}, 2)
+    with pytest.raises(ValueError):
+        shuffle_floor(rates, cores=0)
+    with pytest.raises(ValueError):
+        shuffle_floor(rates, cores=2, disk_fraction=1.5)
+
+
+def _machine_rows():
+    def row(case, mb_s):
+        return CaseResult(case, "machine", "-", 10**9, seconds=10**3 / mb_s, mb_s=mb_s,
+                          verified=True)
+    return [row("machine_hash_key", 1000.0), row("machine_take", 500.0),
+            row("machine_reducer_concat", 1000.0), row("machine_ray_put_4mib", 800.0),
+            row("machine_ray_put_16mib", 1000.0), row("machine_memcpy_fresh", 2000.0),
+            row("machine_memcpy_warm", 4000.0), row("machine_disk_write", 100.0)]
+
+
+def test_floor_rows_use_the_machine_rows_and_report_hybrid_as_a_fraction():
+    from benchmarks.machine import shuffle_floor
+    from benchmarks.suite import floors, machine_rates
+
+    rates = machine_rates(_machine_rows())
+    assert rates["put"] == 1000.0 and rates["disk"] == 100.0  # the fastest put size
+    floor = shuffle_floor(rates, 2)["mb_s"]
+    hybrid = CaseResult("hybrid_memory", "hybrid_ray", "gensort", 2**31, seconds=1.0,
+                        mb_s=floor / 4, verified=True)
+    results = _machine_rows() + [hybrid]
+    rows = {f["floor"]: f for f in floors(results, 2)}
+    assert rows["memory tier"]["fraction"] == pytest.approx(0.25)
+    assert rows["half on disk (page cache)"]["fraction"] is None  # no hybrid_memory_disk
+    by_goal = {g["goal"].split(" (")[0]: g for g in goals(results, 2)}
+    goal = by_goal["hybrid_memory as a fraction of the memory tier floor"]
+    assert goal["ratio"] == pytest.approx(0.25) and goal["met"] is None
+    text = markdown(results, {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31,
+                              "partitions": 16, "command": "c"})
+    assert "## Shuffle floor" in text and "| 0.25x | no target |" in text
+    assert floors(results[:3], 2) == []  # without every rate: no floor, no error
+
+
+# ---- first call and warm rounds -----------------------------------------------------------------
+def test_every_case_reports_its_first_call_and_best_warm_round():
+    from benchmarks.suite import first_and_warm
+
+    def case(mb_s, verified=True):
+        return CaseResult("c", "hybrid_ray", "gensort", 10, 1, mb_s=mb_s, verified=verified)
+    best = best_round([case(50.0), case(80.0), case(70.0)])
+    assert (best.first_mb_s, best.warm_mb_s) == (50.0, 80.0)
+    assert first_and_warm([case(50.0)]) == (50.0, None)
+    assert first_and_warm([case(None, False), case(60.0)]) == (None, 60.0)
+    text = markdown([best], {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 10,
+                             "partitions": 16, "command": "c"})
+    assert "| 80.0 | 0.00 | 50.0 | 80.0 | yes |" in text
