@@ -1,4 +1,5 @@
-"""The benchmark suite: hybrid_ray against Ray Data's and Spark's shuffles, same data, same run.
+"""The benchmark suite: hybrid_ray against Ray Data's, Daft's and Spark's shuffles, same data,
+same run.
 
     ./dev bench --size 2GiB                     # the default matrix (python -m benchmarks ...)
     ./dev bench --size 256MB --scenario hybrid_memory_disk --scenario raydata_shuffle_v2
@@ -10,9 +11,12 @@ that fails or does not verify is recorded with its error and the run goes on. Re
 ``--out``: ``results.json``, ``results.md`` (throughput and ratios to each baseline, and the
 goals) and ``results.png``.
 
-Cases run grouped by the cluster they need: machine limits, one local Ray, simulated
-multi-node clusters (``ray.cluster_utils.Cluster``), then RayDP Spark (uncapped, then with
-``spark.local.dir`` on a tmpfs a quarter of the data's size).
+Cases run grouped by the cluster they need: machine limits (and the shuffle floor computed
+from them), one local Ray, Daft (a subprocess in its own virtualenv, made on first use,
+with its own local Ray: ``daft_peer.py``), simulated multi-node clusters
+(``ray.cluster_utils.Cluster``), then RayDP Spark (uncapped, then with ``spark.local.dir``
+on a tmpfs a quarter of the data's size). Every case reports its first timed round (the
+first call) and its best warm round.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from benchmarks import daft_peer
 from benchmarks.workloads import WORKLOADS, checksum, generate
 
 GiB = 1024**3
@@ -42,6 +47,7 @@ MB = 1_000_000
 # RayDP's Spark <-> Ray Dataset converters ran at 7-15 MB/s here: the conversion-path case
 # runs on at most this much of the data so the whole suite stays within its time.
 RAYDP_CONVERT_MAX_BYTES = 256 * MB
+DAFT_VERSION = daft_peer.DAFT_SPEC.split("==")[1]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,12 +78,13 @@ class CaseResult:
     # later ones (warm); None where there was no such round or it failed.
     first_mb_s: float | None = None
     warm_mb_s: float | None = None
+    skipped: bool = False  # not run, and why is in ``error`` (e.g. no Daft virtualenv)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
-    group: str  # machine | ray | multinode | spark | spark_capped
+    group: str  # machine | ray | daft | multinode | spark | spark_capped
     description: str
     default: bool = True
 
@@ -110,6 +117,10 @@ SCENARIOS = {s.name: s for s in [
              "hybrid_ray, memory = data/2, disk capped at data/4, remote tier (S3) overflow"),
     Scenario("hybrid_blocking", "ray", "as hybrid_memory_disk, blocking mode"),
     Scenario("hybrid_full_spilling", "ray", "as hybrid_memory_disk, full spilling"),
+    Scenario("daft_map_reduce", "daft", f"Daft {DAFT_VERSION} df.repartition(n, key) with "
+             "shuffle_algorithm='map_reduce' (Ray object store), own venv and Ray"),
+    Scenario("daft_flight_shuffle", "daft", f"Daft {DAFT_VERSION} df.repartition(n, key) with "
+             "shuffle_algorithm='flight_shuffle' (Arrow Flight, spill files), own venv and Ray"),
     Scenario("hybrid_nodes_1", "multinode", "hybrid_memory_disk on a 1-node Cluster"),
     Scenario("hybrid_nodes_2", "multinode", "hybrid_memory_disk on 2 simulated nodes"),
     Scenario("hybrid_nodes_4", "multinode", "hybrid_memory_disk on 4 simulated nodes"),
@@ -129,7 +140,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("spark_bridge_capped", "spark_capped",
              "spark_bridge, spill dir on the same tmpfs, memory = data/8, S3 overflow"),
 ]}
-GROUP_ORDER = ("machine", "ray", "multinode", "spark", "spark_capped")
+GROUP_ORDER = ("machine", "ray", "daft", "multinode", "spark", "spark_capped")
 
 
 def parse_size(text: str) -> int:
@@ -170,6 +181,7 @@ class Bench:
         self._done += 1
         self.results.append(result)
         status = (f"{result.mb_s:.1f} MB/s" if result.verified and result.mb_s else
+                  f"SKIPPED ({result.error})" if result.skipped else
                   f"FAILED: {result.error}" if result.error else "not verified")
         self.progress(f"{result.case} [{result.workload}, {result.size_bytes / MB:.0f} MB, "
                       f"{result.nodes} node(s)] -> {status}")
@@ -432,6 +444,66 @@ class Bench:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return int(min(max(need, 2 * GiB), 0.45 * total))
 
+    # Daft, in its own virtualenv and its own local Ray
+    def _run_daft(self, cases: list[tuple[str, str, int]]) -> None:
+        """Each case in a subprocess of the Daft venv's python, which starts its own local
+        Ray. This process's Ray is shut down first (every Ray group shuts its Ray down
+        after its cases; checked again here), so at any time one Ray runs on this
+        machine's cores and memory: two would each believe they own every CPU and size
+        their object stores alike, and time each other's work."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        try:
+            self.progress(f"Daft virtualenv ({daft_peer.DAFT_SPEC}) at {self.args.daft_venv}")
+            python = daft_peer.ensure_daft_venv(self.args.daft_venv)
+        except daft_peer.DaftUnavailable as exc:
+            for name, workload, size in cases:
+                self.record(daft_skipped(name, workload, size, str(exc)))
+            return
+        for name, workload, size in cases:
+            self.record(self._daft_case(python, name, workload, size))
+
+    def _daft_case(self, python: str, name: str, workload: str, size: int) -> CaseResult:
+        strategy = name[len("daft_"):]
+        expected = checksum(generate(workload, size, self.args.seed))
+        shuffle_dir = os.path.join(self.workdir, f"daft-{strategy}")
+        cmd = daft_peer.child_command(python, strategy, workload, size, self.args.seed,
+                                      self.args.partitions, self.args.rounds, self.args.cpus,
+                                      self._object_store_bytes(), shuffle_dir)
+        # Generous: start-up, warm-up and every round at no less than 2 MB/s.
+        timeout = 300 + self.args.rounds * size / MB / 2
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  env=daft_peer.child_env(), cwd=self.workdir)
+            data = daft_peer.parse_daft_output(proc.stdout)
+        except subprocess.TimeoutExpired:
+            return CaseResult(name, "daft", workload, size,
+                              error=f"the Daft subprocess took over {timeout:.0f} s")
+        except ValueError as exc:
+            tail = daft_peer._last_line(proc.stderr)
+            return CaseResult(name, "daft", workload, size,
+                              error=f"{exc}; exit {proc.returncode}; stderr: {tail}")
+        finally:
+            shutil.rmtree(shuffle_dir, ignore_errors=True)
+        if self.args.verbose and proc.stderr:
+            print(proc.stderr[-3000:], file=sys.stderr)
+        versions = data.get("versions") or {}
+        config = data.get("config") or {}
+        note = (f"{data.get('physical_shuffle', '?')}"
+                + (f" ({config['flight_shuffle_compression']} spill files)"
+                   if strategy == "flight_shuffle" and config.get("flight_shuffle_compression")
+                   else "")
+                + f"; daft {versions.get('daft', '?')}, ray {versions.get('ray', '?')}, "
+                f"pyarrow {versions.get('pyarrow', '?')}")
+        rounds = []
+        for r in daft_peer.rounds_from_result(data, expected, self.args.partitions, size):
+            rounds.append(CaseResult(name, "daft", workload, size, seconds=r["seconds"],
+                                     mb_s=r["mb_s"], verified=r["verified"], error=r["error"],
+                                     note=note))
+        return best_round(rounds)
+
     # simulated multi-node clusters
     def _run_multinode(self, cases: list[tuple[str, str, int]]) -> None:
         import ray
@@ -667,6 +739,12 @@ def first_and_warm(results: list[CaseResult]) -> tuple[float | None, float | Non
     return (speed(results[0]) if results else None), (max(later) if later else None)
 
 
+def daft_skipped(name: str, workload: str, size: int, reason: str) -> CaseResult:
+    """A Daft case that could not run (no Daft virtualenv): recorded, with the reason."""
+    return CaseResult(name, "daft", workload, size, skipped=True,
+                      error=f"skipped: {reason}")
+
+
 ERROR_CAUSES = ("No space left on device", "OutOfSpaceError", "OutOfMemoryError",
                 "ObjectStoreFullError", "ShuffleFailedError")
 
@@ -777,6 +855,9 @@ def goals(results: list[CaseResult], cores: int | None = None) -> list[dict[str,
         {"goal": "hybrid_disk_capped vs uncapped hybrid_memory_disk", "target": 0.5,
          "ratio": ratio(capped, main)},
     ]
+    daft = _best(results, family="daft")
+    out.append({"goal": f"hybrid_memory_disk vs fastest Daft ({daft.case if daft else '-'})",
+                "target": None, "ratio": ratio(main, daft)})
     for f in floors(results, cores):
         if f["durable"]:
             continue
@@ -833,7 +914,8 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
             f"| {r.case} | {r.workload} | {r.size_bytes / MB:.0f} | {r.nodes} | "  # noqa
             f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | {_speed(r.first_mb_s)} | "
             f"{_speed(r.warm_mb_s)} | "
-            f"{'yes' if r.verified else 'NO: ' + (r.error or '')} | {tiers} | "
+            f"{'yes' if r.verified else r.error if r.skipped else 'NO: ' + (r.error or '')}"
+            f" | {tiers} | "
             f"{vs(r, default)} | {vs(r, fastest)} | {vs(r, spark)} | {r.note} |")
     lines += ["", "## Goals (ratios measured in this run)", "",
               "| goal | target | measured | met |", "|---|---:|---:|---|"]
@@ -886,7 +968,7 @@ def chart(results: list[CaseResult], path: str) -> str | None:
         return "matplotlib is not installed (pip install 'hybrid_ray[bench]'): no PNG"
     shown = [r for r in results if r.family != "machine"]
     colors = {"hybrid_ray": "#1f77b4", "ray_data": "#ff7f0e", "spark": "#2ca02c",
-              "spark_bridge": "#9467bd", "scaling": "#17becf"}
+              "spark_bridge": "#9467bd", "scaling": "#17becf", "daft": "#d62728"}
     labels = [f"{r.case} [{r.workload}, {r.size_bytes / GiB:g} GiB]" for r in shown]
     values = [r.mb_s if r.verified and r.mb_s else 0 for r in shown]
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(shown) + 1.5))
@@ -896,7 +978,7 @@ def chart(results: list[CaseResult], path: str) -> str | None:
             ax.text(0, i, "  failed", va="center", color="red", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("MB/s (verified output; higher is better)")
-    ax.set_title("Repartition by key: hybrid_ray vs Ray Data vs Spark")
+    ax.set_title("Repartition by key: hybrid_ray vs Ray Data vs Daft vs Spark")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -941,6 +1023,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="remote tier URL (default: a local moto S3 server)")
     p.add_argument("--out", default=None, help="output directory (default "
                    "benchmarks/results/<timestamp>)")
+    p.add_argument("--daft-venv", default=daft_peer.DEFAULT_VENV,
+                   help="the Daft virtualenv, made on first use (default .venv-daft/ at "
+                        f"the repository root; {daft_peer.DAFT_SPEC})")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed cases")
 
