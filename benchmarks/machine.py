@@ -43,30 +43,33 @@ def _best_of(repeats: int, nbytes: int, once: Callable[[], float], note: str) ->
 
 # ---- disk -------------------------------------------------------------------------------------
 def disk_write(directory: str | None = None, nbytes: int = GiB,
-               chunk: int = 8 * 1024 * 1024) -> Limit:
+               chunk: int = 8 * 1024 * 1024, repeats: int = 2) -> Limit:
     """Sequential write to ``directory``: ``chunk``-byte writes, each fdatasync'd before the
     next, so every byte reached the device inside the timed loop (a single fsync at the
     end of a write that fits the page cache measured the page cache: 1315 MB/s in 0.00 s).
     The chunks differ (a counter in their first bytes): no dedup or compression below the
-    file system can skip them."""
+    file system can skip them. Each repeat writes a new file (the first also allocates
+    the file system's blocks cold)."""
     block = bytearray(np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8)
                       .tobytes())
     count = max(1, nbytes // chunk)
-    fd, path = tempfile.mkstemp(prefix="hr-bench-disk-", dir=directory)
-    try:
-        start = time.perf_counter()
-        for i in range(count):
-            block[:8] = i.to_bytes(8, "little")
-            view = memoryview(block)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fdatasync(fd)
-        seconds = time.perf_counter() - start
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return Limit(count * chunk, seconds, f"{count} x {chunk >> 20} MiB writes, fdatasync "
-                 "after each")
+
+    def once() -> float:
+        fd, path = tempfile.mkstemp(prefix="hr-bench-disk-", dir=directory)
+        try:
+            start = time.perf_counter()
+            for i in range(count):
+                block[:8] = i.to_bytes(8, "little")
+                view = memoryview(block)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fdatasync(fd)
+            return time.perf_counter() - start
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    return _best_of(repeats, count * chunk, once,
+                    f"{count} x {chunk >> 20} MiB writes, fdatasync after each")
 
 
 # ---- memory -----------------------------------------------------------------------------------
