@@ -1,4 +1,5 @@
-"""The benchmark suite: hybrid_ray against Ray Data's and Spark's shuffles, same data, same run.
+"""The benchmark suite: hybrid_ray against Ray Data's, Daft's and Spark's shuffles, same data,
+same run.
 
     ./dev bench --size 2GiB                     # the default matrix (python -m benchmarks ...)
     ./dev bench --size 256MB --scenario hybrid_memory_disk --scenario raydata_shuffle_v2
@@ -10,9 +11,12 @@ that fails or does not verify is recorded with its error and the run goes on. Re
 ``--out``: ``results.json``, ``results.md`` (throughput and ratios to each baseline, and the
 goals) and ``results.png``.
 
-Cases run grouped by the cluster they need: machine limits, one local Ray, simulated
-multi-node clusters (``ray.cluster_utils.Cluster``), then RayDP Spark (uncapped, then with
-``spark.local.dir`` on a tmpfs a quarter of the data's size).
+Cases run grouped by the cluster they need: machine limits (and the shuffle floor computed
+from them), one local Ray, Daft (a subprocess in its own virtualenv, made on first use,
+with its own local Ray: ``daft_peer.py``), simulated multi-node clusters
+(``ray.cluster_utils.Cluster``), then RayDP Spark (uncapped, then with ``spark.local.dir``
+on a tmpfs a quarter of the data's size). Every case reports its first timed round (the
+first call) and its best warm round.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from benchmarks import daft_peer
 from benchmarks.workloads import WORKLOADS, checksum, generate
 
 GiB = 1024**3
@@ -42,6 +47,16 @@ MB = 1_000_000
 # RayDP's Spark <-> Ray Dataset converters ran at 7-15 MB/s here: the conversion-path case
 # runs on at most this much of the data so the whole suite stays within its time.
 RAYDP_CONVERT_MAX_BYTES = 256 * MB
+DAFT_VERSION = daft_peer.DAFT_SPEC.split("==")[1]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ray_runtime_env() -> dict:
+    """Ray workers import this checkout's hybrid_ray and benchmarks (a git worktree, not
+    another checkout's editable install), whatever the driver's PYTHONPATH: as
+    tests/conftest.py does."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"env_vars": {"PYTHONPATH": ROOT + (os.pathsep + path if path else "")}}
 
 
 @dataclasses.dataclass
@@ -59,19 +74,36 @@ class CaseResult:
     error: str | None = None
     tier_bytes: dict[str, int] | None = None
     note: str = ""
+    # The first timed round (the first call on its cluster and data) and the best of the
+    # later ones (warm); None where there was no such round or it failed.
+    first_mb_s: float | None = None
+    warm_mb_s: float | None = None
+    skipped: bool = False  # not run, and why is in ``error`` (e.g. no Daft virtualenv)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
-    group: str  # machine | ray | multinode | spark | spark_capped
+    group: str  # machine | ray | daft | multinode | spark | spark_capped
     description: str
     default: bool = True
 
 
 SCENARIOS = {s.name: s for s in [
-    Scenario("machine_disk_write", "machine", "sequential write to the spill dir, fsync'd"),
-    Scenario("machine_memory_copy", "machine", "single-threaded memory copy"),
+    Scenario("machine_disk_write", "machine",
+             "sequential write to the spill dir, 8 MiB writes each fdatasync'd"),
+    Scenario("machine_memcpy_fresh", "machine",
+             "single-threaded memory copy into fresh pages (faulted in by the copy)"),
+    Scenario("machine_memcpy_warm", "machine",
+             "single-threaded memory copy into pages already touched"),
+    Scenario("machine_ray_put", "machine",
+             "ray.put of 4, 8 and 16 MiB numpy buffers into a warm object store"),
+    Scenario("machine_hash_key", "machine",
+             "hybrid_ray's key hash + partition id over a gensort block, one core"),
+    Scenario("machine_take", "machine",
+             "argsort by partition + take (the map's gather) of a gensort block, one core"),
+    Scenario("machine_reducer_concat", "machine",
+             "a reducer's concat of 32 pieces into one contiguous table, one core"),
     Scenario("raydata_shuffle_v2", "ray", "Ray Data repartition, SHUFFLE_V2 (the default)"),
     Scenario("raydata_hash", "ray", "Ray Data repartition, HASH_SHUFFLE"),
     Scenario("raydata_hash_disk", "ray",
@@ -85,6 +117,10 @@ SCENARIOS = {s.name: s for s in [
              "hybrid_ray, memory = data/2, disk capped at data/4, remote tier (S3) overflow"),
     Scenario("hybrid_blocking", "ray", "as hybrid_memory_disk, blocking mode"),
     Scenario("hybrid_full_spilling", "ray", "as hybrid_memory_disk, full spilling"),
+    Scenario("daft_map_reduce", "daft", f"Daft {DAFT_VERSION} df.repartition(n, key) with "
+             "shuffle_algorithm='map_reduce' (Ray object store), own venv and Ray"),
+    Scenario("daft_flight_shuffle", "daft", f"Daft {DAFT_VERSION} df.repartition(n, key) with "
+             "shuffle_algorithm='flight_shuffle' (Arrow Flight, spill files), own venv and Ray"),
     Scenario("hybrid_nodes_1", "multinode", "hybrid_memory_disk on a 1-node Cluster"),
     Scenario("hybrid_nodes_2", "multinode", "hybrid_memory_disk on 2 simulated nodes"),
     Scenario("hybrid_nodes_4", "multinode", "hybrid_memory_disk on 4 simulated nodes"),
@@ -101,7 +137,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("spark_bridge_capped", "spark_capped",
              "spark_bridge, spill dir on the same tmpfs, memory = data/8, S3 overflow"),
 ]}
-GROUP_ORDER = ("machine", "ray", "multinode", "spark", "spark_capped")
+GROUP_ORDER = ("machine", "ray", "daft", "multinode", "spark", "spark_capped")
 
 
 def parse_size(text: str) -> int:
@@ -142,6 +178,7 @@ class Bench:
         self._done += 1
         self.results.append(result)
         status = (f"{result.mb_s:.1f} MB/s" if result.verified and result.mb_s else
+                  f"SKIPPED ({result.error})" if result.skipped else
                   f"FAILED: {result.error}" if result.error else "not verified")
         self.progress(f"{result.case} [{result.workload}, {result.size_bytes / MB:.0f} MB, "
                       f"{result.nodes} node(s)] -> {status}")
@@ -232,15 +269,57 @@ class Bench:
     def _run_machine(self, cases: list[tuple[str, str, int]]) -> None:
         from benchmarks import machine
 
+        measure = {"machine_disk_write": lambda: machine.disk_write(self.workdir),
+                   "machine_memcpy_fresh": machine.memcpy_fresh,
+                   "machine_memcpy_warm": machine.memcpy_warm,
+                   "machine_hash_key": machine.hash_key,
+                   "machine_take": machine.take_gather,
+                   "machine_reducer_concat": machine.reducer_concat}
         for name, _, _ in cases:
+            if name == "machine_ray_put":
+                self._machine_ray_put()
+                continue
             result = CaseResult(name, "machine", "-", 0)
             try:
-                result.mb_s = (machine.disk_write_mb_s(self.workdir) if name ==
-                               "machine_disk_write" else machine.memory_copy_mb_s())
-                result.verified = True
+                self._limit_result(result, measure[name]())
             except Exception as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
             self.record(result)
+
+    @staticmethod
+    def _limit_result(result: CaseResult, limit: Any) -> CaseResult:
+        result.size_bytes, result.seconds = limit.nbytes, limit.seconds
+        result.mb_s, result.verified, result.note = limit.mb_s, True, limit.note
+        if limit.rounds:
+            result.first_mb_s = limit.rounds[0]
+            result.warm_mb_s = max(limit.rounds[1:]) if len(limit.rounds) > 1 else None
+            result.note += f"; best of {len(limit.rounds)} (" + \
+                " / ".join(f"{r:.0f}" for r in limit.rounds) + " MB/s)"
+        return result
+
+    def _machine_ray_put(self) -> None:
+        """One row per buffer size, on a Ray started as the Ray cases start theirs."""
+        import ray
+
+        from benchmarks import machine
+
+        self._total += 2  # three rows for one planned case
+        try:
+            ray.init(address="local", num_cpus=self.args.cpus,
+                     object_store_memory=self._object_store_bytes(),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=ray_runtime_env())
+            try:
+                limits = machine.ray_put()
+            finally:
+                ray.shutdown()
+            for size, limit in limits.items():
+                self.record(self._limit_result(
+                    CaseResult(f"machine_ray_put_{size >> 20}mib", "machine", "-", 0), limit))
+        except Exception as exc:
+            self._total -= 2
+            self.record(CaseResult("machine_ray_put", "machine", "-", 0,
+                                   error=f"{type(exc).__name__}: {exc}"))
 
     # one local Ray
     def _hybrid_config(self, name: str, size: int, spill: str) -> Any:
@@ -339,10 +418,10 @@ class Bench:
         import ray
 
         for name, workload, size in cases:
-            # "local": a Ray of the suite's own, never a cluster `ray start` left here.
             ray.init(address="local", num_cpus=self.args.cpus,
                      object_store_memory=self._object_store_bytes(),
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+                     include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=ray_runtime_env())
             try:
                 self._warm_up_ray()
                 ds, expected = self._dataset(workload, size)
@@ -362,6 +441,66 @@ class Bench:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return int(min(max(need, 2 * GiB), 0.45 * total))
 
+    # Daft, in its own virtualenv and its own local Ray
+    def _run_daft(self, cases: list[tuple[str, str, int]]) -> None:
+        """Each case in a subprocess of the Daft venv's python, which starts its own local
+        Ray. This process's Ray is shut down first (every Ray group shuts its Ray down
+        after its cases; checked again here), so at any time one Ray runs on this
+        machine's cores and memory: two would each believe they own every CPU and size
+        their object stores alike, and time each other's work."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        try:
+            self.progress(f"Daft virtualenv ({daft_peer.DAFT_SPEC}) at {self.args.daft_venv}")
+            python = daft_peer.ensure_daft_venv(self.args.daft_venv)
+        except daft_peer.DaftUnavailable as exc:
+            for name, workload, size in cases:
+                self.record(daft_skipped(name, workload, size, str(exc)))
+            return
+        for name, workload, size in cases:
+            self.record(self._daft_case(python, name, workload, size))
+
+    def _daft_case(self, python: str, name: str, workload: str, size: int) -> CaseResult:
+        strategy = name[len("daft_"):]
+        expected = checksum(generate(workload, size, self.args.seed))
+        shuffle_dir = os.path.join(self.workdir, f"daft-{strategy}")
+        cmd = daft_peer.child_command(python, strategy, workload, size, self.args.seed,
+                                      self.args.partitions, self.args.rounds, self.args.cpus,
+                                      self._object_store_bytes(), shuffle_dir)
+        # Generous: start-up, warm-up and every round at no less than 2 MB/s.
+        timeout = 300 + self.args.rounds * size / MB / 2
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  env=daft_peer.child_env(), cwd=self.workdir)
+            data = daft_peer.parse_daft_output(proc.stdout)
+        except subprocess.TimeoutExpired:
+            return CaseResult(name, "daft", workload, size,
+                              error=f"the Daft subprocess took over {timeout:.0f} s")
+        except ValueError as exc:
+            tail = daft_peer._last_line(proc.stderr)
+            return CaseResult(name, "daft", workload, size,
+                              error=f"{exc}; exit {proc.returncode}; stderr: {tail}")
+        finally:
+            shutil.rmtree(shuffle_dir, ignore_errors=True)
+        if self.args.verbose and proc.stderr:
+            print(proc.stderr[-3000:], file=sys.stderr)
+        versions = data.get("versions") or {}
+        config = data.get("config") or {}
+        note = (f"{data.get('physical_shuffle', '?')}"
+                + (f" ({config['flight_shuffle_compression']} spill files)"
+                   if strategy == "flight_shuffle" and config.get("flight_shuffle_compression")
+                   else "")
+                + f"; daft {versions.get('daft', '?')}, ray {versions.get('ray', '?')}, "
+                f"pyarrow {versions.get('pyarrow', '?')}")
+        rounds = []
+        for r in daft_peer.rounds_from_result(data, expected, self.args.partitions, size):
+            rounds.append(CaseResult(name, "daft", workload, size, seconds=r["seconds"],
+                                     mb_s=r["mb_s"], verified=r["verified"], error=r["error"],
+                                     note=note))
+        return best_round(rounds)
+
     # simulated multi-node clusters
     def _run_multinode(self, cases: list[tuple[str, str, int]]) -> None:
         import ray
@@ -377,7 +516,7 @@ class Bench:
                 for _ in range(nodes - 1):
                     cluster.add_node(num_cpus=per_node, object_store_memory=store)
                 ray.init(address=cluster.address, log_to_driver=False,
-                         configure_logging=False)
+                         configure_logging=False, runtime_env=ray_runtime_env())
                 cluster.wait_for_nodes()
                 # Hybrid only: Ray Data's hash-shuffle warm-up hung a 2 x 1-CPU cluster.
                 self._warm_up_ray(ray_data=False)
@@ -419,9 +558,12 @@ class Bench:
         # The machine's CPUs, as a user's session has them: init_spark has the executors
         # claim only half of Ray's CPUs, so the conversion path's Ray tasks can run (with
         # every CPU held by executors, spark_raydp_convert used to hang).
+        # address="local": a fresh Ray of our own, never a cluster another process left
+        # running on this machine (ray.init() would join it, and refuses num_cpus).
         ray.init(address="local", num_cpus=self.args.cpus,
                  object_store_memory=self._object_store_bytes(),
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+                 include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=ray_runtime_env())
         try:
             # Spark's own shuffle: spark_native is Spark's shuffle, and spark_bridge's
             # direct parquet path needs no shuffle manager (benchmarks/spark_sql.py and
@@ -480,7 +622,7 @@ class Bench:
         path, expected = self._parquet_input(workload, size)
         # Not cached: every case reads the same parquet files (in the page cache after
         # this first count), so Spark and the bridge's direct scan start from the same
-        # place. A cached DataFrame would also send the bridge through the executors.
+        # place. A cached DataFrame would also take Spark's operator, not the direct path.
         df = spark.read.parquet(path)
         df.count()
 
@@ -552,7 +694,7 @@ class Bench:
             return
         try:
             with self._spark({"spark.local.dir": local, "spark.task.maxFailures": "1"}) as spark:
-                self._spark_cases(spark, cases, local)
+                self._spark_cases(spark, cases, local, rounds=self.args.rounds)
         except Exception as exc:
             self._record_session_failure(cases, exc)
         finally:
@@ -577,11 +719,27 @@ def best_round(results: list[CaseResult], what: str = "rounds") -> CaseResult:
     (a shuffle that loses rows once is broken, however fast its other rounds)."""
     failed = [r for r in results if not r.verified]
     best = failed[0] if failed else max(results, key=lambda r: r.mb_s or 0.0)
+    best.first_mb_s, best.warm_mb_s = first_and_warm(results)
     if len(results) > 1:
         speeds = " / ".join(f"{r.mb_s:.1f}" if r.verified and r.mb_s else "failed"
                             for r in results)
         best.note += f"; best of {len(results)} {what} ({speeds} MB/s)"
     return best
+
+
+def first_and_warm(results: list[CaseResult]) -> tuple[float | None, float | None]:
+    """The first round's speed (the first call) and the best later round's (warm); None
+    for a round that did not verify, or no later round."""
+    def speed(r):
+        return r.mb_s if r.verified else None
+    later = [speed(r) for r in results[1:] if speed(r)]
+    return (speed(results[0]) if results else None), (max(later) if later else None)
+
+
+def daft_skipped(name: str, workload: str, size: int, reason: str) -> CaseResult:
+    """A Daft case that could not run (no Daft virtualenv): recorded, with the reason."""
+    return CaseResult(name, "daft", workload, size, skipped=True,
+                      error=f"skipped: {reason}")
 
 
 ERROR_CAUSES = ("No space left on device", "OutOfSpaceError", "OutOfMemoryError",
@@ -623,8 +781,53 @@ def _best(results: list[CaseResult], family: str | None = None, case: str | None
     return max(pool, key=lambda r: r.mb_s) if pool else None
 
 
-def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
-    """The issue's goals, as ratios measured in this run (None where a side is missing)."""
+MACHINE_RATES = {"hash": "machine_hash_key", "take": "machine_take",
+                 "concat": "machine_reducer_concat", "memcpy_fresh": "machine_memcpy_fresh",
+                 "memcpy_warm": "machine_memcpy_warm", "disk": "machine_disk_write"}
+
+
+def machine_rates(results: list[CaseResult]) -> dict[str, float]:
+    """The floor's step rates (MB/s, one core) from the machine rows of a run; ``put`` is
+    the fastest buffer size's (a floor takes the best the machine showed)."""
+    speeds = {r.case: r.mb_s for r in results if r.family == "machine" and r.verified
+              and r.mb_s}
+    rates = {k: speeds[case] for k, case in MACHINE_RATES.items() if case in speeds}
+    puts = [v for k, v in speeds.items() if k.startswith("machine_ray_put_")]
+    if puts:
+        rates["put"] = max(puts)
+    return rates
+
+
+FLOORS = (  # (name, disk fraction, durable, hybrid_ray case compared with it)
+    ("memory tier", 0.0, False, "hybrid_memory"),
+    ("half on disk (page cache)", 0.5, False, "hybrid_memory_disk"),
+    ("half on disk (fdatasync'd)", 0.5, True, "hybrid_memory_disk"),
+)
+
+
+def floors(results: list[CaseResult], cores: int | None) -> list[dict[str, Any]]:
+    """The shuffle floors this run's machine rows give (``machine.shuffle_floor``), each
+    with its hybrid_ray case's throughput as a fraction of it; [] without the rows."""
+    from benchmarks.machine import shuffle_floor
+
+    rates = machine_rates(results)
+    out = []
+    for name, fraction, durable, case in FLOORS:
+        try:
+            floor = shuffle_floor(rates, cores or 1, fraction, durable)
+        except (KeyError, ValueError):
+            continue
+        measured = _best(results, case=case)
+        out.append({"floor": name, "disk_fraction": fraction, "durable": durable,
+                    "cores": cores or 1, **floor, "case": case,
+                    "case_mb_s": measured.mb_s if measured else None,
+                    "fraction": measured.mb_s / floor["mb_s"] if measured else None})
+    return out
+
+
+def goals(results: list[CaseResult], cores: int | None = None) -> list[dict[str, Any]]:
+    """The issue's goals, as ratios measured in this run (None where a side is missing).
+    Rows with no target (``target`` None) are reported, not judged."""
     main = _best(results, case="hybrid_memory_disk")
     default = _best(results, case="raydata_shuffle_v2")
     fastest = _best(results, family="ray_data")
@@ -647,6 +850,15 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
         {"goal": "hybrid_disk_capped vs uncapped hybrid_memory_disk", "target": 0.5,
          "ratio": ratio(capped, main)},
     ]
+    daft = _best(results, family="daft")
+    out.append({"goal": f"hybrid_memory_disk vs fastest Daft ({daft.case if daft else '-'})",
+                "target": None, "ratio": ratio(main, daft)})
+    for f in floors(results, cores):
+        if f["durable"]:
+            continue
+        out.append({"goal": f"{f['case']} as a fraction of the {f['floor']} floor "
+                            f"({f['mb_s']:.0f} MB/s on {f['cores']} cores)",
+                    "target": None, "ratio": f["fraction"]})
     native_capped = next((r for r in results if r.case == "spark_native_capped"), None)
     bridge_capped = next((r for r in results if r.case == "spark_bridge_capped"), None)
     if native_capped and bridge_capped:
@@ -657,7 +869,8 @@ def goals(results: list[CaseResult]) -> list[dict[str, Any]]:
                               f"{'verified' if bridge_capped.verified else bridge_capped.error}"})
     for g in out:
         if "met" not in g:
-            g["met"] = None if g["ratio"] is None else g["ratio"] >= g["target"]
+            g["met"] = None if g["ratio"] is None or g["target"] is None \
+                else g["ratio"] >= g["target"]
     return out
 
 
@@ -676,9 +889,14 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
              f"{meta['cpus']} CPUs, {meta['memory_gib']:.0f} GiB RAM; size "
              f"{meta['size_bytes'] / MB:.0f} MB; {meta['partitions']} partitions; "
              f"command: `{meta['command']}`", "",
-             "| case | workload | MB | nodes | MB/s | s | verified | memory / disk / remote MB"
+             "Every case ran `--rounds` timed rounds on the same cluster and data: MB/s is "
+             "the best verified round, *first call* the first round (cold caches, first "
+             "touches of the object store), *warm* the best later one. Machine rows: the "
+             "repeats of one measurement.", "",
+             "| case | workload | MB | nodes | MB/s | s | first call MB/s | warm MB/s | verified"
+             " | memory / disk / remote MB"
              " | vs Ray Data default | vs fastest Ray Data | vs Spark | note |",
-             "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|"]
 
     def vs(r, base):
         if r.family == "machine" or not (r.mb_s and base and base.mb_s):
@@ -689,16 +907,35 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
                             ("memory", "disk", "remote")) if r.tier_bytes else "-")
         lines.append(
             f"| {r.case} | {r.workload} | {r.size_bytes / MB:.0f} | {r.nodes} | "  # noqa
-            f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | "
-            f"{'yes' if r.verified else 'NO: ' + (r.error or '')} | {tiers} | "
+            f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | {_speed(r.first_mb_s)} | "
+            f"{_speed(r.warm_mb_s)} | "
+            f"{'yes' if r.verified else r.error if r.skipped else 'NO: ' + (r.error or '')}"
+            f" | {tiers} | "
             f"{vs(r, default)} | {vs(r, fastest)} | {vs(r, spark)} | {r.note} |")
     lines += ["", "## Goals (ratios measured in this run)", "",
               "| goal | target | measured | met |", "|---|---:|---:|---|"]
-    for g in goals(results):
+    for g in goals(results, meta.get("cpus")):
         measured = f"{g['ratio']:.2f}x" if g["ratio"] is not None else g.get("detail", "-")
         target = f"{g['target']:.2f}x" if g["target"] is not None else "-"
-        met = {True: "yes", False: "no", None: "not measured"}[g["met"]]
+        met = "no target" if g["target"] is None and g["ratio"] is not None else \
+            {True: "yes", False: "no", None: "not measured"}[g["met"]]
         lines.append(f"| {g['goal']} | {target} | {measured} | {met} |")
+    floor_rows = floors(results, meta.get("cpus"))
+    if floor_rows:
+        lines += ["", "## Shuffle floor (from this run's machine rows)", "",
+                  "CPU-seconds per GiB of a repartition by key: hash + take (map) + "
+                  "ray.put (memory tier) or page-cache write and read (disk) + reducer "
+                  "concat, at the single-core rates measured above, divided over the "
+                  "cores; the fdatasync'd variant also bounds by the disk's write rate "
+                  "(hybrid_ray does not fdatasync its spill files, so it is not a bound on "
+                  "it while the page cache holds them).", "",
+                  "| floor | CPU-s per GiB | wall s per GiB | floor MB/s | case | case MB/s "
+                  "| fraction of floor |", "|---|---:|---:|---:|---|---:|---:|"]
+        for f in floor_rows:
+            lines.append(f"| {f['floor']} | {f['cpu_s_per_gib']:.2f} | "
+                         f"{f['wall_s_per_gib']:.2f} | {f['mb_s']:.0f} | {f['case']} | "
+                         f"{_speed(f['case_mb_s'])} | "
+                         f"{'-' if f['fraction'] is None else format(f['fraction'], '.2f')} |")
     growth = scaling(results)
     if len(growth) > 1:
         lines += ["", "## Cost growth (hybrid_memory_disk, gensort)", "",
@@ -709,6 +946,10 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
                      f"from {growth[0]['size_gib']:.2f} to {growth[-1]['size_gib']:.2f} GiB "
                      "(1.00x is flat).")
     return "\n".join(lines) + "\n"
+
+
+def _speed(mb_s: float | None) -> str:
+    return "-" if mb_s is None else f"{mb_s:.1f}"
 
 
 def chart(results: list[CaseResult], path: str) -> str | None:
@@ -722,7 +963,7 @@ def chart(results: list[CaseResult], path: str) -> str | None:
         return "matplotlib is not installed (pip install 'hybrid_ray[bench]'): no PNG"
     shown = [r for r in results if r.family != "machine"]
     colors = {"hybrid_ray": "#1f77b4", "ray_data": "#ff7f0e", "spark": "#2ca02c",
-              "spark_bridge": "#9467bd", "scaling": "#17becf"}
+              "spark_bridge": "#9467bd", "scaling": "#17becf", "daft": "#d62728"}
     labels = [f"{r.case} [{r.workload}, {r.size_bytes / GiB:g} GiB]" for r in shown]
     values = [r.mb_s if r.verified and r.mb_s else 0 for r in shown]
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(shown) + 1.5))
@@ -732,7 +973,7 @@ def chart(results: list[CaseResult], path: str) -> str | None:
             ax.text(0, i, "  failed", va="center", color="red", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("MB/s (verified output; higher is better)")
-    ax.set_title("Repartition by key: hybrid_ray vs Ray Data vs Spark")
+    ax.set_title("Repartition by key: hybrid_ray vs Ray Data vs Daft vs Spark")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -744,7 +985,9 @@ def write_outputs(results: list[CaseResult], meta: dict[str, Any], out_dir: str)
     paths = [os.path.join(out_dir, n) for n in ("results.json", "results.md", "results.png")]
     with open(paths[0], "w") as f:
         json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results],
-                   "goals": goals(results), "scaling": scaling(results)}, f, indent=2)
+                   "goals": goals(results, meta.get("cpus")),
+                   "floors": floors(results, meta.get("cpus")),
+                   "scaling": scaling(results)}, f, indent=2)
     with open(paths[1], "w") as f:
         f.write(markdown(results, meta))
     problem = chart(results, paths[2])
@@ -775,6 +1018,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="remote tier URL (default: a local moto S3 server)")
     p.add_argument("--out", default=None, help="output directory (default "
                    "benchmarks/results/<timestamp>)")
+    p.add_argument("--daft-venv", default=daft_peer.DEFAULT_VENV,
+                   help="the Daft virtualenv, made on first use (default .venv-daft/ at "
+                        f"the repository root; {daft_peer.DAFT_SPEC})")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed cases")
 

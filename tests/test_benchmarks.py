@@ -107,3 +107,217 @@ def test_bench_rejects_unknown_scenarios():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--scenario", "warp_speed"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown scenario(s) ['warp_speed']" in proc.stderr
+
+
+# ---- machine limits and the shuffle floor -------------------------------------------------------
+def test_machine_measurements_report_their_bytes_and_seconds(tmp_path):
+    from benchmarks import machine
+
+    disk = machine.disk_write(str(tmp_path), nbytes=2 << 20, chunk=1 << 20)
+    assert disk.nbytes == 2 << 20 and disk.seconds > 0 and "fdatasync" in disk.note
+    assert len(disk.rounds) == 2  # a first and a warm repeat, as every case has
+    assert list(tmp_path.iterdir()) == []  # its file is gone
+    fresh = machine.memcpy_fresh(1 << 20, repeats=2)
+    assert fresh.seconds > 0 and len(fresh.rounds) == 2 and fresh.mb_s == max(fresh.rounds)
+
+
+def test_shuffle_floor_adds_the_steps_cpu_seconds_and_divides_over_cores():
+    from benchmarks.machine import GiB, MB, shuffle_floor
+
+    gib_mb = GiB / MB
+    rates = {"hash": 1000.0, "take": 500.0, "put": 1000.0, "concat": 1000.0,
+             "memcpy_fresh": 2000.0, "memcpy_warm": 4000.0, "disk": 100.0}
+    memory = shuffle_floor(rates, cores=2)
+    cpu = gib_mb * (1 / 1000 + 1 / 500 + 1 / 1000 + 1 / 1000)
+    assert memory["cpu_s_per_gib"] == pytest.approx(cpu)
+    assert memory["wall_s_per_gib"] == pytest.approx(cpu / 2)
+    assert memory["mb_s"] == pytest.approx(gib_mb / (cpu / 2))
+    assert memory["device_s_per_gib"] == 0
+    # Half on disk: half the puts become a page-cache write and read.
+    half = shuffle_floor(rates, cores=2, disk_fraction=0.5)
+    assert half["cpu_s_per_gib"] == pytest.approx(
+        cpu - 0.5 * gib_mb / 1000 + 0.5 * gib_mb * (1 / 2000 + 1 / 4000))
+    # Durable: the disk's write of the spilled half bounds the wall time when it is slower.
+    durable = shuffle_floor(rates, cores=2, disk_fraction=0.5, durable=True)
+    assert durable["device_s_per_gib"] == pytest.approx(0.5 * gib_mb / 100)
+    assert durable["wall_s_per_gib"] == pytest.approx(0.5 * gib_mb / 100)
+    assert shuffle_floor({**rates, "disk": 1e9}, 2, 0.5, True)["wall_s_per_gib"] == \
+        pytest.approx(half["wall_s_per_gib"])
+    # All on disk needs no put rate; a missing rate or bad argument is an error.
+    assert shuffle_floor({k: v for k, v in rates.items() if k != "put"}, 1, 1.0)["mb_s"] > 0
+    with pytest.raises(KeyError, match="put"):
+        shuffle_floor({k: v for k, v in rates.items() if k != "put"}, 2)
+    with pytest.raises(ValueError):
+        shuffle_floor(rates, cores=0)
+    with pytest.raises(ValueError):
+        shuffle_floor(rates, cores=2, disk_fraction=1.5)
+
+
+def _machine_rows():
+    def row(case, mb_s):
+        return CaseResult(case, "machine", "-", 10**9, seconds=10**3 / mb_s, mb_s=mb_s,
+                          verified=True)
+    return [row("machine_hash_key", 1000.0), row("machine_take", 500.0),
+            row("machine_reducer_concat", 1000.0), row("machine_ray_put_4mib", 800.0),
+            row("machine_ray_put_16mib", 1000.0), row("machine_memcpy_fresh", 2000.0),
+            row("machine_memcpy_warm", 4000.0), row("machine_disk_write", 100.0)]
+
+
+def test_floor_rows_use_the_machine_rows_and_report_hybrid_as_a_fraction():
+    from benchmarks.machine import shuffle_floor
+    from benchmarks.suite import floors, machine_rates
+
+    rates = machine_rates(_machine_rows())
+    assert rates["put"] == 1000.0 and rates["disk"] == 100.0  # the fastest put size
+    floor = shuffle_floor(rates, 2)["mb_s"]
+    hybrid = CaseResult("hybrid_memory", "hybrid_ray", "gensort", 2**31, seconds=1.0,
+                        mb_s=floor / 4, verified=True)
+    results = _machine_rows() + [hybrid]
+    rows = {f["floor"]: f for f in floors(results, 2)}
+    assert rows["memory tier"]["fraction"] == pytest.approx(0.25)
+    assert rows["half on disk (page cache)"]["fraction"] is None  # no hybrid_memory_disk
+    by_goal = {g["goal"].split(" (")[0]: g for g in goals(results, 2)}
+    goal = by_goal["hybrid_memory as a fraction of the memory tier floor"]
+    assert goal["ratio"] == pytest.approx(0.25) and goal["met"] is None
+    text = markdown(results, {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31,
+                              "partitions": 16, "command": "c"})
+    assert "## Shuffle floor" in text and "| 0.25x | no target |" in text
+    assert floors(results[:3], 2) == []  # without every rate: no floor, no error
+
+
+# ---- first call and warm rounds -----------------------------------------------------------------
+def test_every_case_reports_its_first_call_and_best_warm_round():
+    from benchmarks.suite import first_and_warm
+
+    def case(mb_s, verified=True):
+        return CaseResult("c", "hybrid_ray", "gensort", 10, 1, mb_s=mb_s, verified=verified)
+    best = best_round([case(50.0), case(80.0), case(70.0)])
+    assert (best.first_mb_s, best.warm_mb_s) == (50.0, 80.0)
+    assert first_and_warm([case(50.0)]) == (50.0, None)
+    assert first_and_warm([case(None, False), case(60.0)]) == (None, 60.0)
+    text = markdown([best], {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 10,
+                             "partitions": 16, "command": "c"})
+    assert "| 80.0 | 0.00 | 50.0 | 80.0 | yes |" in text
+
+
+# ---- Daft as a peer (no Daft installed: the subprocess's output and the venv are faked) --------
+def _daft_result(**over):
+    data = {"strategy": "flight_shuffle", "physical_shuffle": "FlightShuffle",
+            "expected": [100, 12345], "error": None,
+            "versions": {"daft": "0.7.26", "ray": "2.59.0", "pyarrow": "25.0.1"},
+            "rounds": [{"seconds": 2.0, "rows": 100, "checksum": 12345, "partitions": 16},
+                       {"seconds": 1.0, "rows": 100, "checksum": 12345, "partitions": 16}]}
+    data.update(over)
+    return data
+
+
+def test_parse_daft_output_takes_the_last_result_line_among_other_output():
+    from benchmarks import daft_child
+    from benchmarks.daft_peer import RESULT_PREFIX, parse_daft_output
+
+    assert daft_child.RESULT_PREFIX == RESULT_PREFIX  # the two sides agree
+    stdout = "\n".join(["(raylet) some log", RESULT_PREFIX + json.dumps({"rounds": []}),
+                        "Started a local Ray instance.",
+                        RESULT_PREFIX + json.dumps(_daft_result()), ""])
+    assert parse_daft_output(stdout) == _daft_result()
+    with pytest.raises(ValueError, match="no result line.*Traceback"):
+        parse_daft_output("hello\nTraceback (most recent call last):\n")
+    with pytest.raises(ValueError, match="malformed"):
+        parse_daft_output(RESULT_PREFIX + "{not json")
+    with pytest.raises(ValueError, match="no rounds"):
+        parse_daft_output(RESULT_PREFIX + json.dumps({"strategy": "x"}))
+
+
+def test_daft_rounds_verify_rows_checksum_partitions_and_the_shuffle_that_ran():
+    from benchmarks.daft_peer import rounds_from_result
+
+    good = rounds_from_result(_daft_result(), (100, 12345), 16, 10**8)
+    assert [r["verified"] for r in good] == [True, True]
+    assert [r["mb_s"] for r in good] == [pytest.approx(50.0), pytest.approx(100.0)]
+    bad_sum = _daft_result(rounds=[{"seconds": 1.0, "rows": 100, "checksum": 1,
+                                    "partitions": 16}])
+    assert "checksum mismatch" in rounds_from_result(bad_sum, (100, 12345), 16, 1)[0]["error"]
+    bad_parts = _daft_result(rounds=[{"seconds": 1.0, "rows": 100, "checksum": 12345,
+                                      "partitions": 15}])
+    assert "15 output partitions" in rounds_from_result(bad_parts, (100, 12345), 16, 1)[0][
+        "error"]
+    # The strategy asked for must be the one the plan ran.
+    wrong = rounds_from_result(_daft_result(physical_shuffle="RayShuffle"), (100, 12345), 16, 1)
+    assert not any(r["verified"] for r in wrong) and "ran RayShuffle" in wrong[0]["error"]
+    other_input = rounds_from_result(_daft_result(expected=[100, 1]), (100, 12345), 16, 1)
+    assert "different input" in other_input[0]["error"]
+    # A failure after a round is a failed round, never dropped; no round at all fails too.
+    crashed = rounds_from_result(_daft_result(error="ObjectStoreFullError: full"),
+                                 (100, 12345), 16, 1)
+    assert [r["verified"] for r in crashed] == [True, True, False]
+    assert crashed[-1]["error"] == "Daft: ObjectStoreFullError: full"
+    assert not rounds_from_result(_daft_result(rounds=[]), (100, 12345), 16, 1)[0]["verified"]
+
+
+def test_daft_venv_that_cannot_be_made_says_why(tmp_path):
+    from benchmarks.daft_peer import DaftUnavailable, ensure_daft_venv
+
+    calls = []
+
+    def no_network(cmd, **kwargs):
+        calls.append(cmd)
+        failed = "install" in cmd
+        return subprocess.CompletedProcess(cmd, 1 if failed else 0, "", (
+            "WARNING: Retrying ...\nERROR: No matching distribution found for "
+            "daft[ray]==0.7.26\n") if failed else "")
+
+    venv = str(tmp_path / "venv-daft")
+    with pytest.raises(DaftUnavailable, match=r"pip install daft\[ray\]==0.7.26 \(exit 1\):"
+                                              r" ERROR: No matching distribution"):
+        ensure_daft_venv(venv, run=no_network)
+    assert len(calls) == 2 and not (tmp_path / "venv-daft" / ".hr-bench-ready").exists()
+    # No python to make a venv with (the real subprocess.run).
+    with pytest.raises(DaftUnavailable, match="cannot create the venv"):
+        ensure_daft_venv(venv, base_python=str(tmp_path / "no-python"))
+
+
+def test_a_ready_daft_venv_is_reused_and_one_for_another_spec_is_remade(tmp_path):
+    from benchmarks.daft_peer import DAFT_SPEC, READY_MARKER, ensure_daft_venv
+
+    venv = tmp_path / "venv-daft"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / READY_MARKER).write_text(DAFT_SPEC + "\n")
+
+    def must_not_run(cmd, **kwargs):
+        raise AssertionError(f"ran {cmd}")
+    assert ensure_daft_venv(str(venv), run=must_not_run) == str(venv / "bin" / "python")
+    (venv / READY_MARKER).write_text("daft==0.1\n")
+    ran = []
+
+    def ok(cmd, **kwargs):
+        ran.append(cmd)
+        if cmd[1:3] == ["-m", "venv"]:
+            os.makedirs(cmd[3])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    assert ensure_daft_venv(str(venv), run=ok).endswith("bin/python") and len(ran) == 3
+    assert (venv / READY_MARKER).read_text().strip() == DAFT_SPEC
+
+
+def test_daft_cases_without_a_venv_are_recorded_as_skipped(monkeypatch, tmp_path):
+    from benchmarks import daft_peer
+    from benchmarks.suite import Bench, add_arguments
+
+    def unavailable(venv):
+        raise daft_peer.DaftUnavailable("cannot pip install daft[ray]==0.7.26 (exit 1): "
+                                        "no network")
+    monkeypatch.setattr(daft_peer, "ensure_daft_venv", unavailable)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--size", "1MB", "--daft-venv", str(tmp_path / "v")])
+    args.scaling, args.workload = [], ["gensort"]
+    bench = Bench(args)
+    try:
+        results = bench.run(["daft_map_reduce", "daft_flight_shuffle"])
+    finally:
+        bench.close()
+    assert [r.case for r in results] == ["daft_map_reduce", "daft_flight_shuffle"]
+    assert all(r.skipped and not r.verified and "no network" in r.error for r in results)
+    text = markdown(results, {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 10**6,
+                              "partitions": 16, "command": "c"})
+    assert "| skipped: cannot pip install daft[ray]==0.7.26 (exit 1): no network |" in text

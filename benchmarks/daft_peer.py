@@ -1,0 +1,153 @@
+"""Daft as a peer: its own virtualenv, made on first use, and its cases run as
+subprocesses (``daft_child.py``) whose one-line JSON result becomes the suite's rounds.
+
+Daft 0.7.x pins ray<2.60 and pyarrow<26; this project runs Ray 2.60 and pyarrow 26. So
+``daft[ray]==0.7.26`` (ray 2.59, pyarrow 25.0.1) goes into ``.venv-daft/`` at the
+repository root (git-ignored), made once with ``python -m venv`` and pip. If it cannot be
+made (no network, no pip), every Daft case is recorded as skipped with the reason.
+
+The shuffle is chosen with ``daft.set_execution_config(shuffle_algorithm=...)``
+("map_reduce", "pre_shuffle_merge", "flight_shuffle" or "auto"; daft/context.py, 0.7.26);
+the child reports its physical plan's shuffle node (``RayShuffle`` / ``FlightShuffle``)
+and the suite checks it is the one asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+DAFT_SPEC = "daft[ray]==0.7.26"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_VENV = os.path.join(ROOT, ".venv-daft")
+READY_MARKER = ".hr-bench-ready"
+RESULT_PREFIX = "HR_DAFT_RESULT "
+# Daft strategy -> the shuffle node its physical plan must show.
+STRATEGIES = {"map_reduce": "RayShuffle", "flight_shuffle": "FlightShuffle"}
+
+Runner = Callable[..., subprocess.CompletedProcess]
+
+
+class DaftUnavailable(Exception):
+    """The Daft virtualenv could not be made: the cases are skipped with this reason."""
+
+
+def venv_python(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+def _last_line(text: str | bytes | None) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable,
+                     spec: str = DAFT_SPEC, run: Runner = subprocess.run,
+                     timeout: float = 1200) -> str:
+    """The python of a virtualenv with ``spec`` installed, made on first use; a ready
+    venv (its marker names ``spec``) is reused as is. Raises ``DaftUnavailable`` with the
+    failing step and its last line of output."""
+    marker = os.path.join(venv, READY_MARKER)
+    python = venv_python(venv)
+    if os.path.exists(python) and os.path.exists(marker):
+        with open(marker) as f:
+            if f.read().strip() == spec:
+                return python
+    shutil.rmtree(venv, ignore_errors=True)  # partial or for another spec: start over
+    steps = [
+        ("create the venv", [base_python, "-m", "venv", venv]),
+        (f"pip install {spec}", [python, "-m", "pip", "install", "--quiet",
+                                 "--disable-pip-version-check", spec]),
+        ("import daft", [python, "-c", "import daft, ray, pyarrow; print(daft.__version__, "
+                                       "ray.__version__, pyarrow.__version__)"]),
+    ]
+    for what, cmd in steps:
+        try:
+            proc = run(cmd, capture_output=True, text=True, timeout=timeout)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise DaftUnavailable(f"cannot {what}: {type(exc).__name__}: {exc}") from exc
+        if proc.returncode != 0:
+            raise DaftUnavailable(f"cannot {what} (exit {proc.returncode}): "
+                                  f"{_last_line(proc.stderr) or _last_line(proc.stdout)}")
+    with open(marker, "w") as f:
+        f.write(spec + "\n")
+    return python
+
+
+def child_command(python: str, strategy: str, workload: str, size: int, seed: int,
+                  partitions: int, rounds: int, cpus: int, object_store_bytes: int,
+                  shuffle_dir: str) -> list[str]:
+    return [python, os.path.join(ROOT, "benchmarks", "daft_child.py"),
+            "--strategy", strategy, "--workload", workload, "--size", str(size),
+            "--seed", str(seed), "--partitions", str(partitions), "--rounds", str(rounds),
+            "--cpus", str(cpus), "--object-store-bytes", str(object_store_bytes),
+            "--shuffle-dir", shuffle_dir]
+
+
+def child_env() -> dict[str, str]:
+    """The child's environment: without this project's PYTHONPATH (the child finds the
+    workloads itself; Daft's Ray workers must import the Daft venv's packages only)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def parse_daft_output(stdout: str) -> dict[str, Any]:
+    """The child's result: the JSON of the last ``HR_DAFT_RESULT`` line of its stdout
+    (Ray and Daft may print other lines). Raises ValueError if there is none or it is
+    malformed."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise ValueError("the Daft subprocess printed no result line"
+                         + (f" (last output: {_last_line(stdout)})" if stdout.strip() else ""))
+    try:
+        data = json.loads(lines[-1][len(RESULT_PREFIX):])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"malformed Daft result line: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("rounds"), list):
+        raise ValueError("malformed Daft result: no rounds")
+    return data
+
+
+def rounds_from_result(data: dict[str, Any], expected: tuple[int, int], partitions: int,
+                       size: int) -> list[dict[str, Any]]:
+    """One dict per round: seconds, verified, error, mb_s, as the suite records them.
+
+    A round verifies only if its output has the input's rows (count and checksum, the
+    checksum the suite computed itself from the same workload) in ``partitions``
+    partitions, and the child's plan ran the shuffle its strategy names. A failure of the
+    child after some rounds adds a failed round (it is never dropped)."""
+    strategy = data.get("strategy")
+    want_node = STRATEGIES.get(strategy)
+    node = data.get("physical_shuffle")
+    plan_error = None
+    if want_node and node is not None and node != want_node:
+        plan_error = f"strategy {strategy} ran {node}, not {want_node}"
+    if data.get("expected") is not None and tuple(data["expected"]) != tuple(expected):
+        plan_error = (f"the Daft subprocess generated different input {data['expected']} "
+                      f"(expected {list(expected)})")
+    out = []
+    for r in data["rounds"]:
+        seconds = float(r["seconds"])
+        error = plan_error
+        if error is None and (int(r["rows"]), int(r["checksum"])) != tuple(expected):
+            error = "output rows differ from the input (checksum mismatch)"
+        if error is None and r.get("partitions") != partitions:
+            error = f"{r.get('partitions')} output partitions, not {partitions}"
+        out.append({"seconds": seconds, "verified": error is None, "error": error,
+                    "mb_s": size / 1e6 / seconds if error is None and seconds > 0 else None})
+    if data.get("error"):
+        out.append({"seconds": None, "verified": False, "error": f"Daft: {data['error']}",
+                    "mb_s": None})
+    if not out:
+        out.append({"seconds": None, "verified": False,
+                    "error": "the Daft subprocess ran no round", "mb_s": None})
+    return out
