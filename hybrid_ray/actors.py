@@ -27,8 +27,10 @@ from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.master import PollResult, ShuffleRegistry, ShuffleState, metas_by_node
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
-from hybrid_ray.tier_manager import NodeUsage, Placement, TierManager
+from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, NodeUsage, Placement, TierManager
 from hybrid_ray.tiers import Grant, RemoteTier
+from hybrid_ray.tiers.cache import LruCache
+from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
 MASTER_NAME = "hybrid_ray_shuffle_master"
 # A custom resource only the head node has (Ray 2.x): actors that ask for a sliver of it run
@@ -311,6 +313,8 @@ class ShuffleMasterActor:
         self._spark_history: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=spark_jvm.SPARK_HISTORY)
         self._spark_sessions = spark_jvm.SparkSessions()
+        self._remote_tiers: LruCache[RemoteTier] = LruCache(REMOTE_TIERS_KEPT,
+                                                            on_evict=RemoteTier.close)
         threading.Thread(target=self._background_loop, daemon=True,
                          name="hybrid-ray-master-background").start()
 
@@ -349,8 +353,10 @@ class ShuffleMasterActor:
             raise remote_error
 
     def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:
-        return RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path,
-                          config.job_id, config.storage_options, check_reachable=False)
+        """The remote tier deletions go through, opened once per config (it was opened
+        anew for every deletion: a filesystem client each time)."""
+        return self._remote_tiers.get_or_create(remote_tier_key(config),
+                                                lambda: open_remote_tier(config))
 
     def _run_deletions(self) -> None:
         """Perform the registry's due deletions outside the lock; failures stay queued."""

@@ -29,7 +29,8 @@ from hybrid_ray.actors import (
 )
 from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, ShuffleMode, TierName
-from hybrid_ray.tiers import RemoteTier
+from hybrid_ray.tiers.cache import LruCache
+from hybrid_ray.tiers.remote import open_remote_tier
 from hybrid_ray.errors import (
     ConfigError, SegmentLostWithNodeError, SegmentNotFoundError, ShuffleFailedError,
     ShuffleMasterLostError,
@@ -326,19 +327,30 @@ def _conform(table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
 
 def _io_tiers_cached(config: ShuffleConfig, node_id: str,
                      own_memory_segments: bool = False) -> dict:
+    """This process's I/O tiers for ``config`` on ``node_id``, opened once and kept in a
+    bounded cache (``_IO_CACHE``)."""
     # ShuffleConfig holds dicts (unhashable); cache on its repr, which is deterministic.
     key = (repr(config), node_id, own_memory_segments)
-    cached = _IO_CACHE.get(key)
-    if cached is None:
+
+    def open_tiers() -> dict:
         from hybrid_ray.tier_manager import build_io_tiers
 
         owner = None if own_memory_segments else get_tier_manager(node_id, config.namespace)
-        cached = _IO_CACHE[key] = build_io_tiers(config, owner=owner, check_remote=False,
-                                                 node_id=node_id)
-    return cached
+        return build_io_tiers(config, owner=owner, check_remote=False, node_id=node_id)
+    return _IO_CACHE.get_or_create(key, open_tiers)
 
 
-_IO_CACHE: dict[tuple[str, str, bool], dict] = {}
+def _close_io_tiers(tiers: dict) -> None:
+    remote = tiers.get(TierName.REMOTE)
+    if remote is not None:
+        remote.close()
+
+
+# The tiers of the last IO_CACHE_SIZE configs this process wrote or read with: a
+# long-lived writer or reader serves shuffle after shuffle, often each with a new config
+# (a job id per run), and kept every tier set it ever opened.
+IO_CACHE_SIZE = 8
+_IO_CACHE: LruCache[dict] = LruCache(IO_CACHE_SIZE, on_evict=_close_io_tiers)
 
 
 def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
@@ -1051,8 +1063,7 @@ def check_remote_tier(config: ShuffleConfig) -> None:
     """Fail fast, with the fix, before any task runs if the remote tier is unreachable
     (constructing the tier probes it once)."""
     if config.remote_path is not None:
-        RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
-                   config.storage_options)
+        open_remote_tier(config, check_reachable=True).close()
 
 
 def check_num_partitions(num_partitions: Any) -> None:

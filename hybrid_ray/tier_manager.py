@@ -20,6 +20,7 @@ from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import read_segment_file, require_segment_file, unlink_quietly
+from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
 # Released shuffle ids a tier manager remembers (see TierManager.register_shuffle).
 RELEASED_MEMORY = 10_000
@@ -55,11 +56,12 @@ def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int 
     tiers[TierName.DISK] = DiskTier(seg[TierName.DISK], config.spill_dirs_for(node_id),
                                     config.min_reserve_fraction, config.disk_capacity_bytes)
     if config.remote_path is not None:
-        tiers[TierName.REMOTE] = RemoteTier(seg[TierName.REMOTE], config.remote_path,
-                                            config.job_id, config.storage_options,
-                                            check_reachable=check_remote,
-                                            io_threads=config.remote_transfers)
+        tiers[TierName.REMOTE] = open_remote_tier(config, check_reachable=check_remote)
     return tiers
+
+
+# Remote tiers a tier manager keeps open beyond those its registered shuffles use.
+REMOTE_TIERS_KEPT = 4
 
 
 class TierManager:
@@ -116,13 +118,21 @@ class TierManager:
         """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""
         if config.remote_path is None:
             return None
-        key = (config.remote_path, config.job_id,
-               tuple(sorted((k, repr(v)) for k, v in config.storage_options.items())))
+        key = remote_tier_key(config)
         if key not in self._remotes:
-            self._remotes[key] = RemoteTier(
-                config.segment_bytes[TierName.REMOTE], config.remote_path, config.job_id,
-                config.storage_options, check_reachable=False)
+            self._remotes[key] = open_remote_tier(config)
+            self._prune_remotes(keep=key)
         return key
+
+    def _prune_remotes(self, keep: tuple | None = None) -> None:
+        """Close remote tiers no registered shuffle uses, oldest first, while more than
+        ``REMOTE_TIERS_KEPT`` are open (a tier a registered shuffle uses is never closed,
+        nor ``keep``, the one just opened for a caller)."""
+        in_use = {info["remote"] for info in self._shuffles.values()} | {keep}
+        for key in [k for k in self._remotes if k not in in_use]:
+            if len(self._remotes) <= REMOTE_TIERS_KEPT:
+                break
+            self._remotes.pop(key).close()
 
     def remote_tier(self, shuffle_id: str) -> RemoteTier | None:
         """The remote tier of a shuffle registered here, or None if its config has none."""
@@ -218,6 +228,7 @@ class TierManager:
             disk.release_shuffle(shuffle_id)
         if info is not None:
             self._rebalance_quotas()
+            self._prune_remotes()
 
     def shuffle_ids(self) -> list[str]:
         """The shuffles registered on this node (not released)."""

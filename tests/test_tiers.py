@@ -12,9 +12,10 @@ import pytest
 
 from conftest import files_under
 from hybrid_ray import (
-    CorruptSegmentError, MiB, RemoteTierError, SegmentId,
+    CorruptSegmentError, MiB, RemoteTierError, SegmentId, ShuffleConfig, TierName,
     decode_segment, encode_segment,
 )
+from hybrid_ray.tier_manager import TierManager
 from hybrid_ray.tiers import DiskTier, MemoryTier, RemoteTier
 
 
@@ -310,3 +311,55 @@ class TestRemoteTierLocalFiles(TierConformance):
         meta = tier.write(SegmentId("vis", 0, 0, 0), payload)
         assert not [f for f in files_under(str(tmp_path)) if f.endswith(".inprogress")]
         assert os.path.getsize(meta.location) == len(payload)
+
+
+# ---- bounded caches of opened tiers -----------------------------------------------------------
+def test_lru_cache_keeps_the_most_recent_and_tells_what_it_evicts():
+    from hybrid_ray.tiers.cache import LruCache
+
+    evicted = []
+    cache = LruCache(2, on_evict=evicted.append)
+    assert cache.get_or_create("a", lambda: "A") == "A"
+    assert cache.get_or_create("b", lambda: "B") == "B"
+    assert cache.get_or_create("a", lambda: "not called") == "A"  # a is now the newest
+    cache.get_or_create("c", lambda: "C")
+    assert evicted == ["B"] and len(cache) == 2 and "a" in cache and "b" not in cache
+    with pytest.raises(ValueError, match="maxsize must be at least 1"):
+        LruCache(0)
+
+
+def test_a_long_lived_process_keeps_a_bounded_number_of_tier_sets(tmp_path):
+    """A writer or reader actor serves shuffle after shuffle, each config new (a job id per
+    run): it kept every tier set it opened. Now the oldest go, their transfer pools shut."""
+    from hybrid_ray import shuffle
+
+    opened = []
+    for i in range(shuffle.IO_CACHE_SIZE + 4):
+        cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], job_id=f"job{i}",
+                            remote_path=f"file://{tmp_path}/remote")
+        tiers = shuffle._io_tiers_cached(cfg, "node-a", own_memory_segments=True)
+        assert shuffle._io_tiers_cached(cfg, "node-a", own_memory_segments=True) is tiers
+        tiers[TierName.REMOTE].io_pool()  # a transfer pool, as a writer's uploads start one
+        opened.append(tiers[TierName.REMOTE])
+    assert len(shuffle._IO_CACHE) <= shuffle.IO_CACHE_SIZE
+    assert all(t._pool is None for t in opened[:4])  # evicted: pools shut down
+    assert all(t._pool is not None for t in opened[-shuffle.IO_CACHE_SIZE:])
+
+
+def test_tier_manager_closes_remote_tiers_no_registered_shuffle_uses(tmp_path):
+    from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT
+
+    tm = TierManager("node-a", 0)
+    configs = {f"shf-{i:03d}": ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
+                                              job_id=f"job{i}",
+                                              remote_path=f"file://{tmp_path}/remote")
+               for i in range(REMOTE_TIERS_KEPT + 3)}
+    for shuffle_id, cfg in configs.items():
+        tm.register_shuffle(shuffle_id, cfg)
+    # Every registered shuffle keeps its own remote tier, however many there are.
+    tiers = {s: tm.remote_tier(s) for s in configs}
+    assert len({id(t) for t in tiers.values()}) == len(configs)
+    assert {t.job_id for t in tiers.values()} == {c.job_id for c in configs.values()}
+    for shuffle_id in configs:
+        tm.release_shuffle(shuffle_id)
+    assert len(tm._remotes) <= REMOTE_TIERS_KEPT

@@ -247,6 +247,15 @@ class RemoteTier(Tier):
                 self._pool_pid = os.getpid()
             return self._pool
 
+    def close(self) -> None:
+        """Stop this tier's transfer threads once their queued transfers are done (a
+        cache evicting the tier). A later transfer starts a new pool: closing never
+        breaks a holder that still uses the tier."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
     def write_async(self, segment: SegmentId, payload: bytes | memoryview,
                     node_id: str = "") -> concurrent.futures.Future[SegmentMeta]:
         """Start ``write`` in the background; the payload is copied first, so the caller
@@ -335,3 +344,21 @@ def _is_timeout(exc: BaseException | None) -> bool:
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
+
+
+def remote_tier_key(config: Any) -> tuple | None:
+    """What a ``ShuffleConfig``'s remote tier is built from, as a hashable cache key (None
+    if the config has no remote tier). Kept in memory only: it holds the credentials."""
+    if config.remote_path is None:
+        return None
+    return (config.remote_path, config.job_id, config.segment_bytes[TierName.REMOTE],
+            config.remote_transfers,
+            tuple(sorted((k, repr(v)) for k, v in config.storage_options.items())))
+
+
+def open_remote_tier(config: Any, check_reachable: bool = False) -> RemoteTier:
+    """The remote tier of a ``ShuffleConfig`` (which must have ``remote_path``): the one
+    place it is built from a config."""
+    return RemoteTier(config.segment_bytes[TierName.REMOTE], config.remote_path,
+                      config.job_id, config.storage_options, check_reachable=check_reachable,
+                      io_threads=config.remote_transfers)
