@@ -16,7 +16,8 @@ __all__ = [
     "ActorStartError", "Compression", "ConfigError", "CorruptSegmentError", "GiB",
     "HybridRayError", "KiB", "MiB",
     "OutOfSpaceError", "ReadClient", "RemoteTierError", "SegmentId", "SegmentMeta",
-    "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMode",
+    "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMasterLostError",
+    "ShuffleMode",
     "ShuffleNotFoundError", "Spilling", "TierManager", "TierName", "UnknownTierError",
     "WriteClient", "WriteStats", "build_io_tiers", "decode_segment", "encode_segment",
 ]

@@ -280,7 +280,6 @@ def _hash_varying_rows(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     a view of ``data`` with an 8-byte word starting at every byte."""
     starts = offsets[:-1]
     lengths = np.diff(offsets)
-    n = len(starts)
     size = len(data)
     words_at = _word_view(data, max(size - 7, 0), 0, 1) if size >= 8 else None
 
