@@ -140,8 +140,11 @@ def rounds_from_result(data: dict[str, Any], expected: tuple[int, int], partitio
         error = plan_error
         if error is None and (int(r["rows"]), int(r["checksum"])) != tuple(expected):
             error = "output rows differ from the input (checksum mismatch)"
-        if error is None and r.get("partitions") != partitions:
-            error = f"{r.get('partitions')} output partitions, not {partitions}"
+        # Daft may hand a large partition back in several pieces (2 GiB into 16 gave 35):
+        # fewer than asked is wrong, more is how its output is chunked. The plan check
+        # above makes sure the key shuffle ran.
+        if error is None and int(r.get("partitions") or 0) < partitions:
+            error = f"{r.get('partitions')} output partitions, fewer than {partitions}"
         out.append({"seconds": seconds, "verified": error is None, "error": error,
                     "mb_s": size / 1e6 / seconds if error is None and seconds > 0 else None})
     if data.get("error"):

@@ -241,6 +241,10 @@ def test_daft_rounds_verify_rows_checksum_partitions_and_the_shuffle_that_ran():
                                       "partitions": 15}])
     assert "15 output partitions" in rounds_from_result(bad_parts, (100, 12345), 16, 1)[0][
         "error"]
+    # A partition handed back in pieces (Daft does at 2 GiB) is still the shuffle asked for.
+    pieces = _daft_result(rounds=[{"seconds": 1.0, "rows": 100, "checksum": 12345,
+                                   "partitions": 35}])
+    assert rounds_from_result(pieces, (100, 12345), 16, 1)[0]["verified"]
     # The strategy asked for must be the one the plan ran.
     wrong = rounds_from_result(_daft_result(physical_shuffle="RayShuffle"), (100, 12345), 16, 1)
     assert not any(r["verified"] for r in wrong) and "ran RayShuffle" in wrong[0]["error"]
