@@ -33,9 +33,8 @@ from benchmarks.spark_sql import SPARK_CONFIGS, generate
 PARTITIONS = 8
 
 
-def _operations(bridge: Any, F: Any) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (bridge call, Spark call), each taking (lineitem, orders) DataFrames. ``F``
-    (pyspark.sql.functions) is for operations added to the comparison."""
+def _operations(bridge: Any) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (bridge call, Spark call), each taking (lineitem, orders) DataFrames."""
     return {
         "repartition": (lambda li, o: bridge.repartition(li, PARTITIONS, "l_orderkey"),
                         lambda li, o: li.repartition(PARTITIONS, "l_orderkey")),
@@ -79,7 +78,7 @@ def run(scale: float, rounds: int, workdir: str) -> dict[str, Any]:
         inputs = {"parquet scan": (lineitem, orders),
                   "filtered scan": (lineitem.filter("l_quantity > 0"),
                                     orders.filter("o_totalprice > 0"))}
-        for op, (bridge_call, spark_call) in _operations(spark_bridge, F).items():
+        for op, (bridge_call, spark_call) in _operations(spark_bridge).items():
             for input_name, (li, o) in inputs.items():
                 times: dict[str, list[float]] = {"bridge": [], "spark": []}
                 for _ in range(rounds):

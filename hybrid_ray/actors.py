@@ -11,12 +11,13 @@ orphaned data after the TTL.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ray
@@ -301,7 +302,7 @@ class ShuffleMasterActor:
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self._lock = threading.RLock()
-        # Notified (under _lock) by every call that may give a reader something new.
+        # Notified (under _lock, by _changing) by every call that may give a reader news.
         self._changed = threading.Condition(self._lock)
         # One deletion runner at a time (the background thread, or a release call).
         self._deletion_lock = threading.Lock()
@@ -379,13 +380,20 @@ class ShuffleMasterActor:
             try:
                 if time.monotonic() - last_expiry >= EXPIRY_CHECK_INTERVAL_S:
                     last_expiry = time.monotonic()
-                    with self._lock:
+                    with self._changing():
                         self.registry.expire()
-                        self._changed.notify_all()
                 self._run_deletions()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
                 self.loop_errors += 1
                 self.last_loop_error = f"{type(exc).__name__}: {exc}"
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the lock for a call that changes the books, then wake the waiting long
+        polls (each checks whether the change gave it something)."""
+        with self._lock:
+            yield
+            self._changed.notify_all()
 
     def _queued(self) -> None:
         """A call may have queued deletions: let the background thread run them now."""
@@ -401,18 +409,16 @@ class ShuffleMasterActor:
     # ---- the API (each a locked call into the registry) --------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
                  config: ShuffleConfig, recoverable: bool = False) -> None:
-        with self._lock:
+        with self._changing():  # expire may release shuffles that readers poll for
             self.registry.expire()
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
                                    recoverable)
-            self._changed.notify_all()  # expire may have released shuffles polled for
         self._queued()
 
     def seal(self, shuffle_id: str, num_maps: int,
              attempts: dict[int, int] | None = None) -> None:
-        with self._lock:
+        with self._changing():
             self.registry.seal(shuffle_id, num_maps, attempts)
-            self._changed.notify_all()
         self._queued()
 
     def heartbeat(self, shuffle_id: str) -> None:
@@ -420,31 +426,25 @@ class ShuffleMasterActor:
             self.registry.heartbeat(shuffle_id)
 
     def begin_map(self, shuffle_id: str, map_index: int, node_id: str, pid: int) -> int | None:
-        with self._lock:
+        with self._changing():
             result = self.registry.begin_map(shuffle_id, map_index, node_id, pid)
-            self._changed.notify_all()
         self._queued()
         return result
 
     def commit(self, shuffle_id: str, map_index: int, attempt: int,
                metas: list[SegmentMeta]) -> bool:
-        with self._lock:
+        with self._changing():
             result = self.registry.commit(shuffle_id, map_index, attempt, metas)
-            self._changed.notify_all()
         self._queued()
         return result
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any) -> bool:
-        with self._lock:
-            result = self.registry.finish_map(shuffle_id, map_index, attempt, stats)
-            self._changed.notify_all()
-            return result
+        with self._changing():
+            return self.registry.finish_map(shuffle_id, map_index, attempt, stats)
 
     def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
-        with self._lock:
-            result = self.registry.report_lost(shuffle_id, map_index, attempt)
-            self._changed.notify_all()
-            return result
+        with self._changing():
+            return self.registry.report_lost(shuffle_id, map_index, attempt)
 
     def take_lost(self, shuffle_id: str) -> list[int]:
         with self._lock:
@@ -476,9 +476,8 @@ class ShuffleMasterActor:
         """Forget the shuffle and delete its data before returning; a deletion that fails
         (storage down) never raises here: it stays queued and is retried until the data is
         gone (``status()['pending_deletions']``), so a caller's own error is not masked."""
-        with self._lock:
+        with self._changing():
             released = self.registry.release(shuffle_id, reason, failed)
-            self._changed.notify_all()
         self._run_deletions()
         return released
 
@@ -487,9 +486,8 @@ class ShuffleMasterActor:
         return ray.get_runtime_context().get_node_id()
 
     def expire(self) -> list[str]:
-        with self._lock:
+        with self._changing():
             result = self.registry.expire()
-            self._changed.notify_all()
         self._queued()
         return result
 

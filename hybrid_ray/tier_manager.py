@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ShuffleNotFoundError, UnsafePathError
-from hybrid_ray.ids import check_id
+from hybrid_ray.ids import check_id, is_inside
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import read_segment_file, require_segment_file, unlink_quietly
@@ -246,10 +245,8 @@ class TierManager:
         another process (the master's books, a Spark reader); the shape check alone would
         let a bad one name any ``.../hybrid_ray/<id>/sub-<n>/<file>`` on this node."""
         require_segment_file(location, action)
-        real = os.path.realpath(location)
-        roots = sorted({os.path.realpath(d) for disk in self._disks.values()
-                        for d in disk.data_dirs()})
-        if not any(real.startswith(root + os.sep) for root in roots):
+        roots = sorted({d for disk in self._disks.values() for d in disk.data_dirs()})
+        if not any(is_inside(root, location) for root in roots):
             raise UnsafePathError(
                 f"refusing to {action} {location!r}: it is not inside the data dir of a "
                 f"spill dir of this node's disk tier ({', '.join(roots) or 'none registered'}"
