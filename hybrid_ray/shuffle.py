@@ -41,7 +41,6 @@ from hybrid_ray.partitioning import (
 )
 from hybrid_ray.report import PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport, Stopwatch
 
-# Reducers poll the master with exponential backoff between these bounds while waiting.
 # A reader's long poll waits at most this long in the master for new segments (then it
 # asks again); a reader waiting for a map attempt to restart checks every POLL_RETRY_S.
 POLL_WAIT_S, POLL_RETRY_S = 1.0, 0.25
@@ -402,7 +401,8 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
         with control:
             result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors,
-                                                os.getpid(), POLL_WAIT_S))
+                                                os.getpid(), POLL_WAIT_S),
+                             timeout=POLL_WAIT_S + MASTER_CALL_TIMEOUT_S)
         control.seconds -= result.waited_s
         waiting.seconds += result.waited_s
         got = False
