@@ -325,3 +325,29 @@ def test_daft_cases_without_a_venv_are_recorded_as_skipped(monkeypatch, tmp_path
     text = markdown(results, {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 10**6,
                               "partitions": 16, "command": "c"})
     assert "| skipped: cannot pip install daft[ray]==0.7.26 (exit 1): no network |" in text
+
+
+def test_cpu_by_process_counts_cpu_between_snapshots(tmp_path):
+    """The control-plane share is read off this: a process's CPU between two snapshots,
+    new processes from zero, idle ones left out, most first; /proc parsed as Linux writes
+    it (a command name with spaces and parentheses included)."""
+    from benchmarks.cpu_by_process import _TICKS, cpu_between, cpu_snapshot
+
+    def fake_proc(pid: int, ticks: tuple[int, int], cmd: bytes) -> None:
+        d = tmp_path / str(pid)
+        d.mkdir(exist_ok=True)
+        rest = " ".join(["S"] + ["0"] * 10 + [str(ticks[0]), str(ticks[1])] + ["0"] * 5)
+        (d / "stat").write_text(f"{pid} (ray::A b) c) {rest}\n")
+        (d / "cmdline").write_bytes(cmd)
+
+    fake_proc(10, (100, 50), b"ray::ShuffleWorkerActor\0")
+    fake_proc(11, (7, 0), b"raylet\0--x\0")
+    (tmp_path / "self").mkdir()  # not a pid: skipped
+    before = cpu_snapshot(str(tmp_path))
+    assert before[10] == ((150) / _TICKS, "ray::ShuffleWorkerActor")
+    fake_proc(10, (130, 70), b"ray::ShuffleWorkerActor\0")
+    fake_proc(12, (5, 5), b"new\0")
+    rows = cpu_between(before, cpu_snapshot(str(tmp_path)))
+    assert [(pid, cmd) for _, pid, cmd in rows] == [(10, "ray::ShuffleWorkerActor"),
+                                                     (12, "new")]
+    assert rows[0][0] == pytest.approx(50 / _TICKS) and rows[1][0] == pytest.approx(10 / _TICKS)
