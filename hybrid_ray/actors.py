@@ -25,7 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.master import PollResult, ShuffleRegistry, ShuffleState, metas_by_node
+from hybrid_ray.master import (
+    PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
+)
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, NodeUsage, Placement, TierManager
@@ -491,7 +493,7 @@ class ShuffleMasterActor:
         self._queued()
         return result
 
-    def summary(self, shuffle_id: str) -> dict[str, Any]:
+    def summary(self, shuffle_id: str) -> ShuffleSummary:
         with self._lock:
             return self.registry.summary(shuffle_id)
 
@@ -594,7 +596,8 @@ class ShuffleMasterActor:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            shuffles = [self.registry.summary(s) for s in self.registry.shuffle_ids()]
+            shuffles = [self.registry.summary(s).for_status()
+                        for s in self.registry.shuffle_ids()]
             nodes = {n for s in self.registry.shuffle_ids() for n in self.registry.state(s).nodes}
         usage = []
         for node in ray.nodes():

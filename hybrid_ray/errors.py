@@ -60,6 +60,12 @@ class ShuffleNotFoundError(HybridRayError, LookupError):
     """The shuffle master knows no shuffle with this id (never registered, or released)."""
 
 
+class ShuffleStateError(HybridRayError, ValueError):
+    """A call to the shuffle master does not fit the shuffle's state: registering an id
+    twice, a map index outside the shuffle, sealing with maps that did not finish. A bug in
+    the caller (hybrid_ray's drivers never make such calls), named with the values."""
+
+
 class ShuffleFailedError(HybridRayError, RuntimeError):
     """A shuffle could not complete; its data has been cleaned up."""
 

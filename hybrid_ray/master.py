@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError
+from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError, ShuffleStateError
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
 
@@ -157,7 +157,7 @@ class ShuffleRegistry:
         ``take_lost``); otherwise such a loss fails the readers."""
         check_id("shuffle_id", shuffle_id)  # it names directories on every tier
         if shuffle_id in self._shuffles:
-            raise ValueError(f"shuffle {shuffle_id!r} is already registered")
+            raise ShuffleStateError(f"shuffle {shuffle_id!r} is already registered")
         now = self._clock()
         self._shuffles[shuffle_id] = ShuffleState(
             shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
@@ -186,7 +186,7 @@ class ShuffleRegistry:
             else:
                 missing.append(i if attempts is None else f"{i} (attempt {pick})")
         if extra or missing or ambiguous:
-            raise ValueError(f"cannot seal shuffle {shuffle_id!r} at {num_maps} maps: maps "
+            raise ShuffleStateError(f"cannot seal shuffle {shuffle_id!r} at {num_maps} maps: maps "
                              f"{missing} did not finish, maps {extra} are beyond the count"
                              + (f", maps {ambiguous} finished more than one attempt (name "
                                 "the one that counts)" if ambiguous else ""))
@@ -215,7 +215,7 @@ class ShuffleRegistry:
             state.maps.extend(MapState() for _ in range(map_index + 1 - len(state.maps)))
             state.num_maps = len(state.maps)
         if not 0 <= map_index < len(state.maps):
-            raise ValueError(f"map index {map_index} is outside [0, {len(state.maps)}) of "
+            raise ShuffleStateError(f"map index {map_index} is outside [0, {len(state.maps)}) of "
                              f"shuffle {shuffle_id!r}")
         m = state.maps[map_index]
         if not state.sealed:
@@ -483,29 +483,60 @@ class ShuffleRegistry:
                 out.extend(metas)
         return out
 
-    def summary(self, shuffle_id: str) -> dict[str, Any]:
+    def summary(self, shuffle_id: str) -> "ShuffleSummary":
+        """What the shuffle stored (bytes and segments per node and tier of the attempts
+        that count: a freed subpartition's segments still count) and how its maps went."""
         state = self._get(shuffle_id)
-        per_node_tier: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+        per_node_tier: dict[str, dict[str, tuple[int, int]]] = collections.defaultdict(dict)
         for meta in self.segments(shuffle_id):
-            entry = per_node_tier[(meta.node_id, meta.tier.value)]
-            entry[0] += meta.nbytes
-            entry[1] += 1
+            nbytes, count = per_node_tier[meta.node_id].get(meta.tier.value, (0, 0))
+            per_node_tier[meta.node_id][meta.tier.value] = (nbytes + meta.nbytes, count + 1)
         finishes = [m.finished for m in state.maps if m.finished] if state.sealed else []
         deliveries = [r.first_delivery for r in state.readers.values() if r.first_delivery]
-        return {
-            "shuffle_id": shuffle_id,
-            "num_maps": state.num_maps,
-            "num_subpartitions": state.num_subpartitions,
-            "maps_finished": sum(m.finished_attempt is not None for m in state.maps),
-            "per_node_tier": {f"{n}|{t}": v for (n, t), v in per_node_tier.items()},
-            "map_stats": [m.stats for m in state.maps],
-            "superseded_attempts": state.superseded_attempts,
-            "lost_maps_rerun": state.lost_maps_rerun,
-            "first_delivery": min(deliveries) if deliveries else None,
-            "last_map_finish": max(finishes) if len(finishes) == state.num_maps else None,
-            "age_s": self._clock() - state.created,
-            "mode": state.config.mode.value,
-        }
+        return ShuffleSummary(
+            shuffle_id=shuffle_id,
+            num_maps=state.num_maps,
+            num_subpartitions=state.num_subpartitions,
+            maps_finished=sum(m.finished_attempt is not None for m in state.maps),
+            per_node_tier=dict(per_node_tier),
+            map_stats=[m.stats for m in state.maps],
+            superseded_attempts=state.superseded_attempts,
+            lost_maps_rerun=state.lost_maps_rerun,
+            first_delivery=min(deliveries) if deliveries else None,
+            last_map_finish=max(finishes) if len(finishes) == state.num_maps else None,
+            age_s=self._clock() - state.created,
+            mode=state.config.mode.value,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleSummary:
+    """The master's books of one shuffle, from which its driver builds the report
+    (``report.report_from_summary``) and ``hybrid-ray status`` its lines."""
+
+    shuffle_id: str
+    num_maps: int
+    num_subpartitions: int
+    maps_finished: int
+    # node id -> tier name -> (bytes, segments)
+    per_node_tier: dict[str, dict[str, tuple[int, int]]]
+    # Per map, the write statistics its counted attempt sent with finish_map (None: none).
+    map_stats: list[Any]
+    superseded_attempts: int
+    lost_maps_rerun: int
+    # When a reader first got a segment and when the last map finished (the master's
+    # clock; None: not yet): a first delivery before the last finish is hybrid overlap.
+    first_delivery: float | None
+    last_map_finish: float | None
+    age_s: float
+    mode: str
+
+    def for_status(self) -> dict[str, Any]:
+        """The summary as plain values for ``hybrid-ray status`` (without the maps'
+        write statistics)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "map_stats"}
+
 
 def metas_by_node(metas: Sequence[SegmentMeta]) -> dict[str, list[SegmentMeta]]:
     out: dict[str, list[SegmentMeta]] = collections.defaultdict(list)

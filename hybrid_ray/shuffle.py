@@ -1,5 +1,13 @@
-"""Distributed hybrid shuffle on Ray: maps write through the tiers of their node,
-reducers read their subpartition, the shuffle master keeps the books.
+"""The driver of a distributed hybrid shuffle on Ray, and the Dataset API on top of it.
+
+A shuffle has four parts, each in its own module:
+
+- the map task (``map_task``): one map partition written through the tiers of its node;
+- the reduce task (``reduce_task``): one subpartition read from every map, in map order;
+- the lifecycle (``lifecycle``): register, run maps, heartbeat, re-run lost maps, report,
+  release; the same for every path (Ray Data here, the Spark bridge);
+- the driver (here, ``run_shuffle``): plans the maps, runs them (``lifecycle.MapRunner``)
+  and the reducers on the actors, and hands the reducers' outputs back.
 
 Public operations (``repartition``, ``sort``, ``random_shuffle``) take and return a
 ``ray.data.Dataset``; output block i is subpartition i. ``run_shuffle`` is the general entry
@@ -10,11 +18,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,38 +29,27 @@ import pyarrow.compute as pc
 import ray
 
 from hybrid_ray import metrics
-from hybrid_ray.actors import (
-    MASTER_CALL_TIMEOUT_S, ActorNodeStorage, existing_tier_manager, get_reader_slots,
-    get_tier_manager, reader_count, start_actors,
+from hybrid_ray.actors import get_reader_slots, reader_count, start_actors
+from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - re-exported
+from hybrid_ray.config import ShuffleConfig, ShuffleMode
+from hybrid_ray.errors import ConfigError, ShuffleFailedError
+from hybrid_ray.master import ShuffleSummary
+from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
+    MapRunner, ShuffleLifecycle, describe_cause, report_from_summary,
 )
-from hybrid_ray.clients import ReadClient, WriteClient, WriteStats
-from hybrid_ray.config import ShuffleConfig, ShuffleMode, TierName
-from hybrid_ray.tiers.cache import LruCache
-from hybrid_ray.tiers.remote import open_remote_tier
-from hybrid_ray.errors import (
-    ConfigError, SegmentLostWithNodeError, SegmentNotFoundError, ShuffleFailedError,
-    ShuffleMasterLostError,
-)
+from hybrid_ray.map_task import map_block, write_map_partition  # noqa: F401 - re-exported
+from hybrid_ray.map_task import unify_schemas
+from hybrid_ray.nodes import WORKER_LOST_ERRORS, cluster_cpus, lost_with_node
 from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
-    split_by_partition,
 )
-from hybrid_ray.report import PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport, Stopwatch
+from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
+    read_subpartition, reduce_partition,
+)
+from hybrid_ray.report import PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport
+from hybrid_ray.tiers.remote import open_remote_tier
 
-# A reader's long poll waits at most this long in the master for new segments (then it
-# asks again); a reader waiting for a map attempt to restart checks every POLL_RETRY_S.
-POLL_WAIT_S, POLL_RETRY_S = 1.0, 0.25
-# The driver heartbeats the master this often; the master expires a silent shuffle after
-# its config's orphan_ttl_s.
-from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: E402
 SAMPLES_PER_BLOCK = 256
-# How long a reader waits for the new attempt of a map whose segment it found gone while
-# a re-run is coming (the attempt was superseded, is being retried, or its memory-tier
-# segments died with their writer and the driver re-runs it: see read_subpartition). A
-# re-run map may queue behind running maps for a free writer; read_subpartition's
-# ``missing_wait_s`` overrides it. A disk or remote segment of a finished map that is gone
-# is lost for good and fails at once.
-MISSING_SEGMENT_WAIT_S = 60.0
 # The most partitions a shuffle may have. Every partition costs each map's writer
 # bookkeeping (a buffer list, byte count, tier and segment index in the WriteClient, a
 # slice per chunk in split_by_partition: about 150 bytes, measured as 1.5 GB at 10**7) and
@@ -109,392 +104,40 @@ def report_of(ds: Any) -> ShuffleReport:
 _REPORT_ATTR = "_hybrid_ray_report"
 
 
-def _unwrap_task_error(exc: BaseException) -> BaseException:
-    """The error behind ``exc``: a task's error unwrapped from Ray's ``RayTaskError``s."""
-    cause = exc
-    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None \
-            and cause.cause is not cause:
-        cause = cause.cause
-    return cause
 
 
-def describe_cause(exc: BaseException) -> str:
-    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
-    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
-    exception chain, not pasted into messages)."""
-    cause = _unwrap_task_error(exc)
-    text = str(cause).strip()
-    if isinstance(cause, ray.exceptions.RayTaskError):
-        text = text.splitlines()[-1] if text else text  # no cause object: its last line
-    if isinstance(cause, ShuffleFailedError):
-        return text  # already says what failed
-    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
-# ---- tasks -----------------------------------------------------------------------------------
-def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Table],
-                        num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
-                        master: Any, raise_if_superseded: bool = False,
-                        own_memory_segments: bool = False,
-                        on_attempt: Callable[[int], None] | None = None) -> WriteStats | None:
-    """Write one map partition through this node's tiers, committing chunk by chunk.
-
-    Runs in any process connected to the Ray cluster (a writer actor, or a Spark executor's
-    Python worker). Returns the write statistics, or None if an earlier attempt of this map
-    partition already finished (the master decides; this attempt then writes nothing).
-    On any error the attempt's segments are deleted before the error propagates.
-
-    ``own_memory_segments``: this process owns the memory-tier objects it writes (it must
-    outlive the shuffle: a writer actor). Otherwise the node's tier manager owns them,
-    at the cost of a second object-store copy (see ``put_many_owned_by``).
-    ``on_attempt``: told the attempt number the master gave this run (the Spark bridge
-    reports it, so the driver can seal with the attempts whose Spark tasks succeeded).
-    """
-    node_id = ray.get_runtime_context().get_node_id()
-    # Every bookkeeping call of this attempt is timed into one stopwatch: the report's
-    # control-plane time (the stats travel with finish_map, so that call is not in it).
-    control = Stopwatch()
-    with control:
-        attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id,
-                                                  os.getpid()))
-    if attempt is None:
-        return None
-    if on_attempt is not None:
-        on_attempt(attempt)
-    tm = get_tier_manager(node_id, config.namespace)
-    with control:
-        ray.get(tm.register_shuffle.remote(shuffle_id, config))
-    superseded = []
-
-    def commit(metas):
-        with control:
-            live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas))
-        if not live:
-            superseded.append(True)
-
-    client = WriteClient(shuffle_id, map_index, num_partitions, config,
-                         ActorNodeStorage(tm, control),
-                         _io_tiers_cached(config, node_id, own_memory_segments),
-                         attempt=attempt, node_id=node_id, on_commit=commit)
-    try:
-        # Commit chunk by chunk: hybrid readers see data while the partition is being written.
-        for chunk in chunks:
-            if chunk.num_rows == 0:
-                continue
-            parts = partitioner.assign(chunk, map_index, num_partitions)
-            client.write_many(split_by_partition(chunk, np.asarray(parts), num_partitions))
-            client.flush()
-            if superseded:
-                break
-        if not superseded:
-            client.close()  # commits the last segments (and may learn it was superseded)
-        if superseded:
-            # A newer attempt of this map runs (a lost map run again): the master refused
-            # and deleted this attempt's segments; its work is simply not needed.
-            client.abort()
-    except BaseException:
-        _abort_keeping_the_cause(client)
-        raise
-    finally:
-        # Drop this process's references to the memory-tier objects it wrote: the master
-        # holds the committed ones, and a cached, reused worker must not keep every
-        # segment it ever wrote alive in the object store.
-        memory = client.io_tiers.get(TierName.MEMORY)
-        if memory is not None:
-            memory.remove_shuffle_data(shuffle_id)
-    if superseded:
-        if raise_if_superseded:
-            raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded "
-                                     "before it finished; its segments do not count")
-        return None
-    client.stats.control_plane_s = control.seconds
-    finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
-    if not finished and raise_if_superseded:
-        # Spark runs speculative attempts side by side: report failure so Spark keeps the
-        # attempt whose segments count. (A Ray task retry only follows a dead attempt.)
-        raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded before "
-                                 "it finished; its segments do not count")
-    return client.stats
 
 
-def _abort_keeping_the_cause(client: WriteClient) -> None:
-    """Abort a failed map attempt's writes without masking why it failed.
-
-    The storage that failed the map often fails the abort's deletions too (an S3 store
-    that went down fails the upload, then the delete of what was uploaded before): the
-    map's error was then a raw ``EndpointConnectionError`` of the delete instead of the
-    ``RemoteTierError`` naming the upload. What the abort could not delete is deleted with
-    the shuffle: the failed map fails the shuffle (or, on Spark, its release), and the
-    master retries that deletion until the data is gone.
-    """
-    try:
-        client.abort()
-    except Exception:  # noqa: BLE001 - the map's own error is what the caller needs
-        pass
 
 
-def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.ObjectRef],
-              num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
-              master: Any, schema: pa.Schema | None = None) -> dict:
-    """One map of ``run_shuffle``, run by a writer actor (``get_writers``) that owns the
-    memory-tier segments it writes.
-
-    ``block`` is one table, or the references of a group of small input blocks (see
-    ``_group_blocks``) that this map reads and partitions as one table. Every block must
-    have ``schema`` (when given): a block that differs fails the map, before it writes
-    anything, with both schemas' differing fields named.
-    """
-    if isinstance(block, pa.Table):
-        tables = [block]
-    else:
-        tables = ray.get(list(block))
-    if schema is not None:
-        tables = [_conform(table, schema, f"input block {i} of map {map_index}")
-                  for i, table in enumerate(tables)]
-    if len(tables) > 1:
-        # One chunk, not one per block: the hash and split work per chunk.
-        block = pa.concat_tables(tables).combine_chunks()
-    else:
-        block = tables[0]
-    rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes / max(block.nbytes, 1)))
-    chunks = (block.slice(start, rows_per_chunk)
-              for start in range(0, block.num_rows, rows_per_chunk))
-    stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
-                                config, master, own_memory_segments=True)
-    return {"rows": stats.rows if stats else 0, "skipped": stats is None}
 
 
-def _describe_field(field: pa.Field | None, name: str) -> str:
-    if field is None:
-        return f"no column {name!r}"
-    return f"{field.name}: {field.type}{'' if field.nullable else ' not null'}"
 
 
-def _schema_difference(got: pa.Schema, expected: pa.Schema) -> str:
-    """The fields of two schemas that differ, named: 'id: int32 vs id: int64'."""
-    diffs = []
-    for name in dict.fromkeys(expected.names + got.names):
-        a = got.field(name) if name in got.names else None
-        b = expected.field(name) if name in expected.names else None
-        if a is None or b is None or not a.equals(b):
-            diffs.append(f"{_describe_field(a, name)} vs {_describe_field(b, name)}")
-    if not diffs and got.names != expected.names:
-        diffs.append(f"column order {got.names} vs {expected.names}")
-    return "; ".join(diffs)
 
 
-def _decoded(field: pa.Field) -> pa.DataType:
-    """A field's type with dictionary encoding taken off: the type of its values."""
-    t = field.type
-    return t.value_type if pa.types.is_dictionary(t) else t
 
 
-def _unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> pa.Schema:
-    """The one schema blocks with ``schemas`` are shuffled as.
-
-    Blocks may differ only in representation: a column dictionary-encoded in some blocks
-    and not in others (decoded to its value type) or nullable in some (nullable).
-    Anything else is refused with both differing fields named, and the fix.
-    """
-    first = schemas[0]
-    fields = list(first)
-    for i, other in enumerate(schemas[1:], 1):
-        if other.equals(first, check_metadata=False):
-            continue
-        if other.names != first.names or any(
-                _decoded(a) != _decoded(b) for a, b in zip(other, fields)):
-            raise ConfigError(
-                f"the blocks to shuffle have different schemas: {what(i)} differs from "
-                f"{what(0)} in {_schema_difference(other, first)}. Cast every block to one "
-                "schema first (e.g. ds.map_batches(lambda t: t.cast(schema), "
-                "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
-        for k, (a, b) in enumerate(zip(other, fields)):
-            if not a.equals(b):
-                fields[k] = pa.field(b.name, _decoded(b), b.nullable or a.nullable)
-    return pa.schema(fields, metadata=first.metadata)
 
 
-def _conform(table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
-    """``table`` as ``schema`` (dictionaries decoded: see ``_unify_schemas``), or a
-    ConfigError naming the fields that differ."""
-    if table.schema.equals(schema, check_metadata=False):
-        return table
-    _unify_schemas([schema, table.schema],
-                   lambda i: what if i else "the shuffle's schema")
-    return table.cast(schema)
 
 
-def _io_tiers_cached(config: ShuffleConfig, node_id: str,
-                     own_memory_segments: bool = False) -> dict:
-    """This process's I/O tiers for ``config`` on ``node_id``, opened once and kept in a
-    bounded cache (``_IO_CACHE``)."""
-    # ShuffleConfig holds dicts (unhashable); cache on its repr, which is deterministic.
-    key = (repr(config), node_id, own_memory_segments)
-
-    def open_tiers() -> dict:
-        from hybrid_ray.tier_manager import build_io_tiers
-
-        owner = None if own_memory_segments else get_tier_manager(node_id, config.namespace)
-        return build_io_tiers(config, owner=owner, check_remote=False, node_id=node_id)
-    return _IO_CACHE.get_or_create(key, open_tiers)
 
 
-def _close_io_tiers(tiers: dict) -> None:
-    remote = tiers.get(TierName.REMOTE)
-    if remote is not None:
-        remote.close()
 
 
-# The tiers of the last IO_CACHE_SIZE configs this process wrote or read with: a
-# long-lived writer or reader serves shuffle after shuffle, often each with a new config
-# (a job id per run), and kept every tier set it ever opened.
-IO_CACHE_SIZE = 8
-_IO_CACHE: LruCache[dict] = LruCache(IO_CACHE_SIZE, on_evict=_close_io_tiers)
 
 
-def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
-                      master: Any, missing_wait_s: float = MISSING_SEGMENT_WAIT_S,
-                      times: ReduceTimes | None = None) -> list[pa.Table]:
-    """All rows of one subpartition, in map order, once every map has finished.
-
-    Follows the maps while they write (hybrid): polls the master for new segments and reads
-    each from whichever tier holds it. If a map attempt is superseded, what was read of it is
-    dropped and the new attempt is read instead, so the result is exact. A memory-tier
-    segment that died with its owner is reported to the master, which has the map re-run
-    (or, if nobody can re-run it, the read fails). A disk or remote segment of a finished
-    map that is gone was removed by someone else (a cleanup, a tmp cleaner, a user): no
-    attempt will bring it back, so the read fails at once with ``SegmentNotFoundError``
-    naming the segment and its path. Waits for a coming attempt end after
-    ``missing_wait_s`` with the same error.
-
-    ``times``, if given, is added the seconds this read slept waiting for segments not
-    committed yet and spent in calls to the master (see ``report.PhaseTimes``).
-    """
-    node_id = ray.get_runtime_context().get_node_id()
-    times = times if times is not None else ReduceTimes()
-    control, waiting = Stopwatch(), Stopwatch()
-
-    def fetch_from_node(meta):
-        # Never start a tier manager here: one pinned to a dead node would never run.
-        tm = existing_tier_manager(meta.node_id, config.namespace)
-        try:
-            if tm is None:
-                raise ray.exceptions.ActorDiedError()
-            return ray.get(tm.read_disk_segment.remote(meta))
-        except WORKER_LOST_ERRORS as exc:
-            if not lost_with_node(meta.node_id, exc):
-                raise
-            raise SegmentLostWithNodeError(
-                f"{meta.id} is gone from the disk tier of node {meta.node_id}: the node "
-                "died") from None
-
-    reader = ReadClient(_io_tiers_cached(config, node_id), node_id, fetch_from_node)
-    cursors: dict[int, tuple[int, int]] = {}
-    per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
-    # A segment that vanished while its map was being retried (the dead attempt's data is
-    # deleted) is expected: wait for the master to reset that map to the new attempt.
-    # Still missing after missing_wait_s without a reset is real loss: fail loudly.
-    missing_since: float | None = None
-    missing: tuple[Any, Exception] | None = None  # (meta, its error) while waiting
-    while True:
-        # A long poll: the master answers at once if something is new, else holds the
-        # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
-        with control:
-            result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors,
-                                                os.getpid(), POLL_WAIT_S),
-                             timeout=POLL_WAIT_S + MASTER_CALL_TIMEOUT_S)
-        control.seconds -= result.waited_s
-        waiting.seconds += result.waited_s
-        got = False
-        try:
-            for map_index, attempt, reset, _ in result.updates:
-                if reset:
-                    per_map[map_index] = []
-                    cursors[map_index] = (attempt, 0)
-            # One pass over every new segment, so remote ones are fetched ahead across maps.
-            todo = [(map_index, attempt, meta)
-                    for map_index, attempt, _, metas in result.updates for meta in metas]
-            tables = reader.read_in_order([meta for _, _, meta in todo], config.remote_transfers)
-            for map_index, attempt, meta in todo:
-                try:
-                    per_map[map_index].append(next(tables))
-                except SegmentNotFoundError as exc:
-                    # Memory segments die with their owner, any local segment with its
-                    # node: the master has such a map run again (if anyone can). A disk
-                    # or remote segment of a finished map on a live node is lost for good.
-                    if meta.tier == TierName.MEMORY or isinstance(
-                            exc, SegmentLostWithNodeError):
-                        with control:
-                            rerun = ray.get(master.report_lost.remote(
-                                shuffle_id, map_index, attempt))
-                        if not rerun:
-                            raise
-                    else:
-                        with control:
-                            finished = _finished_attempt(master, shuffle_id, map_index)
-                        if finished == attempt:
-                            raise _segment_lost(meta, exc, subpartition) from exc
-                    missing = (meta, exc)
-                    raise _AwaitingAttempt() from None
-                _, nxt = cursors.get(map_index, (attempt, 0))
-                cursors[map_index] = (attempt, nxt + 1)
-                got = True
-            missing_since, missing = None, None
-        except _AwaitingAttempt:
-            now = time.monotonic()
-            missing_since = missing_since or now
-            if now - missing_since > missing_wait_s:
-                meta, exc = missing
-                raise SegmentNotFoundError(
-                    f"subpartition {subpartition} of {shuffle_id}: {meta.id} is gone from "
-                    f"the {meta.tier.value} tier ({meta.location or 'object store'}) and no "
-                    f"new attempt of map {meta.id.map_partition} started within "
-                    f"{missing_wait_s:.0f} s ({exc})") from exc
-            with waiting:
-                time.sleep(POLL_RETRY_S)
-            continue
-        if result.done and not got:
-            break
-    times.waiting += waiting.seconds
-    times.control_plane += control.seconds
-    return [t for m in sorted(per_map) for t in per_map[m]]
 
 
-def _finished_attempt(master: Any, shuffle_id: str, map_index: int) -> int | None:
-    """The attempt of a map the master counts as finished (None: no attempt finished, so
-    one is still running or will be retried)."""
-    return ray.get(master.progress.remote(shuffle_id))["maps"][map_index]["finished"]
 
 
-def _segment_lost(meta: Any, cause: Exception, subpartition: int) -> SegmentNotFoundError:
-    """The error for a disk or remote segment of a finished map that is gone for good."""
-    return SegmentNotFoundError(
-        f"{meta.id} is gone from the {meta.tier.value} tier at {meta.location} (node "
-        f"{meta.node_id or '?'}), though its map finished: it was removed by someone else "
-        "while the shuffle ran (`hybrid-ray cleanup`, a tmp cleaner, a user's rm, a bucket "
-        "lifecycle rule). No attempt will bring it back; subpartition "
-        f"{subpartition} cannot be read. Keep spill dirs and remote_path out of other "
-        f"cleaners' reach and re-run the shuffle. ({cause})")
 
 
-class _AwaitingAttempt(Exception):
-    """A segment is gone because its map attempt died or was lost; a new attempt of the
-    map is coming (the master resets the reader's cursor for it)."""
 
 
-def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
-                     partitioner: Partitioner, config: ShuffleConfig, master: Any
-                     ) -> tuple[pa.Table, tuple[int, int, pa.Schema], ReduceTimes]:
-    """One reducer (run by a reader ``ShuffleWorkerActor``): the finished partition, its
-    (rows, bytes, schema), from which the driver builds the output Dataset's block
-    metadata instead of running a task per block to learn it, and the reducer's waiting
-    and control-plane seconds for the report. Three separate returns: the driver waits on
-    the small ones without pulling the table to its node."""
-    times = ReduceTimes()
-    tables = read_subpartition(shuffle_id, subpartition, config, master, times=times)
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    table = partitioner.finalize(table, subpartition)
-    return table, (table.num_rows, table.nbytes, table.schema), times
 
 
 @ray.remote
@@ -513,116 +156,6 @@ def _sample_task(key: str, k: int, *blocks: pa.Table) -> np.ndarray:
     return np.concatenate(out) if out else np.asarray([])
 
 
-# ---- the driver --------------------------------------------------------------------------------
-class _MapDispatcher:
-    """Runs the maps of one shuffle on the writer actors, one map per writer at a time.
-
-    A free writer takes the next map whose input block is on its node, else the next map
-    (so a node with idle writers helps with the others' blocks). Maps reported lost
-    (``ShuffleRegistry.report_lost``) go to the front of the queue: readers wait for them.
-    """
-
-    def __init__(self, writers: list[tuple[str, Any]], inputs: Sequence[Any],
-                 shuffle_id: str, master: Any, map_fn: Callable[..., Any],
-                 map_args: tuple, input_nodes: Sequence[str | None] | None = None,
-                 maps: Sequence[int] | None = None) -> None:
-        """Runs ``map_fn(shuffle_id, map_index, inputs[map_index], *map_args)`` for every
-        input (or the inputs ``maps``); ``input_nodes[i]`` is the node holding input i
-        (None: anywhere)."""
-        self._writers = writers
-        self._blocks = inputs
-        self._map_fn = map_fn
-        self._args = map_args
-        self._shuffle_id = shuffle_id
-        self._master = master
-        self._queue: collections.deque[int] = collections.deque(
-            range(len(inputs)) if maps is None else maps)
-        self._running: dict[int, tuple[int, ray.ObjectRef]] = {}  # writer -> (map, ref)
-        self._block_nodes = list(input_nodes) if input_nodes is not None \
-            else [None] * len(inputs)
-        self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
-        self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
-        self._dead_slots: set[int] = set()
-        # For the report's phases (perf_counter): when the first map was dispatched and
-        # the last one was seen finished, and the time spent asking the master for lost maps.
-        self.first_dispatch: float | None = None
-        self.last_finish: float | None = None
-        self.control = Stopwatch()
-        self._dispatch()
-
-    @property
-    def done(self) -> bool:
-        return not self._queue and not self._running
-
-    @property
-    def num_finished(self) -> int:
-        return len(self._blocks) - len(self._queue) - len(self._running)
-
-    def running_refs(self) -> list[ray.ObjectRef]:
-        return [ref for _, ref in self._running.values()]
-
-    def poll(self) -> None:
-        """Collect finished maps (raising a failed one's error), queue lost maps again,
-        and hand out the queue to free writers.
-
-        A writer that died with its node takes its running map with it: that map goes
-        back to the front of the queue, the node's writers leave the pool, and the map
-        runs again on another node (its dead attempt is superseded at the master). Maps
-        that had finished there and whose segments died with the node come back through
-        ``take_lost`` when a reader misses them.
-        """
-        if self._running:
-            by_ref = {ref: slot for slot, (_, ref) in self._running.items()}
-            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
-                                fetch_local=False)
-            for ref in ready:
-                slot = by_ref[ref]
-                map_index = self._running.pop(slot)[0]
-                try:
-                    self.results[map_index] = ray.get(ref)
-                    self.last_finish = time.perf_counter()
-                except WORKER_LOST_ERRORS as exc:
-                    node = self._writers[slot][0]
-                    if not lost_with_node(node, exc):
-                        raise
-                    self._drop_node(node)
-                    self._requeue([map_index])
-        with self.control:
-            lost = ray.get(self._master.take_lost.remote(self._shuffle_id))
-        self._requeue(lost)
-        self._dispatch()
-
-    def _requeue(self, maps: Sequence[int]) -> None:
-        """Put maps at the front of the queue, each once: a map lost with its node can be
-        reported both by its writer's failure and by a reader missing its segments, and two
-        runs at once would supersede each other."""
-        running = {m for m, _ in self._running.values()}
-        fresh = [m for m in maps if m not in running and m not in self._queue]
-        self._queue.extendleft(reversed(fresh))
-
-    def _drop_node(self, node: str) -> None:
-        """Stop using the writers of a node that died (``lost_nodes`` records it)."""
-        self.lost_nodes.add(node)
-        self._dead_slots.update(slot for slot, (n, _) in enumerate(self._writers) if n == node)
-        if len(self._dead_slots) == len(self._writers):
-            raise ShuffleFailedError(
-                f"every node with writers died (last: {node}); no node is left to run the "
-                "maps on")
-
-    def _dispatch(self) -> None:
-        for slot, (node, writer) in enumerate(self._writers):
-            if not self._queue:
-                return
-            if slot in self._running or slot in self._dead_slots:
-                continue
-            pick = next((m for m in self._queue if self._block_nodes[m] == node),
-                        self._queue[0])
-            self._queue.remove(pick)
-            ref = writer.run.remote(self._map_fn, self._shuffle_id, pick, self._blocks[pick],
-                                    *self._args)
-            self._running[slot] = (pick, ref)
-            if self.first_dispatch is None:
-                self.first_dispatch = time.perf_counter()
 
 
 def _block_locations(blocks: Sequence[ray.ObjectRef]
@@ -669,7 +202,7 @@ def _plan_maps(sizes: Sequence[int | None], config: ShuffleConfig) -> list[list[
     """The blocks of each map (see MAP_TARGET_FRACTION)."""
     total = sum(size or 0 for size in sizes)
     target = min(config.map_chunk_bytes // MAP_TARGET_FRACTION,
-                 total // (MIN_MAPS_PER_WRITER * _cluster_cpus()))
+                 total // (MIN_MAPS_PER_WRITER * cluster_cpus()))
     return _group_blocks(sizes, max(1, target))
 
 
@@ -688,37 +221,12 @@ def _map_inputs(blocks: Sequence[ray.ObjectRef], config: ShuffleConfig
     return inputs, input_nodes
 
 
-def _cluster_cpus() -> int:
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def node_alive(node_id: str | None) -> bool:
-    """Whether Ray still counts ``node_id`` among its alive nodes (None: unknown, alive)."""
-    if not node_id:
-        return True
-    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
 
 
-# What a call to a worker on a node that died raises: the actor died with it, or (hard
-# affinity to the gone node) it cannot be started again.
-WORKER_LOST_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
-# Ray's node table marks a removed node dead a moment after its actors' calls fail.
-NODE_DEATH_WAIT_S = 15.0
 
 
-def lost_with_node(node_id: str | None, exc: BaseException) -> bool:
-    """Whether a worker call failed because ``node_id`` died (waits, bounded, for Ray's
-    node table to agree; an unschedulable hard-pinned actor means the node is gone)."""
-    if not node_id:
-        return False
-    if isinstance(exc, ray.exceptions.ActorUnschedulableError):
-        return True
-    deadline = time.monotonic() + NODE_DEATH_WAIT_S
-    while time.monotonic() < deadline:
-        if not node_alive(node_id):
-            return True
-        time.sleep(0.5)
-    return False
 
 
 class _ReaderPool:
@@ -745,7 +253,7 @@ class _ReaderPool:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         kept = [(n, r) for n, r in get_reader_slots(self._namespace,
-                                                    min(self._window, _cluster_cpus()))
+                                                    min(self._window, cluster_cpus()))
                 if n not in self.lost_nodes]
         self._extras = [(n, r) for n, r in self._extras if n not in self.lost_nodes]
         nodes = sorted({n for n, _ in kept}) or [ray.get_runtime_context().get_node_id()]
@@ -812,19 +320,6 @@ def _check_outputs_survived(refs: Sequence[ray.ObjectRef | None], readers: _Read
             "blocks were stored there and went with the node; run the shuffle again")
 
 
-def _release_quietly(master: Any, shuffle_id: str) -> bool:
-    """Release a failed shuffle; returns False if the master is gone (nothing to release:
-    its books went with it; ``hybrid-ray cleanup`` removes the data left behind)."""
-    try:
-        ray.get(master.release.remote(shuffle_id, "its driver's shuffle failed", True),
-                timeout=MASTER_CALL_TIMEOUT_S)
-        return True
-    except ray.exceptions.RayActorError:
-        return False
-    except Exception:  # noqa: BLE001 - the shuffle's own error is what the caller needs
-        return True
-
-
 @dataclasses.dataclass
 class ShuffleResult:
     """Reducer outputs (one Arrow table ref per partition) and the shuffle's report.
@@ -864,130 +359,39 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         ray.init()
     window = _reducer_window(config)
     check_remote_tier(config)
-    # The wall clock and the phases start together, before the actors are looked up (or
-    # started): the report's startup phase is what a user waits for before the first map.
-    started = time.perf_counter()
-    control = Stopwatch()  # the driver's calls to the master (PhaseTimes.control_plane)
     # Every actor at once (a no-op lookup once they run, or after hybrid_ray.init): started
     # one by one on first use, they made a first shuffle many times slower than the next.
+    # The lifecycle's clock starts before: the report's startup phase is what a user waits
+    # for before the first map.
+    started = time.perf_counter()
     actors = start_actors(config.namespace, reader_count(config))
-    master = actors.master.handle
-    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    shuffle = ShuffleLifecycle(config, num_partitions, operation,
+                               master=actors.master.handle)
+    shuffle.started = started
     inputs, input_nodes = _map_inputs(blocks, config)
-    # Recoverable: a map whose memory-tier output died with its writer is run again.
-    with control:
-        ray.get(master.register.remote(shuffle_id, len(inputs), num_partitions, config,
-                                       True))
+    shuffle.register(len(inputs))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
     readers: _ReaderPool | None = None
     try:
-        maps = _MapDispatcher([(w.node_id, w.handle) for w in actors.writers], inputs,
-                              shuffle_id, master, map_block,
-                              (num_partitions, partitioner, config, master, schema),
-                              input_nodes)
-        hybrid = config.mode == ShuffleMode.HYBRID
+        maps = MapRunner(shuffle, [(w.node_id, w.handle) for w in actors.writers], inputs,
+                         map_block, (num_partitions, partitioner, config, shuffle.master,
+                                     schema), input_nodes)
         readers = _ReaderPool(config.namespace, window)
-        # Reducer i is tracked by its small (rows, bytes, schema) result: waiting on the
-        # tables would pull every output block to the driver's node.
-        reduce_refs: list[ray.ObjectRef | None] = [None] * num_partitions
-        stats_refs: list[ray.ObjectRef | None] = [None] * num_partitions
-        running: dict[ray.ObjectRef, int] = {}  # stats ref -> subpartition
-        times_refs: dict[int, ray.ObjectRef] = {}  # subpartition -> its ReduceTimes
-        finished: set[int] = set()  # subpartitions whose block is stored
-        todo = collections.deque(range(num_partitions))
-        last_beat = 0.0
-        # The reduce phase (perf_counter) and the reducers' own times, summed.
-        reduce_start: float | None = None
-        reduce_end: float | None = None
-        reduce_times = ReduceTimes()
-        while True:
-            maps.poll()
-            if maps.lost_nodes - readers.lost_nodes:
-                readers.drop_nodes(maps.lost_nodes)
-            maps_done = maps.done
-            if running:
-                ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0,
-                                    fetch_local=False)
-                for ref in ready:
-                    sub = running.pop(ref)
-                    try:
-                        ray.get(ref)  # raise a failed reducer's error now
-                    except WORKER_LOST_ERRORS as exc:
-                        node = readers.node_of(sub)
-                        if not lost_with_node(node, exc):
-                            raise
-                        # Its reader died with its node; the subpartition's segments
-                        # are all still there (not freed): reduce it again elsewhere.
-                        readers.drop_nodes({node})
-                        todo.appendleft(sub)
-                        continue
-                    readers.done(sub)
-                    finished.add(sub)
-                    reduce_end = time.perf_counter()
-                    # Returned with the stats, so ready now: a small inlined object.
-                    times = ray.get(times_refs[sub])
-                    reduce_times.waiting += times.waiting
-                    reduce_times.control_plane += times.control_plane
-                    # Its block is stored (owned by this driver): its segments can go now.
-                    with control:
-                        master.free_subpartition.remote(shuffle_id, sub)
-            if hybrid or maps_done:
-                while todo and readers.has_free():
-                    sub = todo.popleft()
-                    table_ref, stats_ref, times_refs[sub] = readers.submit(
-                        sub, reduce_partition, shuffle_id, sub, schema, partitioner,
-                        config, master)
-                    reduce_refs[sub], stats_refs[sub] = table_ref, stats_ref
-                    running[stats_ref] = sub
-                    if reduce_start is None:
-                        reduce_start = time.perf_counter()
-            progress.update(maps.num_finished, len(inputs), len(finished), num_partitions)
-            if maps_done and len(finished) == num_partitions:
-                break
-            if time.monotonic() - last_beat > HEARTBEAT_S:
-                with control:
-                    master.heartbeat.remote(shuffle_id)
-                last_beat = time.monotonic()
-            # Wake on the next map or reducer to finish (or fail: handled above).
-            ray.wait(maps.running_refs() + list(running), num_returns=1, timeout=0.5,
-                     fetch_local=False)
-        _check_outputs_survived(reduce_refs, readers)
-        with control:
-            summary = ray.get(master.summary.remote(shuffle_id))
+        reduced = _run_reducers(shuffle, maps, readers, progress, len(inputs), schema,
+                                partitioner)
+        _check_outputs_survived(reduced.table_refs, readers)
+        shuffle.release()
     except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt):  # a user's stop is not a failure
-            metrics.record_error(_error_kind(exc))
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
         # down with it. Released, the shuffle is unknown to the master, so tasks still
         # running fail at their next commit or poll, and a map deletes what it wrote.
-        # The release never masks the shuffle's own error: a deletion that fails stays
-        # queued at the master, which retries it until the data is gone.
-        master_alive = _release_quietly(master, shuffle_id)
+        error = shuffle.fail(exc)
         if readers is not None:
             readers.close()
         progress.close()
-        if isinstance(exc, KeyboardInterrupt):
+        if error is exc:
             raise
-        if not master_alive:
-            raise ShuffleMasterLostError(
-                f"{operation} shuffle {shuffle_id} failed: the shuffle master of namespace "
-                f"{config.namespace!r} is gone (its node died or it was killed), and with it "
-                "the books of every shuffle in flight; run it again") from exc
-        # A bad input block (a map's ConfigError) is the user's to fix: say so, without
-        # the remote traceback around it.
-        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-        if isinstance(cause, ConfigError):
-            raise ConfigError(f"{operation} shuffle {shuffle_id} failed and its data was "
-                              f"removed: {cause}") from None
-        if isinstance(exc, ShuffleFailedError) and not isinstance(
-                exc, ray.exceptions.RayTaskError):
-            raise
-        error = ShuffleFailedError(
-            f"{operation} shuffle {shuffle_id} failed: {describe_cause(exc)} (its data was "
-            "removed; the remote traceback is on this error's __cause__)")
-        raise error from exc
-    with control:
-        ray.get(master.release.remote(shuffle_id))
+        raise error
     # Every reducer has returned: its block is stored, owned by this driver.
     readers.close()
     progress.update(len(inputs), len(inputs), num_partitions, num_partitions, force=True)
@@ -998,25 +402,104 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     phases = PhaseTimes(
         startup=first_map - started,
         map=(maps.last_finish or first_map) - first_map,
-        reduce=(reduce_end or ended) - (reduce_start or ended),
-        waiting=reduce_times.waiting,
-        control_plane=control.seconds + maps.control.seconds + reduce_times.control_plane)
-    report = _make_report(summary, operation, config, ended - started, phases)
-    _set_last_report(report)
+        reduce=(reduced.end or ended) - (reduced.start or ended),
+        waiting=reduced.times.waiting,
+        control_plane=shuffle.control.seconds + reduced.times.control_plane)
+    report = report_from_summary(reduced.summary, operation, config, ended - started, phases)
     metrics.record_shuffle(report)
-    return ShuffleResult(list(reduce_refs), report, list(stats_refs))
+    _set_last_report(report)
+    return ShuffleResult(list(reduced.table_refs), report, list(reduced.stats_refs))
 
 
-def _error_kind(exc: BaseException) -> str:
-    """The class name of the error behind a failed shuffle (a task's error unwrapped from
-    Ray's ``RayTaskError``, as ``describe_cause`` does): the ``kind`` of the error metric."""
-    return type(_unwrap_task_error(exc)).__name__
+@dataclasses.dataclass
+class _Reduced:
+    """What ``_run_reducers`` hands back: per subpartition, the refs of its stored table
+    and of its (rows, bytes, schema); the reduce phase's span and the reducers' own times;
+    the master's books taken before the release."""
+
+    table_refs: list[ray.ObjectRef | None]
+    stats_refs: list[ray.ObjectRef | None]
+    start: float | None
+    end: float | None
+    times: ReduceTimes
+    summary: ShuffleSummary
+
+
+def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPool,
+                  progress: ProgressBar, num_maps: int, schema: pa.Schema,
+                  partitioner: Partitioner) -> _Reduced:
+    """Drive the maps and reducers of ``shuffle`` until every subpartition is stored.
+
+    Reducers start with the maps (hybrid) or once all maps finished (blocking). A reducer
+    whose reader died with its node is run again elsewhere (its segments are still there);
+    any other failure raises."""
+    config, num_partitions = shuffle.config, shuffle.num_partitions
+    hybrid = config.mode == ShuffleMode.HYBRID
+    # Reducer i is tracked by its small (rows, bytes, schema) result: waiting on the
+    # tables would pull every output block to the driver's node.
+    table_refs: list[ray.ObjectRef | None] = [None] * num_partitions
+    stats_refs: list[ray.ObjectRef | None] = [None] * num_partitions
+    running: dict[ray.ObjectRef, int] = {}  # stats ref -> subpartition
+    times_refs: dict[int, ray.ObjectRef] = {}  # subpartition -> its ReduceTimes
+    finished: set[int] = set()  # subpartitions whose block is stored
+    todo = collections.deque(range(num_partitions))
+    start: float | None = None
+    end: float | None = None
+    times = ReduceTimes()
+    while True:
+        maps.poll()
+        if maps.lost_nodes - readers.lost_nodes:
+            readers.drop_nodes(maps.lost_nodes)
+        maps_done = maps.done
+        if running:
+            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0,
+                                fetch_local=False)
+            for ref in ready:
+                sub = running.pop(ref)
+                try:
+                    ray.get(ref)  # raise a failed reducer's error now
+                except WORKER_LOST_ERRORS as exc:
+                    node = readers.node_of(sub)
+                    if not lost_with_node(node, exc):
+                        raise
+                    # Its reader died with its node; the subpartition's segments are all
+                    # still there (not freed): reduce it again elsewhere.
+                    readers.drop_nodes({node})
+                    todo.appendleft(sub)
+                    continue
+                readers.done(sub)
+                finished.add(sub)
+                end = time.perf_counter()
+                # Returned with the stats, so ready now: a small inlined object.
+                reducer_times = ray.get(times_refs[sub])
+                times.waiting += reducer_times.waiting
+                times.control_plane += reducer_times.control_plane
+                # Its block is stored (owned by this driver): its segments can go now.
+                shuffle.free_subpartition(sub)
+        if hybrid or maps_done:
+            while todo and readers.has_free():
+                sub = todo.popleft()
+                table_ref, stats_ref, times_refs[sub] = readers.submit(
+                    sub, reduce_partition, shuffle.shuffle_id, sub, schema, partitioner,
+                    config, shuffle.master)
+                table_refs[sub], stats_refs[sub] = table_ref, stats_ref
+                running[stats_ref] = sub
+                if start is None:
+                    start = time.perf_counter()
+        progress.update(maps.num_finished, num_maps, len(finished), num_partitions)
+        if maps_done and len(finished) == num_partitions:
+            break
+        shuffle.heartbeat()
+        # Wake on the next map or reducer to finish (or fail: handled above).
+        ray.wait(maps.running_refs() + list(running), num_returns=1, timeout=0.5,
+                 fetch_local=False)
+    return _Reduced(table_refs, stats_refs, start, end, times, shuffle.summary())
 
 
 def _reducer_window(config: ShuffleConfig) -> int:
     """Reducers run at once: ``max_concurrent_reducers`` or the cluster's CPU count,
     refused above ``MAX_REDUCERS_PER_CPU`` times the CPUs (each is a process)."""
-    cpus = _cluster_cpus()
+    cpus = cluster_cpus()
     window = config.max_concurrent_reducers
     if window is None:
         return cpus
@@ -1029,33 +512,6 @@ def _reducer_window(config: ShuffleConfig) -> int:
     return window
 
 
-def _make_report(summary: dict, operation: str, config: ShuffleConfig,
-                 wall: float, phases: PhaseTimes | None = None) -> ShuffleReport:
-    """The report of a finished shuffle from the master's ``summary``. ``phases``: the
-    driver's measurements, to which the writers' control-plane time (in the maps' stats)
-    is added; None leaves the report without phases (not measured)."""
-    stats = WriteStats()
-    for s in summary["map_stats"]:
-        if s is not None:
-            stats.merge(s)
-    per_node: dict[str, dict[str, tuple[int, int]]] = collections.defaultdict(dict)
-    for key, (nbytes, count) in summary["per_node_tier"].items():
-        node, tier = key.split("|")
-        per_node[node][tier] = (nbytes, count)
-    first, last = summary["first_delivery"], summary["last_map_finish"]
-    return ShuffleReport(
-        shuffle_id=summary["shuffle_id"], operation=operation, mode=config.mode.value,
-        spilling=config.spilling.value, num_maps=summary["num_maps"],
-        num_partitions=summary["num_subpartitions"], rows=stats.rows,
-        input_bytes=0, wall_time_s=wall, per_node_tier=dict(per_node),
-        tier_switches=stats.tier_switches, spill_events=stats.spill_events,
-        superseded_attempts=summary["superseded_attempts"],
-        lost_maps_rerun=summary["lost_maps_rerun"],
-        hybrid_overlap=bool(first is not None and last is not None and first < last),
-        uncompressed_segments=stats.uncompressed_segments,
-        phases=None if phases is None else dataclasses.replace(
-            phases, control_plane=phases.control_plane + stats.control_plane_s),
-    )
 
 
 # ---- public Dataset API ---------------------------------------------------------------------------
@@ -1114,7 +570,7 @@ def _dataset_blocks(ds: Any) -> _Blocks:
                 schemas.append((index - 1, block_schema))
     schema = _arrow_schema(ds.schema())
     if schemas:
-        schema = _unify_schemas([sch for _, sch in schemas],
+        schema = unify_schemas([sch for _, sch in schemas],
                                 lambda k: f"block {schemas[k][0]} of the dataset")
     elif schema is None and refs:
         schema = ray.get(refs[0]).schema

@@ -12,8 +12,8 @@ succeeded (``ShuffleRegistry.seal``), so exactly one attempt per map counts.
 
 On the direct path the writer actors own the memory-tier segments they wrote. A writer that
 dies (and is restarted by Ray) takes them along: a reader that finds one gone reports it, and
-the driver runs that map again (``_LiveShuffles``) for as long as it holds the shuffle, since
-Spark may run the reduce stage any time, and again.
+the driver runs that map again (``ShuffleLifecycle.hold``) for as long as it holds the
+shuffle, since Spark may run the reduce stage any time, and again.
 
 Reduce side: ``spark.range(n, numPartitions=n).mapInArrow(...)`` gives Spark task i the
 subpartition i, which it reads through the read client and hands back to the JVM as Arrow.
@@ -29,8 +29,6 @@ import dataclasses
 import io
 import os
 import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -42,11 +40,15 @@ from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleNotFoundError
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ShuffleReport
-from hybrid_ray.shuffle import (
-    HEARTBEAT_S, _make_report, check_remote_tier, read_subpartition, write_map_partition,
-)
+from hybrid_ray import lifecycle
+from hybrid_ray.lifecycle import AttemptPolicy, ShuffleLifecycle
+from hybrid_ray.map_task import write_map_partition
+from hybrid_ray.reduce_task import read_subpartition
+from hybrid_ray.shuffle import check_remote_tier
 from spark_bridge import parquet_scan
 
+# The bridge's shuffle ids start with this (the JVM shuffle manager's with its own).
+SHUFFLE_ID_PREFIX = "spk"
 MAP_RESULT_SCHEMA = "map_index int, attempt int, rows long, bytes long"
 # Batches handed back to the JVM are cut to this many rows: Spark converts each batch to
 # rows in one go, and very large batches only raise its peak memory.
@@ -196,98 +198,26 @@ class BridgeShuffle:
         return self._done.is_set()
 
 
-# How often the driver asks the master for maps to run again (their output died with its
-# writer); readers wait for the new attempt meanwhile.
-RECOVERY_POLL_S = 1.0
-
-
-class _LiveShuffles:
-    """Shuffles the bridge holds, kept alive by heartbeats from a daemon thread, which also
-    runs again the maps of direct-path shuffles whose output was lost (``recover_with``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._shuffles: dict[str, ShuffleConfig] = {}
-        self._rerun: dict[str, Callable[[list[int]], Any]] = {}
-        self._thread: threading.Thread | None = None
-
-    def add(self, shuffle_id: str, config: ShuffleConfig) -> None:
-        with self._lock:
-            self._shuffles[shuffle_id] = config
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._beat, daemon=True,
-                                                name="hybrid_ray-bridge-heartbeat")
-                self._thread.start()
-
-    def recover_with(self, shuffle_id: str, rerun: Callable[[list[int]], Any]) -> None:
-        """From now on, maps of ``shuffle_id`` reported lost are run with ``rerun(maps)``."""
-        with self._lock:
-            if shuffle_id in self._shuffles:
-                self._rerun[shuffle_id] = rerun
-
-    def remove(self, shuffle_id: str) -> ShuffleConfig | None:
-        with self._lock:
-            self._rerun.pop(shuffle_id, None)
-            return self._shuffles.pop(shuffle_id, None)
-
-    def ids(self) -> list[str]:
-        with self._lock:
-            return list(self._shuffles)
-
-    def _beat(self) -> None:
-        last_beat = time.monotonic()
-        while True:
-            time.sleep(RECOVERY_POLL_S)
-            with self._lock:
-                live = list(self._shuffles.items())
-                recoverable = [(s, self._shuffles[s], r) for s, r in self._rerun.items()]
-            for shuffle_id, config, rerun in recoverable:
-                self._recover(shuffle_id, config, rerun)
-            if not live or time.monotonic() - last_beat < HEARTBEAT_S:
-                continue
-            last_beat = time.monotonic()
-            try:
-                for shuffle_id, config in live:
-                    get_master(config.namespace).heartbeat.remote(shuffle_id)
-            except Exception:  # Ray shut down or the master restarting: try again later
-                pass
-
-    def _recover(self, shuffle_id: str, config: ShuffleConfig,
-                 rerun: Callable[[list[int]], Any]) -> None:
-        try:
-            lost = ray.get(get_master(config.namespace).take_lost.remote(shuffle_id))
-        except ShuffleNotFoundError:  # released meanwhile
-            return
-        except Exception:  # Ray shut down or the master restarting: try again later
-            return
-        if not lost:
-            return
-        try:
-            rerun(lost)
-        except Exception as exc:
-            # Readers wait for the new attempts: tell them, rather than let them time out.
-            _release_failed(shuffle_id, f"re-running maps {lost}, whose output died with "
-                                        f"their writer, failed: {_explain_spark_failure(exc)}")
-
-
-_live = _LiveShuffles()
-_last_shuffle: BridgeShuffle | None = None
+# The most recent exchange of each thread: exchanges run in threads side by side must not
+# see each other's (``last_report``).
+_last = threading.local()
 
 
 def last_report() -> ShuffleReport | None:
-    """The report of the most recent exchange the bridge ran in this process (waiting for
-    its map stage if that still runs; raising ``ShuffleFailedError`` if it failed)."""
-    return _last_shuffle.report if _last_shuffle is not None else None
+    """The report of the most recent exchange the bridge ran in the calling thread (waiting
+    for its map stage if that still runs; raising ``ShuffleFailedError`` if it failed).
+    A DataFrame's own shuffles are named on it (``df._hybrid_ray_shuffles``)."""
+    shuffle = getattr(_last, "shuffle", None)
+    return shuffle.report if shuffle is not None else None
 
 
 def release(shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
     """Delete a held shuffle's data on every node and the remote tier (readers still
     running are told ``reason``; with ``failed``, as a ``ShuffleFailedError``)."""
-    config = _live.remove(shuffle_id)
-    if config is None or not ray.is_initialized():
+    shuffle = lifecycle.held_shuffle(shuffle_id)
+    if shuffle is None or not ray.is_initialized():
         return False
-    return bool(ray.get(get_master(config.namespace).release.remote(shuffle_id, reason,
-                                                                     failed)))
+    return shuffle.release(reason, failed)
 
 
 def _release_failed(shuffle_id: str, why: str) -> None:
@@ -301,11 +231,12 @@ def _release_failed(shuffle_id: str, why: str) -> None:
 
 def release_all() -> int:
     """Release every shuffle this process's bridge holds; returns how many."""
-    return sum(release(s) for s in _live.ids())
+    return sum(release(s) for s in held_shuffles())
 
 
 def held_shuffles() -> list[str]:
-    return _live.ids()
+    """The ids of the bridge's shuffles this process holds for their reduce stages."""
+    return [s for s in lifecycle.held_shuffle_ids() if s.startswith(SHUFFLE_ID_PREFIX + "-")]
 
 
 def _explain_spark_failure(exc: BaseException) -> str:
@@ -345,80 +276,75 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
     once: the reduce stage consumes while the maps write. Otherwise one Spark job's tasks
     write through hybrid_ray, and this returns when the job is done. A failed map stage
     removes the shuffle's data and raises ``ShuffleFailedError`` (from here, from
-    ``BridgeShuffle.report``, and in the reduce tasks)."""
-    global _last_shuffle
+    ``BridgeShuffle.report``, and in the reduce tasks).
+
+    Either way the shuffle is one ``hybrid_ray.lifecycle.ShuffleLifecycle``, held (kept
+    alive, its lost maps re-run) until ``release``."""
     if not ray.is_initialized():
         raise ShuffleFailedError("Ray is not running in this process: start Spark with "
                                  "spark_bridge.init_spark(...) first")
     check_remote_tier(config)  # before Spark runs a task
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    master = get_master(config.namespace)
-    shuffle = BridgeShuffle(f"spk-{uuid.uuid4().hex[:12]}", num_partitions, config,
-                            shuffled_schema or to_arrow_schema(df.schema))
-    started = time.monotonic()
     if scan is not None:  # planned by the caller (``plan_scan``): not planned twice
         why_not = ""
     elif direct_scan:
         scan, why_not = parquet_scan.plan_scan(df, config.map_chunk_bytes)
     else:
         why_not = "direct_scan=False"
+    policy = AttemptPolicy.FIRST_FINISH if scan is not None else AttemptPolicy.CHOSEN_AT_SEAL
+    life = ShuffleLifecycle(config, num_partitions, f"spark_{operation}", policy=policy,
+                            id_prefix=SHUFFLE_ID_PREFIX)
+    shuffle = BridgeShuffle(life.shuffle_id, num_partitions, config,
+                            shuffled_schema or to_arrow_schema(df.schema))
     if scan is not None:
         # The map count is known: readers can tell when the shuffle is complete. Lost maps
-        # (their writer died with their memory-tier segments) can be run again.
-        ray.get(master.register.remote(shuffle.shuffle_id, len(scan.pieces), num_partitions,
-                                       config, True))
-        _live.add(shuffle.shuffle_id, config)
+        # (their writer died with their memory-tier segments) run again, also after the
+        # map stage, for as long as the shuffle is held.
+        life.register(len(scan.pieces))
+        life.hold()
 
-        def run_direct() -> tuple[str, int, int]:
-            num_maps, input_bytes = parquet_scan.run_maps(
-                scan, shuffle.shuffle_id, num_partitions, partitioner, config, master,
-                transform)
-            # While the stage ran, its dispatcher re-ran lost maps; from now on, the bridge.
-            _live.recover_with(shuffle.shuffle_id, lambda lost: parquet_scan.run_maps(
-                scan, shuffle.shuffle_id, num_partitions, partitioner, config, master,
-                transform, only=lost))
-            return "parquet files", num_maps, input_bytes
-        threading.Thread(target=_map_stage, daemon=True, name=f"{shuffle.shuffle_id}-maps",
-                         args=(shuffle, master, operation, started, run_direct)).start()
-        _last_shuffle = shuffle
+        def run_direct() -> tuple[str, int]:
+            input_bytes = parquet_scan.run_maps(scan, life, num_partitions, partitioner,
+                                                config, transform)
+            # While the stage ran, its MapRunner re-ran lost maps; from now on, the holder.
+            life.hold(rerun=lambda lost: parquet_scan.run_maps(
+                scan, life, num_partitions, partitioner, config, transform, only=lost))
+            return "parquet files", input_bytes
+        threading.Thread(target=_map_stage, daemon=True, name=f"{life.shuffle_id}-maps",
+                         args=(shuffle, life, run_direct)).start()
+        _last.shuffle = shuffle
         return shuffle
 
-    ray.get(master.register.remote(shuffle.shuffle_id, None, num_partitions, config))
-    _live.add(shuffle.shuffle_id, config)
+    life.register()
+    life.hold()
     address = ray.get_runtime_context().gcs_address
-    fn = make_map_function(address, shuffle.shuffle_id, num_partitions, partitioner, config,
+    fn = make_map_function(address, life.shuffle_id, num_partitions, partitioner, config,
                            transform)
 
-    def run_in_executors() -> tuple[str, int, int]:
+    def run_in_executors() -> tuple[str, int]:
         rows = df.mapInArrow(fn, MAP_RESULT_SCHEMA).collect()
         num_maps = len(rows)
         if sorted(r.map_index for r in rows) != list(range(num_maps)):
-            raise ShuffleFailedError(f"map stage of {shuffle.shuffle_id} returned map "
+            raise ShuffleFailedError(f"map stage of {life.shuffle_id} returned map "
                                      f"indices {sorted(r.map_index for r in rows)}")
-        ray.get(master.seal.remote(shuffle.shuffle_id, num_maps,
-                                   {r.map_index: r.attempt for r in rows}))
-        return f"spark executors ({why_not})", num_maps, sum(r.bytes for r in rows)
-    _map_stage(shuffle, master, operation, started, run_in_executors)
+        life.seal(num_maps, {r.map_index: r.attempt for r in rows})
+        return f"spark executors ({why_not})", sum(r.bytes for r in rows)
+    _map_stage(shuffle, life, run_in_executors)
     shuffle.report  # raises if the map stage failed  # noqa: B018
-    _last_shuffle = shuffle
+    _last.shuffle = shuffle
     return shuffle
 
 
-def _map_stage(shuffle: BridgeShuffle, master: Any, operation: str, started: float,
-               run: Callable[[], tuple[str, int, int]]) -> None:
+def _map_stage(shuffle: BridgeShuffle, life: ShuffleLifecycle,
+               run: Callable[[], tuple[str, int]]) -> None:
     """Run a map stage, then complete ``shuffle`` with its report or its error (the data
     of a failed stage is removed, and its readers are told why)."""
     try:
-        map_input, _num_maps, input_bytes = run()
-        summary = ray.get(master.summary.remote(shuffle.shuffle_id))
-        report = _make_report(summary, f"spark_{operation}", shuffle.config,
-                              time.monotonic() - started)
-        report.input_bytes = input_bytes
-        report.map_input = map_input
-        shuffle._report = report
+        map_input, input_bytes = run()
+        shuffle._report = life.report(input_bytes=input_bytes, map_input=map_input)
     except BaseException as exc:
-        if shuffle.shuffle_id not in _live.ids():
+        if life.released:
             # Released by the user (release(df), release_all, stop_spark) while the maps
             # ran: that, not the maps' resulting "unknown shuffle", is what happened.
             why = ("it was released (spark_bridge.release, release_all or stop_spark) "
@@ -426,6 +352,7 @@ def _map_stage(shuffle: BridgeShuffle, master: Any, operation: str, started: flo
         else:
             why = f"its map stage failed: {_explain_spark_failure(exc)}"
             _release_failed(shuffle.shuffle_id, why)
+        operation = life.operation.removeprefix("spark_")
         error = ShuffleFailedError(f"spark_bridge {operation}: hybrid_ray shuffle "
                                    f"{shuffle.shuffle_id} did not complete and its data was "
                                    f"removed: {why}")

@@ -24,12 +24,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import ray
 
 from hybrid_ray.actors import get_writers
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.partitioning import Partitioner
-from hybrid_ray.shuffle import _MapDispatcher, write_map_partition
+from hybrid_ray.lifecycle import MapRunner, ShuffleLifecycle
+from hybrid_ray.map_task import write_map_partition
 
 # Reader options that only choose which files are listed (Spark lower-cases option keys).
 LISTING_OPTIONS = {"path", "paths", "pathglobfilter", "recursivefilelookup",
@@ -238,21 +238,14 @@ def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, sche
     return {"rows": stats.rows if stats else 0, "bytes": input_bytes, "skipped": stats is None}
 
 
-def run_maps(scan: ParquetScan, shuffle_id: str, num_partitions: int,
-             partitioner: Partitioner, config: ShuffleConfig, master: Any,
+def run_maps(scan: ParquetScan, shuffle: ShuffleLifecycle, num_partitions: int,
+             partitioner: Partitioner, config: ShuffleConfig,
              transform: Callable[[pa.Table], pa.Table] | None,
-             only: Sequence[int] | None = None) -> tuple[int, int]:
-    """Run every piece's map (or the maps ``only``) on the writer actors; returns (maps,
-    input bytes). Raises the first map's error (a writer that died is retried by Ray, as a
-    new map attempt)."""
-    maps = _MapDispatcher(get_writers(config.namespace), scan.pieces, shuffle_id, master,
-                          map_parquet_piece,
-                          (scan.schema, num_partitions, partitioner, config, master, transform),
-                          maps=only)
-    while not maps.done:
-        maps.poll()
-        running = maps.running_refs()
-        if running:
-            ray.wait(running, num_returns=1, timeout=1.0, fetch_local=False)
-    return len(scan.pieces), sum(r["bytes"] for r in maps.results.values())
-
+             only: Sequence[int] | None = None) -> int:
+    """Run every piece's map (or the maps ``only``) of ``shuffle`` on the writer actors;
+    returns the input bytes read. Raises the first map's error (a writer that died is
+    retried by Ray, as a new map attempt)."""
+    maps = MapRunner(shuffle, get_writers(config.namespace), scan.pieces, map_parquet_piece,
+                     (scan.schema, num_partitions, partitioner, config, shuffle.master,
+                      transform), maps=only)
+    return sum(r["bytes"] for r in maps.run_to_end().values())

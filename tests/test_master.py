@@ -7,8 +7,8 @@ import pytest
 from hybrid_ray import (
     SegmentId, SegmentMeta, ShuffleConfig, ShuffleFailedError, ShuffleNotFoundError, TierName,
 )
+from hybrid_ray.errors import ShuffleStateError
 from hybrid_ray.master import ShuffleRegistry
-from hybrid_ray.tier_manager import TierManager
 
 
 class Clock:
@@ -97,22 +97,6 @@ def test_orphans_expire_after_ttl_without_heartbeat(registry):
     assert registry.released_ids == ["s"]
 
 
-def test_memory_quotas_by_weight_never_exceed_budget(ray_local, tmp_path):
-    tm = TierManager("n1", object_store_bytes=1000)
-    base = ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)])
-    assert tm.register_shuffle("a", base) == 500
-    tm.register_shuffle("b", base.replace(memory_weight=3.0))
-    assert (tm.quota("a"), tm.quota("b")) == (125, 375)
-    assert tm.reserve("a", [125])[0].grant.tier == TierName.MEMORY
-    assert tm.reserve("a", [1])[0].grant.tier == TierName.DISK  # over its quota
-    assert tm.reserve("b", [376])[0].grant.tier == TierName.DISK
-    tm.release_shuffle("b")
-    assert tm.quota("a") == 500  # quota returns when a shuffle ends
-    assert tm.memory.used_bytes == 125
-    tm.release_shuffle("a")
-    assert tm.memory.used_bytes == 0
-
-
 def test_open_map_count_grows_until_sealed(registry):
     """Spark decides its map count when the job runs: the shuffle stays incomplete until the
     driver seals it at the count of map tasks that finished."""
@@ -122,12 +106,12 @@ def test_open_map_count_grows_until_sealed(registry):
         registry.commit("open", m, a, [meta("open", m, 0, 0, a)])
         registry.finish_map("open", m, a)
     assert not registry.poll("open", 0, {}).done  # all finished, but not sealed
-    with pytest.raises(ValueError, match=r"maps \[3\] did not finish"):
+    with pytest.raises(ShuffleStateError, match=r"maps \[3\] did not finish"):
         registry.seal("open", 4)
     registry.seal("open", 3)
     res = registry.poll("open", 0, {})
     assert res.done and sorted(m for m, _, _, _ in res.updates) == [0, 1, 2]
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ShuffleStateError, match="outside"):
         registry.begin_map("open", 3, "n1")  # sealed: no more maps
 
 
@@ -152,7 +136,7 @@ def test_open_shuffle_keeps_the_attempt_spark_reports_not_the_first_to_finish(re
     res = registry.poll("open", 0, {})
     assert res.done and [(m, a, len(segs)) for m, a, _, segs in res.updates] == [(0, retry, 3)]
     assert registry.deleted == [meta("open", 0, 0, 0, partial)]
-    assert registry.summary("open")["superseded_attempts"] == 1
+    assert registry.summary("open").superseded_attempts == 1
 
 
 def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
@@ -166,7 +150,7 @@ def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
     assert registry.free_subpartition("s", 0) == 0  # idempotent
     assert registry.free_subpartition("unknown", 0) == 0
     summary = registry.summary("s")  # bytes per tier still count the freed segments
-    assert summary["per_node_tier"] == {"n1|disk": [30, 3]}
+    assert summary.per_node_tier == {"n1": {"disk": (30, 3)}}
 
 
 def _finish(registry, m, subs=(0, 1), shuffle="s"):
@@ -201,7 +185,7 @@ def test_lost_finished_map_is_rerun_and_readers_reset(registry):
     res = registry.poll("r", 0, cursors)
     (m, attempt, reset, metas), = [u for u in res.updates if u[0] == 0]
     assert (attempt, reset, [x.id.attempt for x in metas]) == (a1, True, [a1]) and res.done
-    assert registry.summary("r")["lost_maps_rerun"] == 1
+    assert registry.summary("r").lost_maps_rerun == 1
     # A late report about the old attempt changes nothing.
     assert registry.report_lost("r", 0, a0) is True and registry.take_lost("r") == []
 
@@ -216,32 +200,3 @@ def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     assert registry.report_lost("s", 1, b0) is True
 
 
-def test_tier_manager_gives_back_a_segment_s_space_once(tmp_path):
-    """A failed attempt's segments are freed by its writer's abort and again when the
-    master drops the attempt: the space must come back once, not twice."""
-    tm = TierManager("n1", object_store_bytes=1000)
-    tm.register_shuffle("a", ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)]))
-    grants = [p.grant for p in tm.reserve("a", [100, 100])]
-    assert all(g.tier == TierName.DISK or g.tier == TierName.MEMORY for g in grants)
-    tm.settle("a", [(g, 100) for g in grants])
-    used = {g.tier: 0 for g in grants}
-    for g in grants:
-        used[g.tier] += 100
-    first = SegmentMeta(SegmentId("a", 0, 0, 0, 0), grants[0].tier, 100, 1, "n1",
-                        str(tmp_path / "seg0"))
-    tm.free_segments("a", [first])
-    tm.free_segments("a", [first])  # the master's drop of the same attempt
-    tier = tm.memory if grants[0].tier == TierName.MEMORY else tm._tier("a", TierName.DISK)
-    assert tier.used_by("a") == used[grants[0].tier] - 100
-
-
-def test_a_released_shuffle_cannot_register_again_on_a_node(tmp_path):
-    """A map that began just before its shuffle was released must not register it on its
-    node's tier manager again: the registration, and its space, would stay for good."""
-    tm = TierManager("n1", object_store_bytes=1000)
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
-    tm.register_shuffle("s", cfg)
-    tm.release_shuffle("s")
-    with pytest.raises(ShuffleNotFoundError, match="was released on node n1"):
-        tm.register_shuffle("s", cfg)
-    assert tm.usage().shuffles == ()

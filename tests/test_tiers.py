@@ -15,7 +15,6 @@ from hybrid_ray import (
     CorruptSegmentError, MiB, RemoteTierError, SegmentId, ShuffleConfig, TierName,
     decode_segment, encode_segment,
 )
-from hybrid_ray.tier_manager import TierManager
 from hybrid_ray.tiers import DiskTier, MemoryTier, RemoteTier
 
 
@@ -331,35 +330,18 @@ def test_lru_cache_keeps_the_most_recent_and_tells_what_it_evicts():
 def test_a_long_lived_process_keeps_a_bounded_number_of_tier_sets(tmp_path):
     """A writer or reader actor serves shuffle after shuffle, each config new (a job id per
     run): it kept every tier set it opened. Now the oldest go, their transfer pools shut."""
-    from hybrid_ray import shuffle
+    from hybrid_ray import io_tiers
 
     opened = []
-    for i in range(shuffle.IO_CACHE_SIZE + 4):
+    for i in range(io_tiers.IO_CACHE_SIZE + 4):
         cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], job_id=f"job{i}",
                             remote_path=f"file://{tmp_path}/remote")
-        tiers = shuffle._io_tiers_cached(cfg, "node-a", own_memory_segments=True)
-        assert shuffle._io_tiers_cached(cfg, "node-a", own_memory_segments=True) is tiers
+        tiers = io_tiers.io_tiers_for(cfg, "node-a", own_memory_segments=True)
+        assert io_tiers.io_tiers_for(cfg, "node-a", own_memory_segments=True) is tiers
         tiers[TierName.REMOTE].io_pool()  # a transfer pool, as a writer's uploads start one
         opened.append(tiers[TierName.REMOTE])
-    assert len(shuffle._IO_CACHE) <= shuffle.IO_CACHE_SIZE
+    assert len(io_tiers.IO_CACHE) <= io_tiers.IO_CACHE_SIZE
     assert all(t._pool is None for t in opened[:4])  # evicted: pools shut down
-    assert all(t._pool is not None for t in opened[-shuffle.IO_CACHE_SIZE:])
+    assert all(t._pool is not None for t in opened[-io_tiers.IO_CACHE_SIZE:])
 
 
-def test_tier_manager_closes_remote_tiers_no_registered_shuffle_uses(tmp_path):
-    from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT
-
-    tm = TierManager("node-a", 0)
-    configs = {f"shf-{i:03d}": ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
-                                              job_id=f"job{i}",
-                                              remote_path=f"file://{tmp_path}/remote")
-               for i in range(REMOTE_TIERS_KEPT + 3)}
-    for shuffle_id, cfg in configs.items():
-        tm.register_shuffle(shuffle_id, cfg)
-    # Every registered shuffle keeps its own remote tier, however many there are.
-    tiers = {s: tm.remote_tier(s) for s in configs}
-    assert len({id(t) for t in tiers.values()}) == len(configs)
-    assert {t.job_id for t in tiers.values()} == {c.job_id for c in configs.values()}
-    for shuffle_id in configs:
-        tm.release_shuffle(shuffle_id)
-    assert len(tm._remotes) <= REMOTE_TIERS_KEPT

@@ -1,0 +1,44 @@
+"""The tiers a worker process writes and reads through, opened once per config.
+
+A writer or reader actor serves shuffle after shuffle, often each with a new config (a job
+id per run). Opening tiers costs (a remote tier starts a transfer pool and an fsspec
+client), so a process keeps the tier sets of its last ``IO_CACHE_SIZE`` configs and closes
+the ones it evicts.
+"""
+
+from __future__ import annotations
+
+from hybrid_ray.actors import get_tier_manager
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.tiers.cache import LruCache
+
+
+def io_tiers_for(config: ShuffleConfig, node_id: str,
+                 own_memory_segments: bool = False) -> dict:
+    """This process's I/O tiers for ``config`` on ``node_id``, opened once and kept in a
+    bounded cache (``IO_CACHE``).
+
+    ``own_memory_segments``: memory-tier objects are owned by this process (a writer
+    actor that outlives the shuffle); otherwise by the node's tier manager."""
+    # ShuffleConfig holds dicts (unhashable); cache on its repr, which is deterministic.
+    key = (repr(config), node_id, own_memory_segments)
+
+    def open_tiers() -> dict:
+        from hybrid_ray.tier_manager import build_io_tiers
+
+        owner = None if own_memory_segments else get_tier_manager(node_id, config.namespace)
+        return build_io_tiers(config, owner=owner, check_remote=False, node_id=node_id)
+    return IO_CACHE.get_or_create(key, open_tiers)
+
+
+def _close_io_tiers(tiers: dict) -> None:
+    remote = tiers.get(TierName.REMOTE)
+    if remote is not None:
+        remote.close()
+
+
+# The tiers of the last IO_CACHE_SIZE configs this process wrote or read with: a
+# long-lived writer or reader serves shuffle after shuffle, often each with a new config
+# (a job id per run), and kept every tier set it ever opened.
+IO_CACHE_SIZE = 8
+IO_CACHE: LruCache[dict] = LruCache(IO_CACHE_SIZE, on_evict=_close_io_tiers)

@@ -1,0 +1,528 @@
+"""The life of one shuffle on its driver: register, run maps, keep alive, re-run lost maps,
+seal, report, release.
+
+``ShuffleLifecycle`` is that one object per shuffle. Every path that shuffles through
+hybrid_ray's tiers drives its shuffle with it; they differ in where the maps come from and
+in which attempt of a map counts (``AttemptPolicy``):
+
+=====================================  ===========================  =======================
+path                                   maps come from               attempt that counts
+=====================================  ===========================  =======================
+``shuffle.run_shuffle`` (Ray Data)     Ray blocks, on writer        first to finish
+                                       actors (``MapRunner``)       (``FIRST_FINISH``)
+``spark_bridge`` direct parquet scan   parquet pieces, on writer    first to finish
+                                       actors (``MapRunner``)
+``spark_bridge`` executor map stage    Spark tasks in the           the one Spark reports
+                                       executors' Python workers    succeeded, at ``seal``
+                                                                    (``CHOSEN_AT_SEAL``)
+JVM shuffle manager                    Spark's JVM map writers      the ones Spark's
+                                                                    ``MapOutputTracker``
+                                                                    lists (``spark_jvm``)
+=====================================  ===========================  =======================
+
+The JVM shuffle manager's driver is a JVM (Spark's ``ShuffleManager`` lives there), so it
+drives the same phases on the same ``ShuffleRegistry`` through the master's ``spark_*``
+calls (``hybrid_ray.spark_jvm``) rather than through this class.
+
+Heartbeats and the re-running of lost maps exist once, here: while a call runs its
+shuffle, the caller's loop heartbeats (``heartbeat``) and its ``MapRunner`` takes lost
+maps; a shuffle whose data outlives the call (the Spark bridge's, read by a lazy
+DataFrame) is *held* (``hold``): a daemon thread heartbeats it and re-runs its lost maps
+until it is released.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from hybrid_ray import metrics
+from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, get_master
+from hybrid_ray.clients import WriteStats
+from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
+from hybrid_ray.config import ShuffleConfig
+from hybrid_ray.errors import (
+    ConfigError, ShuffleFailedError, ShuffleMasterLostError, ShuffleNotFoundError,
+)
+from hybrid_ray.master import ShuffleSummary
+from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
+from hybrid_ray.report import PhaseTimes, ShuffleReport, Stopwatch
+
+# How often a held shuffle's thread asks the master for maps to run again (their output
+# died with its writer); readers wait for the new attempt meanwhile.
+RECOVERY_POLL_S = 1.0
+# Errors of held shuffles' background work (heartbeats, re-runs) kept for ``held_errors``.
+HELD_ERRORS_KEPT = 100
+
+
+class AttemptPolicy(enum.Enum):
+    """Which attempt of a map counts (see ``ShuffleRegistry``)."""
+
+    # Maps run on hybrid_ray's writer actors; the map count is known at registration. The
+    # first attempt to finish wins; a map whose finished output is lost runs again.
+    FIRST_FINISH = "first_finish"
+    # Maps run as an engine's tasks (Spark executors' Python workers), attempts side by
+    # side (speculation, retries); the map count is known once the stage ran. The driver
+    # seals the shuffle with the attempt of each map that the engine reports succeeded.
+    CHOSEN_AT_SEAL = "chosen_at_seal"
+
+
+def _unwrap_task_error(exc: BaseException) -> BaseException:
+    """The error behind ``exc``: a task's error unwrapped from Ray's ``RayTaskError``s."""
+    cause = exc
+    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None \
+            and cause.cause is not cause:
+        cause = cause.cause
+    return cause
+
+
+def describe_cause(exc: BaseException) -> str:
+    """``Type: message`` of the error behind ``exc``: a task's error is unwrapped from
+    Ray's ``RayTaskError``, whose text is the whole remote traceback (kept on the
+    exception chain, not pasted into messages)."""
+    cause = _unwrap_task_error(exc)
+    text = str(cause).strip()
+    if isinstance(cause, ray.exceptions.RayTaskError):
+        text = text.splitlines()[-1] if text else text  # no cause object: its last line
+    if isinstance(cause, ShuffleFailedError):
+        return text  # already says what failed
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
+def error_kind(exc: BaseException) -> str:
+    """The class name of the error behind a failed shuffle (a task's error unwrapped from
+    Ray's ``RayTaskError``, as ``describe_cause`` does): the ``kind`` of the error metric."""
+    return type(_unwrap_task_error(exc)).__name__
+
+
+def report_from_summary(summary: ShuffleSummary, operation: str, config: ShuffleConfig,
+                        wall: float, phases: PhaseTimes | None = None) -> ShuffleReport:
+    """The report of a finished shuffle from the master's books. ``phases``: the driver's
+    measurements, to which the writers' control-plane time (in the maps' stats) is added;
+    None leaves the report without phases (not measured)."""
+    stats = WriteStats()
+    for s in summary.map_stats:
+        if s is not None:
+            stats.merge(s)
+    first, last = summary.first_delivery, summary.last_map_finish
+    return ShuffleReport(
+        shuffle_id=summary.shuffle_id, operation=operation, mode=config.mode.value,
+        spilling=config.spilling.value, num_maps=summary.num_maps,
+        num_partitions=summary.num_subpartitions, rows=stats.rows,
+        input_bytes=0, wall_time_s=wall,
+        per_node_tier={node: dict(tiers) for node, tiers in summary.per_node_tier.items()},
+        tier_switches=stats.tier_switches, spill_events=stats.spill_events,
+        superseded_attempts=summary.superseded_attempts,
+        lost_maps_rerun=summary.lost_maps_rerun,
+        hybrid_overlap=bool(first is not None and last is not None and first < last),
+        uncompressed_segments=stats.uncompressed_segments,
+        phases=None if phases is None else dataclasses.replace(
+            phases, control_plane=phases.control_plane + stats.control_plane_s),
+    )
+
+
+class ShuffleLifecycle:
+    """One shuffle on its driver, from registration to release (see the module docstring).
+
+    Every call to the master goes through here and is timed into ``control`` (the
+    driver's share of the report's control-plane time). Calls the driver does not wait for
+    (heartbeats, freeing subpartitions) are checked later, never dropped: an error in one
+    surfaces at the next heartbeat or at ``summary``.
+    """
+
+    def __init__(self, config: ShuffleConfig, num_partitions: int, operation: str, *,
+                 policy: AttemptPolicy = AttemptPolicy.FIRST_FINISH, id_prefix: str = "shf",
+                 master: Any = None) -> None:
+        """``operation`` names the shuffle in reports and errors; ``id_prefix`` starts its
+        id (``shf`` for Ray shuffles, ``spk`` for the Spark bridge's)."""
+        if not isinstance(policy, AttemptPolicy):
+            raise ConfigError(f"policy must be a hybrid_ray.lifecycle.AttemptPolicy, got "
+                              f"{policy!r}")
+        self.config = config
+        self.num_partitions = num_partitions
+        self.operation = operation
+        self.policy = policy
+        self.shuffle_id = f"{id_prefix}-{uuid.uuid4().hex[:12]}"
+        self.master = master if master is not None else get_master(config.namespace)
+        self.control = Stopwatch()
+        self.started = time.perf_counter()
+        self.released = False
+        self._last_beat = 0.0
+        self._unchecked: list[ray.ObjectRef] = []  # calls not waited for, checked later
+
+    # ---- the phases, in order ------------------------------------------------------------
+    def register(self, num_maps: int | None = None) -> None:
+        """Register with the master: ``num_maps`` maps (``FIRST_FINISH``), or a map count
+        left open until ``seal`` (``CHOSEN_AT_SEAL``, ``num_maps`` None)."""
+        if (num_maps is None) != (self.policy is AttemptPolicy.CHOSEN_AT_SEAL):
+            raise ConfigError(
+                f"a {self.policy.value} shuffle registers "
+                + ("with its map count" if num_maps is None else
+                   "without a map count (it is fixed at seal)"))
+        self._call(self.master.register, num_maps, self.num_partitions, self.config,
+                   self.policy is AttemptPolicy.FIRST_FINISH)
+        self._last_beat = time.monotonic()
+
+    def heartbeat(self, force: bool = False) -> None:
+        """Tell the master this driver still holds the shuffle (it expires a silent one
+        after ``orphan_ttl_s``), at most every ``HEARTBEAT_S`` unless ``force``. Not waited
+        for; the previous beat's answer is checked here (a shuffle the master no longer
+        knows raises ``ShuffleNotFoundError``)."""
+        now = time.monotonic()
+        if not force and now - self._last_beat < HEARTBEAT_S:
+            return
+        self._check_unchecked(wait=False)
+        with self.control:
+            self._unchecked.append(self.master.heartbeat.remote(self.shuffle_id))
+        self._last_beat = now
+
+    def take_lost(self) -> list[int]:
+        """Maps whose finished output was lost, to run again (each returned once)."""
+        return self._call(self.master.take_lost)
+
+    def free_subpartition(self, subpartition: int) -> None:
+        """A reducer's output is stored: its subpartition's segments can go (not waited
+        for; checked at the next heartbeat or at ``summary``)."""
+        with self.control:
+            self._unchecked.append(
+                self.master.free_subpartition.remote(self.shuffle_id, subpartition))
+
+    def seal(self, num_maps: int, attempts: Mapping[int, int]) -> None:
+        """Fix the map count of a ``CHOSEN_AT_SEAL`` shuffle and the attempt of each map
+        that counts (map -> attempt, as the engine reports its succeeded tasks)."""
+        if self.policy is not AttemptPolicy.CHOSEN_AT_SEAL:
+            raise ConfigError(f"a {self.policy.value} shuffle is sealed at registration")
+        self._call(self.master.seal, num_maps, dict(attempts))
+
+    def summary(self) -> ShuffleSummary:
+        """The master's books of the shuffle (after every call not waited for landed)."""
+        self._check_unchecked(wait=True)
+        return self._call(self.master.summary)
+
+    def report(self, wall: float | None = None, phases: PhaseTimes | None = None,
+               input_bytes: int = 0, map_input: str = "") -> ShuffleReport:
+        """The shuffle's report: ``wall`` seconds (default: since this object was made),
+        the driver's ``phases`` if measured. Records it in the metrics."""
+        wall = time.perf_counter() - self.started if wall is None else wall
+        report = report_from_summary(self.summary(), self.operation, self.config, wall,
+                                     phases)
+        report.input_bytes = input_bytes
+        report.map_input = map_input
+        metrics.record_shuffle(report)
+        return report
+
+    def release(self, reason: str = "", failed: bool = False) -> bool:
+        """Delete the shuffle's data on every node and the remote tier; readers still
+        running are told ``reason`` (with ``failed``, as a ``ShuffleFailedError``).
+        Returns whether the master knew the shuffle. Releasing twice is a no-op."""
+        _held.unhold(self.shuffle_id)
+        if self.released:
+            return False
+        self.released = True
+        return bool(self._call(self.master.release, reason, failed))
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """The shuffle failed with ``exc``: release its data (never masking ``exc``) and
+        return the error to raise, translated at this phase boundary: the cause first in
+        the message, Ray's remote traceback on ``__cause__`` rather than pasted in.
+
+        - a user's stop (``KeyboardInterrupt``) is returned as is;
+        - a gone master becomes ``ShuffleMasterLostError``;
+        - a bad input (a map's ``ConfigError``) stays a ``ConfigError``, without the
+          remote traceback around it;
+        - everything else becomes ``ShuffleFailedError`` naming the cause.
+        """
+        if not isinstance(exc, KeyboardInterrupt):  # a user's stop is not a failure
+            metrics.record_error(error_kind(exc))
+        # A deletion that fails stays queued at the master, which retries it until the
+        # data is gone; tasks still running fail at their next commit or poll.
+        master_alive = self._release_after_failure()
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        what = f"{self.operation} shuffle {self.shuffle_id}"
+        if not master_alive:
+            error: BaseException = ShuffleMasterLostError(
+                f"{what} failed: the shuffle master of namespace {self.config.namespace!r} "
+                "is gone (its node died or it was killed), and with it the books of every "
+                "shuffle in flight; run it again")
+            error.__cause__ = exc
+            return error
+        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+        if isinstance(cause, ConfigError):
+            error = ConfigError(f"{what} failed and its data was removed: {cause}")
+            error.__cause__, error.__suppress_context__ = None, True
+            return error
+        if isinstance(exc, ShuffleFailedError) and not isinstance(
+                exc, ray.exceptions.RayTaskError):
+            return exc
+        error = ShuffleFailedError(
+            f"{what} failed: {describe_cause(exc)} (its data was removed; the remote "
+            "traceback is on this error's __cause__)")
+        error.__cause__ = exc
+        return error
+
+    def hold(self, rerun: Callable[[list[int]], Any] | None = None) -> None:
+        """Keep the shuffle after the call that made it returns: a daemon thread
+        heartbeats it and, given ``rerun``, runs maps whose output was lost with
+        ``rerun(maps)`` until ``release``. A failed re-run releases the shuffle, telling
+        its readers why."""
+        _held.hold(self, rerun)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _call(self, method: Any, *args: Any) -> Any:
+        """A call to the master about this shuffle, waited for (bounded) and timed."""
+        with self.control:
+            return ray.get(method.remote(self.shuffle_id, *args),
+                           timeout=MASTER_CALL_TIMEOUT_S)
+
+    def _check_unchecked(self, wait: bool) -> None:
+        """Raise the error of a call not waited for, if one failed (``wait``: wait,
+        bounded, for all of them; else look only at those already answered)."""
+        if not self._unchecked:
+            return
+        if wait:
+            ready = self._unchecked
+            with self.control:
+                ray.wait(ready, num_returns=len(ready), timeout=MASTER_CALL_TIMEOUT_S,
+                         fetch_local=True)
+        else:
+            ready, _ = ray.wait(self._unchecked, num_returns=len(self._unchecked),
+                                timeout=0, fetch_local=True)
+        done = set(ready)
+        self._unchecked = [r for r in self._unchecked if r not in done]
+        for ref in ready:
+            ray.get(ref, timeout=MASTER_CALL_TIMEOUT_S)
+
+    def _release_after_failure(self) -> bool:
+        """Release a failed shuffle; returns False if the master is gone (nothing to
+        release: its books went with it; ``hybrid-ray cleanup`` removes the data left
+        behind)."""
+        _held.unhold(self.shuffle_id)
+        self.released = True
+        try:
+            ray.get(self.master.release.remote(self.shuffle_id, "its driver's shuffle failed",
+                                               True), timeout=MASTER_CALL_TIMEOUT_S)
+            return True
+        except ray.exceptions.RayActorError:
+            return False
+        except Exception:  # noqa: BLE001 - the shuffle's own error is what the caller needs
+            return True
+
+
+# ---- maps on the writer actors ------------------------------------------------------------
+class MapRunner:
+    """Runs the maps of one ``FIRST_FINISH`` shuffle on the writer actors, one map per
+    writer at a time.
+
+    A free writer takes the next map whose input is on its node, else the next map (so a
+    node with idle writers helps with the others' inputs). Maps reported lost
+    (``ShuffleRegistry.report_lost``) go to the front of the queue: readers wait for them.
+    """
+
+    def __init__(self, lifecycle: ShuffleLifecycle, writers: list[tuple[str, Any]],
+                 inputs: Sequence[Any], map_fn: Callable[..., Any], map_args: tuple,
+                 input_nodes: Sequence[str | None] | None = None,
+                 maps: Sequence[int] | None = None) -> None:
+        """Runs ``map_fn(shuffle_id, map_index, inputs[map_index], *map_args)`` for every
+        input (or the inputs ``maps``) on ``writers`` ((node, actor) pairs);
+        ``input_nodes[i]`` is the node holding input i (None: anywhere)."""
+        self._lifecycle = lifecycle
+        self._writers = writers
+        self._inputs = inputs
+        self._map_fn = map_fn
+        self._args = map_args
+        self._queue: collections.deque[int] = collections.deque(
+            range(len(inputs)) if maps is None else maps)
+        self._total = len(self._queue)
+        self._running: dict[int, tuple[int, ray.ObjectRef]] = {}  # writer -> (map, ref)
+        self._input_nodes = list(input_nodes) if input_nodes is not None \
+            else [None] * len(inputs)
+        self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
+        self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
+        self._dead_slots: set[int] = set()
+        # For the report's phases (perf_counter): when the first map was dispatched and
+        # the last one was seen finished.
+        self.first_dispatch: float | None = None
+        self.last_finish: float | None = None
+        self._dispatch()
+
+    @property
+    def done(self) -> bool:
+        return not self._queue and not self._running
+
+    @property
+    def num_finished(self) -> int:
+        return self._total - len(self._queue) - len(self._running)
+
+    def running_refs(self) -> list[ray.ObjectRef]:
+        return [ref for _, ref in self._running.values()]
+
+    def poll(self) -> None:
+        """Collect finished maps (raising a failed one's error), queue lost maps again,
+        and hand out the queue to free writers.
+
+        A writer that died with its node takes its running map with it: that map goes
+        back to the front of the queue, the node's writers leave the pool, and the map
+        runs again on another node (its dead attempt is superseded at the master). Maps
+        that had finished there and whose segments died with the node come back through
+        ``take_lost`` when a reader misses them.
+        """
+        if self._running:
+            by_ref = {ref: slot for slot, (_, ref) in self._running.items()}
+            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
+                                fetch_local=False)
+            for ref in ready:
+                slot = by_ref[ref]
+                map_index = self._running.pop(slot)[0]
+                try:
+                    self.results[map_index] = ray.get(ref)
+                    self.last_finish = time.perf_counter()
+                except WORKER_LOST_ERRORS as exc:
+                    node = self._writers[slot][0]
+                    if not lost_with_node(node, exc):
+                        raise
+                    self._drop_node(node)
+                    self._requeue([map_index])
+        self._requeue(self._lifecycle.take_lost())
+        self._dispatch()
+
+    def run_to_end(self, wait_s: float = 1.0) -> dict[int, Any]:
+        """Poll until every map ran (raising the first failed map's error); the maps'
+        results. For callers with nothing else to do meanwhile."""
+        while not self.done:
+            self.poll()
+            running = self.running_refs()
+            if running:
+                ray.wait(running, num_returns=1, timeout=wait_s, fetch_local=False)
+        return self.results
+
+    def _requeue(self, maps: Sequence[int]) -> None:
+        """Put maps at the front of the queue, each once: a map lost with its node can be
+        reported both by its writer's failure and by a reader missing its segments, and two
+        runs at once would supersede each other."""
+        running = {m for m, _ in self._running.values()}
+        fresh = [m for m in maps if m not in running and m not in self._queue]
+        self._queue.extendleft(reversed(fresh))
+
+    def _drop_node(self, node: str) -> None:
+        """Stop using the writers of a node that died (``lost_nodes`` records it)."""
+        self.lost_nodes.add(node)
+        self._dead_slots.update(slot for slot, (n, _) in enumerate(self._writers) if n == node)
+        if len(self._dead_slots) == len(self._writers):
+            raise ShuffleFailedError(
+                f"every node with writers died (last: {node}); no node is left to run the "
+                "maps on")
+
+    def _dispatch(self) -> None:
+        for slot, (node, writer) in enumerate(self._writers):
+            if not self._queue:
+                return
+            if slot in self._running or slot in self._dead_slots:
+                continue
+            pick = next((m for m in self._queue if self._input_nodes[m] == node),
+                        self._queue[0])
+            self._queue.remove(pick)
+            ref = writer.run.remote(self._map_fn, self._lifecycle.shuffle_id, pick,
+                                    self._inputs[pick], *self._args)
+            self._running[slot] = (pick, ref)
+            if self.first_dispatch is None:
+                self.first_dispatch = time.perf_counter()
+
+
+# ---- shuffles held after the call that made them -------------------------------------------
+class _HeldShuffles:
+    """Shuffles whose data outlives the call that made them, kept alive by one daemon
+    thread: it heartbeats each and re-runs the lost maps of those given a ``rerun``.
+    Errors of that background work are kept (``errors``), never swallowed silently."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[ShuffleLifecycle, Callable[[list[int]], Any] | None]] = {}
+        self._thread: threading.Thread | None = None
+        self.errors: collections.deque[str] = collections.deque(maxlen=HELD_ERRORS_KEPT)
+
+    def hold(self, lifecycle: ShuffleLifecycle,
+             rerun: Callable[[list[int]], Any] | None) -> None:
+        with self._lock:
+            self._held[lifecycle.shuffle_id] = (lifecycle, rerun)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="hybrid_ray-held-shuffles")
+                self._thread.start()
+
+    def unhold(self, shuffle_id: str) -> ShuffleLifecycle | None:
+        with self._lock:
+            entry = self._held.pop(shuffle_id, None)
+        return entry[0] if entry else None
+
+    def get(self, shuffle_id: str) -> ShuffleLifecycle | None:
+        with self._lock:
+            entry = self._held.get(shuffle_id)
+        return entry[0] if entry else None
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(RECOVERY_POLL_S)
+            with self._lock:
+                held = list(self._held.values())
+            for lifecycle, rerun in held:
+                self._tend(lifecycle, rerun)
+
+    def _tend(self, lifecycle: ShuffleLifecycle,
+              rerun: Callable[[list[int]], Any] | None) -> None:
+        try:
+            lifecycle.heartbeat()
+            lost = lifecycle.take_lost() if rerun is not None else []
+        except ShuffleNotFoundError as exc:  # released (or expired) meanwhile
+            if self.unhold(lifecycle.shuffle_id) is not None:
+                self._note(lifecycle, f"the master no longer knows it: {exc}")
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray going down, master restarting: retry
+            self._note(lifecycle, describe_cause(exc))
+            return
+        if not lost:
+            return
+        try:
+            rerun(lost)
+        except Exception as exc:  # noqa: BLE001 - told to the readers and kept
+            why = (f"re-running maps {lost}, whose output died with their writer, failed: "
+                   f"{describe_cause(exc)}")
+            self._note(lifecycle, why)
+            try:
+                lifecycle.release(why, failed=True)  # readers wait for those maps: tell them
+            except Exception as release_exc:  # noqa: BLE001 - the orphan TTL removes it
+                self._note(lifecycle, f"releasing it failed: {describe_cause(release_exc)}")
+
+    def _note(self, lifecycle: ShuffleLifecycle, what: str) -> None:
+        self.errors.append(f"{time.strftime('%H:%M:%S')} {lifecycle.shuffle_id}: {what}")
+
+
+_held = _HeldShuffles()
+
+
+def held_shuffle(shuffle_id: str) -> ShuffleLifecycle | None:
+    """The held shuffle with this id (None: not held, or released)."""
+    return _held.get(shuffle_id)
+
+
+def held_shuffle_ids() -> list[str]:
+    """The ids of the shuffles this process holds (see ``ShuffleLifecycle.hold``)."""
+    return _held.ids()
+
+
+def held_errors() -> list[str]:
+    """The most recent errors of held shuffles' background work (heartbeats, re-runs of
+    lost maps), oldest first, each with the time and the shuffle id."""
+    return list(_held.errors)

@@ -1,0 +1,221 @@
+"""The map task: one map partition written through the tiers of its node.
+
+Runs in any process connected to the cluster: a writer actor (``run_shuffle``, the Spark
+bridge's direct parquet scan) or a Spark executor's Python worker (the bridge's executor
+path). Each attempt of a map asks the shuffle master for an attempt number, cuts its rows
+into segments per subpartition (``clients.WriteClient``), commits them chunk by chunk so
+hybrid readers see data while the map still writes, and finishes; an attempt that fails
+deletes what it wrote before its error propagates.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from hybrid_ray.actors import ActorNodeStorage, get_tier_manager
+from hybrid_ray.clients import WriteClient, WriteStats
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import ConfigError, ShuffleFailedError
+from hybrid_ray.io_tiers import io_tiers_for
+from hybrid_ray.partitioning import Partitioner, split_by_partition
+from hybrid_ray.report import Stopwatch
+
+
+# ---- tasks -----------------------------------------------------------------------------------
+def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Table],
+                        num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
+                        master: Any, raise_if_superseded: bool = False,
+                        own_memory_segments: bool = False,
+                        on_attempt: Callable[[int], None] | None = None) -> WriteStats | None:
+    """Write one map partition through this node's tiers, committing chunk by chunk.
+
+    Runs in any process connected to the Ray cluster (a writer actor, or a Spark executor's
+    Python worker). Returns the write statistics, or None if an earlier attempt of this map
+    partition already finished (the master decides; this attempt then writes nothing).
+    On any error the attempt's segments are deleted before the error propagates.
+
+    ``own_memory_segments``: this process owns the memory-tier objects it writes (it must
+    outlive the shuffle: a writer actor). Otherwise the node's tier manager owns them,
+    at the cost of a second object-store copy (see ``put_many_owned_by``).
+    ``on_attempt``: told the attempt number the master gave this run (the Spark bridge
+    reports it, so the driver can seal with the attempts whose Spark tasks succeeded).
+    """
+    node_id = ray.get_runtime_context().get_node_id()
+    # Every bookkeeping call of this attempt is timed into one stopwatch: the report's
+    # control-plane time (the stats travel with finish_map, so that call is not in it).
+    control = Stopwatch()
+    with control:
+        attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id,
+                                                  os.getpid()))
+    if attempt is None:
+        return None
+    if on_attempt is not None:
+        on_attempt(attempt)
+    tm = get_tier_manager(node_id, config.namespace)
+    with control:
+        ray.get(tm.register_shuffle.remote(shuffle_id, config))
+    superseded = []
+
+    def commit(metas):
+        with control:
+            live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas))
+        if not live:
+            superseded.append(True)
+
+    client = WriteClient(shuffle_id, map_index, num_partitions, config,
+                         ActorNodeStorage(tm, control),
+                         io_tiers_for(config, node_id, own_memory_segments),
+                         attempt=attempt, node_id=node_id, on_commit=commit)
+    try:
+        # Commit chunk by chunk: hybrid readers see data while the partition is being written.
+        for chunk in chunks:
+            if chunk.num_rows == 0:
+                continue
+            parts = partitioner.assign(chunk, map_index, num_partitions)
+            client.write_many(split_by_partition(chunk, np.asarray(parts), num_partitions))
+            client.flush()
+            if superseded:
+                break
+        if not superseded:
+            client.close()  # commits the last segments (and may learn it was superseded)
+        if superseded:
+            # A newer attempt of this map runs (a lost map run again): the master refused
+            # and deleted this attempt's segments; its work is simply not needed.
+            client.abort()
+    except BaseException:
+        _abort_keeping_the_cause(client)
+        raise
+    finally:
+        # Drop this process's references to the memory-tier objects it wrote: the master
+        # holds the committed ones, and a cached, reused worker must not keep every
+        # segment it ever wrote alive in the object store.
+        memory = client.io_tiers.get(TierName.MEMORY)
+        if memory is not None:
+            memory.remove_shuffle_data(shuffle_id)
+    if superseded:
+        if raise_if_superseded:
+            raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded "
+                                     "before it finished; its segments do not count")
+        return None
+    client.stats.control_plane_s = control.seconds
+    finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
+    if not finished and raise_if_superseded:
+        # Spark runs speculative attempts side by side: report failure so Spark keeps the
+        # attempt whose segments count. (A Ray task retry only follows a dead attempt.)
+        raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded before "
+                                 "it finished; its segments do not count")
+    return client.stats
+
+
+def _abort_keeping_the_cause(client: WriteClient) -> None:
+    """Abort a failed map attempt's writes without masking why it failed.
+
+    The storage that failed the map often fails the abort's deletions too (an S3 store
+    that went down fails the upload, then the delete of what was uploaded before): the
+    map's error was then a raw ``EndpointConnectionError`` of the delete instead of the
+    ``RemoteTierError`` naming the upload. What the abort could not delete is deleted with
+    the shuffle: the failed map fails the shuffle (or, on Spark, its release), and the
+    master retries that deletion until the data is gone.
+    """
+    try:
+        client.abort()
+    except Exception:  # noqa: BLE001 - the map's own error is what the caller needs
+        pass
+
+
+def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.ObjectRef],
+              num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
+              master: Any, schema: pa.Schema | None = None) -> dict:
+    """One map of ``run_shuffle``, run by a writer actor (``get_writers``) that owns the
+    memory-tier segments it writes.
+
+    ``block`` is one table, or the references of a group of small input blocks (see
+    ``_group_blocks``) that this map reads and partitions as one table. Every block must
+    have ``schema`` (when given): a block that differs fails the map, before it writes
+    anything, with both schemas' differing fields named.
+    """
+    if isinstance(block, pa.Table):
+        tables = [block]
+    else:
+        tables = ray.get(list(block))
+    if schema is not None:
+        tables = [_conform(table, schema, f"input block {i} of map {map_index}")
+                  for i, table in enumerate(tables)]
+    if len(tables) > 1:
+        # One chunk, not one per block: the hash and split work per chunk.
+        block = pa.concat_tables(tables).combine_chunks()
+    else:
+        block = tables[0]
+    rows_per_chunk = max(1, int(block.num_rows * config.map_chunk_bytes / max(block.nbytes, 1)))
+    chunks = (block.slice(start, rows_per_chunk)
+              for start in range(0, block.num_rows, rows_per_chunk))
+    stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
+                                config, master, own_memory_segments=True)
+    return {"rows": stats.rows if stats else 0, "skipped": stats is None}
+
+
+def _describe_field(field: pa.Field | None, name: str) -> str:
+    if field is None:
+        return f"no column {name!r}"
+    return f"{field.name}: {field.type}{'' if field.nullable else ' not null'}"
+
+
+def _schema_difference(got: pa.Schema, expected: pa.Schema) -> str:
+    """The fields of two schemas that differ, named: 'id: int32 vs id: int64'."""
+    diffs = []
+    for name in dict.fromkeys(expected.names + got.names):
+        a = got.field(name) if name in got.names else None
+        b = expected.field(name) if name in expected.names else None
+        if a is None or b is None or not a.equals(b):
+            diffs.append(f"{_describe_field(a, name)} vs {_describe_field(b, name)}")
+    if not diffs and got.names != expected.names:
+        diffs.append(f"column order {got.names} vs {expected.names}")
+    return "; ".join(diffs)
+
+
+def _decoded(field: pa.Field) -> pa.DataType:
+    """A field's type with dictionary encoding taken off: the type of its values."""
+    t = field.type
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> pa.Schema:
+    """The one schema blocks with ``schemas`` are shuffled as.
+
+    Blocks may differ only in representation: a column dictionary-encoded in some blocks
+    and not in others (decoded to its value type) or nullable in some (nullable).
+    Anything else is refused with both differing fields named, and the fix.
+    """
+    first = schemas[0]
+    fields = list(first)
+    for i, other in enumerate(schemas[1:], 1):
+        if other.equals(first, check_metadata=False):
+            continue
+        if other.names != first.names or any(
+                _decoded(a) != _decoded(b) for a, b in zip(other, fields)):
+            raise ConfigError(
+                f"the blocks to shuffle have different schemas: {what(i)} differs from "
+                f"{what(0)} in {_schema_difference(other, first)}. Cast every block to one "
+                "schema first (e.g. ds.map_batches(lambda t: t.cast(schema), "
+                "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
+        for k, (a, b) in enumerate(zip(other, fields)):
+            if not a.equals(b):
+                fields[k] = pa.field(b.name, _decoded(b), b.nullable or a.nullable)
+    return pa.schema(fields, metadata=first.metadata)
+
+
+def _conform(table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
+    """``table`` as ``schema`` (dictionaries decoded: see ``unify_schemas``), or a
+    ConfigError naming the fields that differ."""
+    if table.schema.equals(schema, check_metadata=False):
+        return table
+    unify_schemas([schema, table.schema],
+                   lambda i: what if i else "the shuffle's schema")
+    return table.cast(schema)
+

@@ -1,0 +1,51 @@
+"""Which nodes of the Ray cluster are alive, and whether a failed call died with its node.
+
+The driver (``shuffle.run_shuffle``, ``lifecycle.MapRunner``) and the readers
+(``reduce_task``) both need to tell a worker that failed from a worker whose node is gone:
+only the second is recovered (its maps run again elsewhere, its subpartition is reduced
+again), the first fails the shuffle with its error.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+
+def cluster_cpus() -> int:
+    """The CPUs of the whole cluster (at least 1): the default number of reducers and the
+    unit in which map sizes and reader windows are planned."""
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def node_alive(node_id: str | None) -> bool:
+    """Whether Ray still counts ``node_id`` among its alive nodes (None: unknown, alive)."""
+    if not node_id:
+        return True
+    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+
+
+# What a call to a worker on a node that died raises: the actor died with it, or (hard
+# affinity to the gone node) it cannot be started again.
+WORKER_LOST_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
+
+
+# Ray's node table marks a removed node dead a moment after its actors' calls fail.
+NODE_DEATH_WAIT_S = 15.0
+
+
+def lost_with_node(node_id: str | None, exc: BaseException) -> bool:
+    """Whether a worker call failed because ``node_id`` died (waits, bounded, for Ray's
+    node table to agree; an unschedulable hard-pinned actor means the node is gone)."""
+    if not node_id:
+        return False
+    if isinstance(exc, ray.exceptions.ActorUnschedulableError):
+        return True
+    deadline = time.monotonic() + NODE_DEATH_WAIT_S
+    while time.monotonic() < deadline:
+        if not node_alive(node_id):
+            return True
+        time.sleep(0.5)
+    return False
+

@@ -1,0 +1,194 @@
+"""The reduce task: one subpartition read from every map, in map order.
+
+Runs in a reader actor (``run_shuffle``) or a Spark executor's Python worker (the bridge's
+reduce stage). The reader long-polls the shuffle master for new segments, reads each from
+whichever tier holds it (memory objects on any node, disk files of its own node directly
+and of other nodes through their tier manager, the remote store), and follows map attempts:
+a superseded or re-run map's rows read so far are dropped and the new attempt is read
+instead, so the result is exact.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, existing_tier_manager
+from hybrid_ray.clients import ReadClient
+from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import SegmentLostWithNodeError, SegmentNotFoundError
+from hybrid_ray.io_tiers import io_tiers_for
+from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
+from hybrid_ray.partitioning import Partitioner
+from hybrid_ray.report import ReduceTimes, Stopwatch
+from hybrid_ray.segment import SegmentMeta
+
+# A reader's long poll waits at most this long in the master for new segments (then it
+# asks again); a reader waiting for a map attempt to restart checks every POLL_RETRY_S.
+POLL_WAIT_S, POLL_RETRY_S = 1.0, 0.25
+# How long a reader waits for the new attempt of a map whose segment it found gone while
+# a re-run is coming (the attempt was superseded, is being retried, or its memory-tier
+# segments died with their writer and the driver re-runs it: see read_subpartition). A
+# re-run map may queue behind running maps for a free writer; read_subpartition's
+# ``missing_wait_s`` overrides it. A disk or remote segment of a finished map that is gone
+# is lost for good and fails at once.
+MISSING_SEGMENT_WAIT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Missing:
+    """A segment found gone whose map will run again: the reader waits for its new attempt
+    (the master then resets the reader's cursor for that map)."""
+
+    meta: SegmentMeta
+    error: SegmentNotFoundError
+
+
+def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
+                      master: Any, missing_wait_s: float = MISSING_SEGMENT_WAIT_S,
+                      times: ReduceTimes | None = None) -> list[pa.Table]:
+    """All rows of one subpartition, in map order, once every map has finished.
+
+    Follows the maps while they write (hybrid): polls the master for new segments and reads
+    each from whichever tier holds it. If a map attempt is superseded, what was read of it is
+    dropped and the new attempt is read instead, so the result is exact. A memory-tier
+    segment that died with its owner is reported to the master, which has the map re-run
+    (or, if nobody can re-run it, the read fails). A disk or remote segment of a finished
+    map that is gone was removed by someone else (a cleanup, a tmp cleaner, a user): no
+    attempt will bring it back, so the read fails at once with ``SegmentNotFoundError``
+    naming the segment and its path. Waits for a coming attempt end after
+    ``missing_wait_s`` with the same error.
+
+    ``times``, if given, is added the seconds this read slept waiting for segments not
+    committed yet and spent in calls to the master (see ``report.PhaseTimes``).
+    """
+    node_id = ray.get_runtime_context().get_node_id()
+    times = times if times is not None else ReduceTimes()
+    control, waiting = Stopwatch(), Stopwatch()
+
+    def fetch_from_node(meta):
+        # Never start a tier manager here: one pinned to a dead node would never run.
+        tm = existing_tier_manager(meta.node_id, config.namespace)
+        try:
+            if tm is None:
+                raise ray.exceptions.ActorDiedError()
+            return ray.get(tm.read_disk_segment.remote(meta))
+        except WORKER_LOST_ERRORS as exc:
+            if not lost_with_node(meta.node_id, exc):
+                raise
+            raise SegmentLostWithNodeError(
+                f"{meta.id} is gone from the disk tier of node {meta.node_id}: the node "
+                "died") from None
+
+    reader = ReadClient(io_tiers_for(config, node_id), node_id, fetch_from_node)
+    cursors: dict[int, tuple[int, int]] = {}
+    per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
+
+    def read_updates(updates: list) -> tuple[bool, _Missing | None]:
+        """Read the poll's new segments in order: (whether any was read, the segment found
+        gone whose map runs again, if one was)."""
+        got = False
+        for map_index, attempt, reset, _ in updates:
+            if reset:
+                per_map[map_index] = []
+                cursors[map_index] = (attempt, 0)
+        # One pass over every new segment, so remote ones are fetched ahead across maps.
+        todo = [(map_index, attempt, meta)
+                for map_index, attempt, _, metas in updates for meta in metas]
+        tables = reader.read_in_order([meta for _, _, meta in todo], config.remote_transfers)
+        for map_index, attempt, meta in todo:
+            try:
+                per_map[map_index].append(next(tables))
+            except SegmentNotFoundError as exc:
+                # Memory segments die with their owner, any local segment with its node:
+                # the master has such a map run again (if anyone can). A disk or remote
+                # segment of a finished map on a live node is lost for good.
+                if meta.tier == TierName.MEMORY or isinstance(exc, SegmentLostWithNodeError):
+                    with control:
+                        rerun = ray.get(master.report_lost.remote(
+                            shuffle_id, map_index, attempt))
+                    if not rerun:
+                        raise
+                else:
+                    with control:
+                        finished = _finished_attempt(master, shuffle_id, map_index)
+                    if finished == attempt:
+                        raise _segment_lost(meta, exc, subpartition) from exc
+                return got, _Missing(meta, exc)
+            _, nxt = cursors.get(map_index, (attempt, 0))
+            cursors[map_index] = (attempt, nxt + 1)
+            got = True
+        return got, None
+
+    # A segment that vanished while its map was being retried (the dead attempt's data is
+    # deleted) is expected: wait for the master to reset that map to the new attempt.
+    # Still missing after missing_wait_s without a reset is real loss: fail loudly.
+    missing_since: float | None = None
+    while True:
+        # A long poll: the master answers at once if something is new, else holds the
+        # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
+        with control:
+            result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors,
+                                                os.getpid(), POLL_WAIT_S),
+                             timeout=POLL_WAIT_S + MASTER_CALL_TIMEOUT_S)
+        control.seconds -= result.waited_s
+        waiting.seconds += result.waited_s
+        got, missing = read_updates(result.updates)
+        if missing is not None:
+            now = time.monotonic()
+            missing_since = missing_since or now
+            if now - missing_since > missing_wait_s:
+                raise SegmentNotFoundError(
+                    f"subpartition {subpartition} of {shuffle_id}: {missing.meta.id} is gone "
+                    f"from the {missing.meta.tier.value} tier "
+                    f"({missing.meta.location or 'object store'}) and no new attempt of map "
+                    f"{missing.meta.id.map_partition} started within {missing_wait_s:.0f} s "
+                    f"({missing.error})") from missing.error
+            with waiting:
+                time.sleep(POLL_RETRY_S)
+            continue
+        missing_since = None
+        if result.done and not got:
+            break
+    times.waiting += waiting.seconds
+    times.control_plane += control.seconds
+    return [t for m in sorted(per_map) for t in per_map[m]]
+
+
+def _finished_attempt(master: Any, shuffle_id: str, map_index: int) -> int | None:
+    """The attempt of a map the master counts as finished (None: no attempt finished, so
+    one is still running or will be retried)."""
+    return ray.get(master.progress.remote(shuffle_id))["maps"][map_index]["finished"]
+
+
+def _segment_lost(meta: Any, cause: Exception, subpartition: int) -> SegmentNotFoundError:
+    """The error for a disk or remote segment of a finished map that is gone for good."""
+    return SegmentNotFoundError(
+        f"{meta.id} is gone from the {meta.tier.value} tier at {meta.location} (node "
+        f"{meta.node_id or '?'}), though its map finished: it was removed by someone else "
+        "while the shuffle ran (`hybrid-ray cleanup`, a tmp cleaner, a user's rm, a bucket "
+        "lifecycle rule). No attempt will bring it back; subpartition "
+        f"{subpartition} cannot be read. Keep spill dirs and remote_path out of other "
+        f"cleaners' reach and re-run the shuffle. ({cause})")
+
+
+def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
+                     partitioner: Partitioner, config: ShuffleConfig, master: Any
+                     ) -> tuple[pa.Table, tuple[int, int, pa.Schema], ReduceTimes]:
+    """One reducer (run by a reader ``ShuffleWorkerActor``): the finished partition, its
+    (rows, bytes, schema), from which the driver builds the output Dataset's block
+    metadata instead of running a task per block to learn it, and the reducer's waiting
+    and control-plane seconds for the report. Three separate returns: the driver waits on
+    the small ones without pulling the table to its node."""
+    times = ReduceTimes()
+    tables = read_subpartition(shuffle_id, subpartition, config, master, times=times)
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    table = partitioner.finalize(table, subpartition)
+    return table, (table.num_rows, table.nbytes, table.schema), times
+

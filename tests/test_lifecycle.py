@@ -1,0 +1,207 @@
+"""The shuffle lifecycle on a real local Ray: phases in order, held shuffles kept alive and
+their lost maps re-run, errors translated at the phase boundary, nothing swallowed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from conftest import base_config
+from hybrid_ray import lifecycle
+from hybrid_ray.config import MIN_ORPHAN_TTL_S, TierName
+from hybrid_ray.errors import (
+    ConfigError, ShuffleFailedError, ShuffleNotFoundError, ShuffleStateError,
+)
+from hybrid_ray.lifecycle import AttemptPolicy, ShuffleLifecycle
+from hybrid_ray.segment import SegmentId, SegmentMeta
+
+
+@pytest.fixture
+def config(ray_local, tmp_path):
+    return base_config(tmp_path, namespace="hr_lifecycle")
+
+
+def _known(shuffle: ShuffleLifecycle) -> bool:
+    try:
+        ray.get(shuffle.master.summary.remote(shuffle.shuffle_id))
+        return True
+    except ShuffleNotFoundError:
+        return False
+    except ShuffleFailedError:  # released as failed
+        return False
+
+
+def _finish_map_with_a_segment(shuffle: ShuffleLifecycle, map_index: int) -> int:
+    """Write one (memory-tier, location-less) segment of ``map_index`` and finish it, as a
+    writer would; returns the attempt."""
+    master = shuffle.master
+    attempt = ray.get(master.begin_map.remote(shuffle.shuffle_id, map_index, "node-x", 1))
+    meta = SegmentMeta(SegmentId(shuffle.shuffle_id, map_index, 0, 0, attempt),
+                       TierName.MEMORY, 10, 1, "node-x")
+    assert ray.get(master.commit.remote(shuffle.shuffle_id, map_index, attempt, [meta]))
+    assert ray.get(master.finish_map.remote(shuffle.shuffle_id, map_index, attempt, None))
+    return attempt
+
+
+def test_register_checks_the_policy_and_a_second_registration_is_a_typed_error(config):
+    first = ShuffleLifecycle(config, 2, "test")
+    with pytest.raises(ConfigError, match="first_finish shuffle registers with its map count"):
+        first.register(None)
+    first.register(1)
+    with pytest.raises(ConfigError, match="sealed at registration"):
+        first.seal(1, {0: 0})
+    open_ = ShuffleLifecycle(config, 2, "test", policy=AttemptPolicy.CHOSEN_AT_SEAL)
+    with pytest.raises(ConfigError, match="without a map count"):
+        open_.register(3)
+    # The registry's refusals cross the actor boundary as ShuffleStateError, not a bare
+    # ValueError inside Ray's wrapper.
+    with pytest.raises(ShuffleStateError, match="is already registered"):
+        ray.get(first.master.register.remote(first.shuffle_id, 1, 2, config))
+    assert first.release() is True
+    assert first.release() is False  # twice: a no-op
+    assert not _known(first)
+
+
+def test_seal_keeps_the_attempt_the_engine_reports_and_the_report_counts_it(config):
+    shuffle = ShuffleLifecycle(config, 1, "engine", policy=AttemptPolicy.CHOSEN_AT_SEAL)
+    shuffle.register()
+    master = shuffle.master
+    attempts = []
+    for _ in range(2):  # a task and its speculative copy, both finish writing
+        attempt = ray.get(master.begin_map.remote(shuffle.shuffle_id, 0, "node-x", 1))
+        meta = SegmentMeta(SegmentId(shuffle.shuffle_id, 0, 0, 0, attempt),
+                           TierName.MEMORY, 7 + attempt, 1, "node-x")
+        ray.get(master.commit.remote(shuffle.shuffle_id, 0, attempt, [meta]))
+        ray.get(master.finish_map.remote(shuffle.shuffle_id, 0, attempt, None))
+        attempts.append(attempt)
+    shuffle.seal(1, {0: attempts[1]})
+    report = shuffle.report(input_bytes=123, map_input="test")
+    assert report.per_node_tier == {"node-x": {"memory": (7 + attempts[1], 1)}}
+    assert report.superseded_attempts == 1 and report.input_bytes == 123
+    assert report.operation == "engine" and report.shuffle_id == shuffle.shuffle_id
+    shuffle.release()
+
+
+def test_a_heartbeat_surfaces_a_release_it_did_not_make(config):
+    """Heartbeats are not waited for, but their answers are checked: a shuffle the master
+    dropped under the driver fails the driver's next beat instead of going unnoticed."""
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    shuffle.heartbeat(force=True)
+    ray.get(shuffle.master.release.remote(shuffle.shuffle_id, "an operator released it"))
+    shuffle.heartbeat(force=True)  # sends the beat the master refuses
+    deadline = time.monotonic() + 30
+    with pytest.raises(ShuffleNotFoundError, match="an operator released it"):
+        while time.monotonic() < deadline:
+            shuffle.heartbeat(force=True)
+            time.sleep(0.1)
+
+
+def test_a_held_shuffle_has_its_lost_maps_run_again(config):
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(2)
+    attempt = _finish_map_with_a_segment(shuffle, 1)
+    reran = []
+    done = threading.Event()
+
+    def rerun(maps):
+        reran.append(list(maps))
+        done.set()
+
+    shuffle.hold(rerun)
+    assert shuffle.shuffle_id in lifecycle.held_shuffle_ids()
+    # A reader found map 1's segment gone: the master queues it for the driver.
+    assert ray.get(shuffle.master.report_lost.remote(shuffle.shuffle_id, 1, attempt))
+    assert done.wait(30), "the holder never re-ran the lost map"
+    assert reran == [[1]]
+    shuffle.release()
+    assert shuffle.shuffle_id not in lifecycle.held_shuffle_ids()
+    assert not _known(shuffle)
+
+
+def test_a_failed_rerun_releases_the_shuffle_and_tells_its_readers_why(config):
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    attempt = _finish_map_with_a_segment(shuffle, 0)
+
+    def rerun(maps):
+        raise OSError("the input files are gone")
+
+    shuffle.hold(rerun)
+    ray.get(shuffle.master.report_lost.remote(shuffle.shuffle_id, 0, attempt))
+    deadline = time.monotonic() + 30
+    while _known(shuffle) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # A reader still polling learns why, as a ShuffleFailedError naming the cause.
+    with pytest.raises(ShuffleFailedError, match="OSError: the input files are gone"):
+        ray.get(shuffle.master.poll.remote(shuffle.shuffle_id, 0, {}, 1, 0.0))
+    assert shuffle.shuffle_id not in lifecycle.held_shuffle_ids()
+    assert any(shuffle.shuffle_id in e and "the input files are gone" in e
+               for e in lifecycle.held_errors())
+
+
+def test_a_held_shuffle_outlives_the_orphan_ttl(config):
+    """Held, the driver's thread heartbeats: the master's expiry keeps it past the TTL; a
+    shuffle nobody holds is expired."""
+    import dataclasses
+
+    cfg = dataclasses.replace(config, orphan_ttl_s=MIN_ORPHAN_TTL_S)
+    held = ShuffleLifecycle(cfg, 1, "held")
+    held.register(1)
+    held.hold()
+    orphan = ShuffleLifecycle(cfg, 1, "orphan")
+    orphan.register(1)
+    time.sleep(MIN_ORPHAN_TTL_S + 2)
+    expired = ray.get(held.master.expire.remote())
+    assert orphan.shuffle_id in expired and held.shuffle_id not in expired
+    assert _known(held) and not _known(orphan)
+    held.release()
+
+
+class _Boom(Exception):
+    pass
+
+
+@ray.remote
+def _fails_with(exc):
+    raise exc
+
+
+def test_fail_translates_the_error_and_removes_the_data(config):
+    # A task's ConfigError (a bad input block) stays a ConfigError, without the remote
+    # traceback, and names the shuffle.
+    shuffle = ShuffleLifecycle(config, 1, "repartition")
+    shuffle.register(1)
+    try:
+        ray.get(_fails_with.remote(ConfigError("block 3 has no column 'k'")))
+    except ray.exceptions.RayTaskError as exc:
+        error = shuffle.fail(exc)
+    assert type(error) is ConfigError
+    assert str(error) == (f"repartition shuffle {shuffle.shuffle_id} failed and its data "
+                          "was removed: block 3 has no column 'k'")
+    assert error.__suppress_context__ and error.__cause__ is None
+    assert not _known(shuffle) and shuffle.released
+
+    # Anything else: ShuffleFailedError, the cause first, the traceback on __cause__.
+    shuffle = ShuffleLifecycle(config, 1, "sort")
+    shuffle.register(1)
+    try:
+        ray.get(_fails_with.remote(_Boom("disk on fire")))
+    except ray.exceptions.RayTaskError as exc:
+        task_error = exc
+        error = shuffle.fail(exc)
+    assert type(error) is ShuffleFailedError
+    assert str(error).startswith(f"sort shuffle {shuffle.shuffle_id} failed: _Boom: disk on "
+                                 "fire (its data was removed")
+    assert error.__cause__ is task_error
+    assert not _known(shuffle)
+
+    # A user's stop is handed back as is (and still removes the data).
+    shuffle = ShuffleLifecycle(config, 1, "sort")
+    shuffle.register(1)
+    stop = KeyboardInterrupt()
+    assert shuffle.fail(stop) is stop
+    assert not _known(shuffle)

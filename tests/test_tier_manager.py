@@ -1,0 +1,75 @@
+"""The tier manager of one node (plain class, no cluster): FLIP-53 memory quotas, space
+given back once, released shuffles, the remote tiers it keeps open."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_ray import (
+    SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, TierName,
+)
+from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, TierManager
+
+
+def test_memory_quotas_by_weight_never_exceed_budget(ray_local, tmp_path):
+    tm = TierManager("n1", object_store_bytes=1000)
+    base = ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)])
+    assert tm.register_shuffle("a", base) == 500
+    tm.register_shuffle("b", base.replace(memory_weight=3.0))
+    assert (tm.quota("a"), tm.quota("b")) == (125, 375)
+    assert tm.reserve("a", [125])[0].grant.tier == TierName.MEMORY
+    assert tm.reserve("a", [1])[0].grant.tier == TierName.DISK  # over its quota
+    assert tm.reserve("b", [376])[0].grant.tier == TierName.DISK
+    tm.release_shuffle("b")
+    assert tm.quota("a") == 500  # quota returns when a shuffle ends
+    assert tm.memory.used_bytes == 125
+    tm.release_shuffle("a")
+    assert tm.memory.used_bytes == 0
+
+
+def test_tier_manager_gives_back_a_segment_s_space_once(tmp_path):
+    """A failed attempt's segments are freed by its writer's abort and again when the
+    master drops the attempt: the space must come back once, not twice."""
+    tm = TierManager("n1", object_store_bytes=1000)
+    tm.register_shuffle("a", ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)]))
+    grants = [p.grant for p in tm.reserve("a", [100, 100])]
+    assert all(g.tier == TierName.DISK or g.tier == TierName.MEMORY for g in grants)
+    tm.settle("a", [(g, 100) for g in grants])
+    used = {g.tier: 0 for g in grants}
+    for g in grants:
+        used[g.tier] += 100
+    first = SegmentMeta(SegmentId("a", 0, 0, 0, 0), grants[0].tier, 100, 1, "n1",
+                        str(tmp_path / "seg0"))
+    tm.free_segments("a", [first])
+    tm.free_segments("a", [first])  # the master's drop of the same attempt
+    tier = tm.memory if grants[0].tier == TierName.MEMORY else tm._tier("a", TierName.DISK)
+    assert tier.used_by("a") == used[grants[0].tier] - 100
+
+
+def test_a_released_shuffle_cannot_register_again_on_a_node(tmp_path):
+    """A map that began just before its shuffle was released must not register it on its
+    node's tier manager again: the registration, and its space, would stay for good."""
+    tm = TierManager("n1", object_store_bytes=1000)
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
+    tm.register_shuffle("s", cfg)
+    tm.release_shuffle("s")
+    with pytest.raises(ShuffleNotFoundError, match="was released on node n1"):
+        tm.register_shuffle("s", cfg)
+    assert tm.usage().shuffles == ()
+
+
+def test_tier_manager_closes_remote_tiers_no_registered_shuffle_uses(tmp_path):
+    tm = TierManager("node-a", 0)
+    configs = {f"shf-{i:03d}": ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
+                                              job_id=f"job{i}",
+                                              remote_path=f"file://{tmp_path}/remote")
+               for i in range(REMOTE_TIERS_KEPT + 3)}
+    for shuffle_id, cfg in configs.items():
+        tm.register_shuffle(shuffle_id, cfg)
+    # Every registered shuffle keeps its own remote tier, however many there are.
+    tiers = {s: tm.remote_tier(s) for s in configs}
+    assert len({id(t) for t in tiers.values()}) == len(configs)
+    assert {t.job_id for t in tiers.values()} == {c.job_id for c in configs.values()}
+    for shuffle_id in configs:
+        tm.release_shuffle(shuffle_id)
+    assert len(tm._remotes) <= REMOTE_TIERS_KEPT
