@@ -4,7 +4,16 @@ Starts a local Ray, ``hybrid_ray.init``, generates ``--size`` of gensort rows an
 repartitions them ``--rounds`` times by key (memory budget half the data, the rest on
 disk), verifying every output. For the last round it prints each process's CPU seconds
 (user + system, from /proc, Linux only) and the round's phase times: the writers, readers,
-master, tier manager and raylet side by side, for the control-plane share.
+master, tier manager and raylet side by side. Only this process and its descendants (the
+local Ray it started) count: other jobs on a shared machine are left out.
+
+The shares it ends with are those of the lifecycle issue's goal (control plane at most 10%
+of the shuffle's CPU, idle at most 5% of the cores' time):
+
+- control plane: the shuffle master, the tier managers and the driver (this process);
+- object store: the raylet (plasma: creating, sealing and freeing memory-tier objects);
+- data plane: the writer and reader actors;
+- idle: the cores' time in the round (cores x wall) that no process of the session used.
 
     python -m benchmarks.cpu_by_process --size 1GiB --rounds 3
 """
@@ -50,6 +59,48 @@ def cpu_between(before: dict[int, tuple[float, str]],
     return sorted((r for r in rows if r[0] > 0), reverse=True)
 
 
+def process_tree(root: int, proc: str = "/proc") -> set[int]:
+    """``root`` and every process descending from it (by the parent pid in /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "stat")) as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+# Command-line markers of each role (first match wins); anything else is "other" (GCS,
+# dashboard and runtime-env agents).
+ROLES = (("control plane", ("ShuffleMasterActor", "TierManagerActor")),
+         ("data plane", ("ShuffleWorkerActor",)),
+         ("object store", ("raylet",)))
+
+
+def cpu_shares(rows: list[tuple[float, int, str]], driver_pid: int, cpus: int,
+               wall: float) -> dict[str, float]:
+    """CPU seconds per role (see ``ROLES``; the driver is control plane), their total, and
+    the idle core time (``cpus * wall`` minus the total, at least 0)."""
+    out = {"control plane": 0.0, "data plane": 0.0, "object store": 0.0, "other": 0.0}
+    for seconds, pid, cmd in rows:
+        role = "control plane" if pid == driver_pid else next(
+            (name for name, marks in ROLES if any(m in cmd for m in marks)), "other")
+        out[role] += seconds
+    out["total"] = sum(out.values())
+    out["idle"] = max(0.0, cpus * wall - out["total"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=float, default=1.0, help="GiB of data (default 1)")
@@ -80,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             out = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
             wall = time.perf_counter() - start
-            rows = cpu_between(before, cpu_snapshot())
+            tree = process_tree(os.getpid())
+            rows = [r for r in cpu_between(before, cpu_snapshot()) if r[1] in tree]
             report = hybrid_ray.last_report()
             if checksum(ray.get(b) for b in out.to_arrow_refs()) != expected:
                 print(f"round {r}: output differs from the input", file=sys.stderr)
@@ -92,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.cpus} cores; {report.phases}")
         for seconds, pid, cmd in rows[:args.top]:
             print(f"  {seconds:6.2f} {pid:>7} {cmd[:80]}")
+        shares = cpu_shares(rows, os.getpid(), args.cpus, wall)
+        total = shares["total"] or 1.0
+        print("shares of the round's CPU: " + ", ".join(
+            f"{role} {shares[role]:.2f} CPU-s ({shares[role] / total:.0%})"
+            for role in ("data plane", "control plane", "object store", "other"))
+              + f"; idle {shares['idle']:.2f} core-s "
+              f"({shares['idle'] / (args.cpus * wall):.0%} of {args.cpus} cores x {wall:.2f} s)")
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)

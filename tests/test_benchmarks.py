@@ -351,3 +351,25 @@ def test_cpu_by_process_counts_cpu_between_snapshots(tmp_path):
     assert [(pid, cmd) for _, pid, cmd in rows] == [(10, "ray::ShuffleWorkerActor"),
                                                      (12, "new")]
     assert rows[0][0] == pytest.approx(50 / _TICKS) and rows[1][0] == pytest.approx(10 / _TICKS)
+
+
+def test_cpu_by_process_counts_only_its_own_session_and_splits_it_by_role(tmp_path):
+    """On a shared machine another job's processes must not count; the control-plane share
+    is the master, tier managers and driver, the raylet is the object store, and idle is
+    the cores' time nobody in the session used."""
+    from benchmarks.cpu_by_process import cpu_shares, process_tree
+
+    def fake_proc(pid: int, ppid: int) -> None:
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} (x (y)) S {ppid} " + "0 " * 20 + "\n")
+
+    for pid, ppid in [(1, 0), (100, 1), (101, 100), (102, 101), (103, 101), (200, 1), (201, 200)]:
+        fake_proc(pid, ppid)
+    assert process_tree(100, str(tmp_path)) == {100, 101, 102, 103}
+    rows = [(2.0, 102, "ray::ShuffleWorkerActor"), (0.5, 103, "ray::ShuffleMasterActor"),
+            (0.25, 104, "ray::TierManagerActor"), (0.5, 101, "/x/raylet --y"),
+            (0.25, 100, "python -m benchmarks.cpu_by_process"), (0.5, 105, "gcs_server")]
+    shares = cpu_shares(rows, driver_pid=100, cpus=2, wall=2.5)
+    assert shares == {"control plane": 1.0, "data plane": 2.0, "object store": 0.5,
+                      "other": 0.5, "total": 4.0, "idle": 1.0}
