@@ -69,14 +69,17 @@ DELETION_CHECK_INTERVAL_S = 1.0
 NODE_DELETE_TIMEOUT_S = 60.0
 
 
-def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str) -> None:
+def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str,
+                    on_dead: Callable[[str], None] = lambda node_id: None) -> None:
     """Wait (bounded) for tier-manager calls; raise naming the nodes where they failed.
-    A tier manager that died with its node is not an error: its data went with it."""
+    A tier manager that died with its node is not an error: its data went with it.
+    ``on_dead(node)`` is told of each node whose tier manager died."""
     problems = []
     for node_id, ref in waits:
         try:
             ray.get(ref, timeout=NODE_DELETE_TIMEOUT_S)
         except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+            on_dead(node_id)
             if _node_alive(node_id):
                 problems.append(f"node {node_id}: its tier manager is unavailable")
         except ray.exceptions.GetTimeoutError:
@@ -173,8 +176,9 @@ class TierManagerActor:
         return self.tm.register_shuffle(shuffle_id, config)
 
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
-                settled: Sequence[tuple[Grant, int | None]] = ()) -> list[Placement]:
-        return self.tm.reserve(shuffle_id, sizes, settled)
+                settled: Sequence[tuple[Grant, int | None]] = (),
+                register: ShuffleConfig | None = None) -> list[Placement]:
+        return self.tm.reserve(shuffle_id, sizes, settled, register)
 
     def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None:
         self.tm.settle(shuffle_id, settled)
@@ -235,15 +239,22 @@ class ActorNodeStorage:
     """``NodeStorage`` for a write client: forwards space decisions to a tier-manager actor.
 
     ``stopwatch``: times each call (the writer's control-plane time in its report).
+    ``register``: the shuffle's config, sent with the first reservation so that the tier
+    manager registers the shuffle in the same call (a map that writes nothing never
+    registers: it needs no space).
     """
 
-    def __init__(self, actor: Any, stopwatch: Stopwatch | None = None) -> None:
+    def __init__(self, actor: Any, stopwatch: Stopwatch | None = None,
+                 register: ShuffleConfig | None = None) -> None:
         self.actor = actor
         self.stopwatch = stopwatch or Stopwatch()
+        self._register = register
 
     def reserve(self, shuffle_id, sizes, settled=()):
+        register, self._register = self._register, None
         with self.stopwatch:
-            return ray.get(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled)))
+            return ray.get(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled),
+                                                     register))
 
     def settle(self, shuffle_id, settled):
         with self.stopwatch:
@@ -279,6 +290,8 @@ def existing_tier_manager(node_id: str, namespace: str) -> Any | None:
         return None
 
 
+# Tier-manager handles the master keeps (one per node it deletes on).
+TIER_MANAGER_HANDLES_KEPT = 4096
 # Readers' long polls wait in their own thread pool, so however many wait, commits and
 # registrations still find a thread. Beyond this many waiting polls, further ones queue for
 # at most MAX_POLL_WAIT_S (a waiting poll returns by then).
@@ -318,6 +331,7 @@ class ShuffleMasterActor:
         self._spark_sessions = spark_jvm.SparkSessions()
         self._remote_tiers: LruCache[RemoteTier] = LruCache(REMOTE_TIERS_KEPT,
                                                             on_evict=RemoteTier.close)
+        self._tier_managers: LruCache[Any] = LruCache(TIER_MANAGER_HANDLES_KEPT)
         threading.Thread(target=self._background_loop, daemon=True,
                          name="hybrid-ray-master-background").start()
 
@@ -327,7 +341,7 @@ class ShuffleMasterActor:
         failed on a node that is alive (a dead node's data went with it)."""
         waits = []
         for node_id, local in metas_by_node(metas).items():
-            tm = existing_tier_manager(node_id, self.namespace)
+            tm = self._tier_manager(node_id)
             if tm is not None:
                 waits.append((node_id, tm.free_segments.remote(state.shuffle_id, local)))
         remote = [m for m in metas if m.tier == TierName.REMOTE]
@@ -335,14 +349,15 @@ class ShuffleMasterActor:
             tier = self._remote_tier(state.config)
             for meta in remote:
                 tier.delete(meta)
-        _wait_for_nodes(waits, f"deleting segments of shuffle {state.shuffle_id}")
+        _wait_for_nodes(waits, f"deleting segments of shuffle {state.shuffle_id}",
+                        self._tier_managers.discard)
 
     def _release_data(self, state: ShuffleState) -> None:
         """Remove all of a shuffle's data on every node it used and in the remote tier;
         raises if some of it could not be removed (the registry retries)."""
         waits = []
         for node_id in state.nodes:
-            tm = existing_tier_manager(node_id, self.namespace)
+            tm = self._tier_manager(node_id)
             if tm is not None:
                 waits.append((node_id, tm.release_shuffle.remote(state.shuffle_id)))
         remote_error = None
@@ -351,9 +366,22 @@ class ShuffleMasterActor:
                 self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
             except Exception as exc:  # noqa: BLE001 - reported after the nodes' outcome
                 remote_error = exc
-        _wait_for_nodes(waits, f"releasing shuffle {state.shuffle_id}")
+        _wait_for_nodes(waits, f"releasing shuffle {state.shuffle_id}",
+                        self._tier_managers.discard)
         if remote_error is not None:
             raise remote_error
+
+    def _tier_manager(self, node_id: str) -> Any | None:
+        """The tier manager of ``node_id`` (None: none runs there), its handle kept: a
+        lookup by name is a GCS round trip, and deletions ran one per node per freed
+        subpartition. A handle whose actor died is dropped (``_wait_for_nodes``), so a
+        tier manager started again later is found."""
+        tm = self._tier_managers.get(node_id)
+        if tm is None:
+            tm = existing_tier_manager(node_id, self.namespace)
+            if tm is not None:
+                tm = self._tier_managers.get_or_create(node_id, lambda: tm)
+        return tm
 
     def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:
         """The remote tier deletions go through, opened once per config (it was opened
@@ -440,9 +468,13 @@ class ShuffleMasterActor:
         self._queued()
         return result
 
-    def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any) -> bool:
+    def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any,
+                   last_segments: list[SegmentMeta] | None = None) -> bool:
         with self._changing():
-            return self.registry.finish_map(shuffle_id, map_index, attempt, stats)
+            result = self.registry.finish_map(shuffle_id, map_index, attempt, stats,
+                                              last_segments or ())
+        self._queued()
+        return result
 
     def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
         with self._changing():

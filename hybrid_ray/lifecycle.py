@@ -59,6 +59,10 @@ from hybrid_ray.report import PhaseTimes, ShuffleReport, Stopwatch
 # How often a held shuffle's thread asks the master for maps to run again (their output
 # died with its writer); readers wait for the new attempt meanwhile.
 RECOVERY_POLL_S = 1.0
+# A running MapRunner asks the master for lost maps at most this often: asked on every
+# wake-up of the driver's loop (each map or reducer that finished), it was a tenth of the
+# master's calls in a 1 GiB shuffle. A lost map's readers wait for it anyway.
+LOST_MAPS_POLL_S = 0.5
 # Errors of held shuffles' background work (heartbeats, re-runs) kept for ``held_errors``.
 HELD_ERRORS_KEPT = 100
 
@@ -348,6 +352,7 @@ class MapRunner:
         self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
         self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
         self._dead_slots: set[int] = set()
+        self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
         # For the report's phases (perf_counter): when the first map was dispatched and
         # the last one was seen finished.
         self.first_dispatch: float | None = None
@@ -391,7 +396,9 @@ class MapRunner:
                         raise
                     self._drop_node(node)
                     self._requeue([map_index])
-        self._requeue(self._lifecycle.take_lost())
+        if time.monotonic() - self._lost_asked >= LOST_MAPS_POLL_S:
+            self._lost_asked = time.monotonic()
+            self._requeue(self._lifecycle.take_lost())
         self._dispatch()
 
     def run_to_end(self, wait_s: float = 1.0) -> dict[int, Any]:

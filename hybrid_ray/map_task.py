@@ -25,6 +25,7 @@ from hybrid_ray.errors import ConfigError, ShuffleFailedError
 from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.partitioning import Partitioner, split_by_partition
 from hybrid_ray.report import Stopwatch
+from hybrid_ray.segment import SegmentMeta
 
 
 # ---- tasks -----------------------------------------------------------------------------------
@@ -57,19 +58,23 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         return None
     if on_attempt is not None:
         on_attempt(attempt)
+    # The node's tier manager registers the shuffle with this map's first reservation.
     tm = get_tier_manager(node_id, config.namespace)
-    with control:
-        ray.get(tm.register_shuffle.remote(shuffle_id, config))
     superseded = []
+    # The segments of the last flush (``close``) travel with finish_map: one call, not two.
+    last_segments: list[SegmentMeta] | None = None
 
     def commit(metas):
+        if last_segments is not None:  # closing: held for finish_map
+            last_segments.extend(metas)
+            return
         with control:
             live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas))
         if not live:
             superseded.append(True)
 
     client = WriteClient(shuffle_id, map_index, num_partitions, config,
-                         ActorNodeStorage(tm, control),
+                         ActorNodeStorage(tm, control, register=config),
                          io_tiers_for(config, node_id, own_memory_segments),
                          attempt=attempt, node_id=node_id, on_commit=commit)
     try:
@@ -83,7 +88,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             if superseded:
                 break
         if not superseded:
-            client.close()  # commits the last segments (and may learn it was superseded)
+            last_segments = []
+            client.close()  # its last segments go to finish_map, below
         if superseded:
             # A newer attempt of this map runs (a lost map run again): the master refused
             # and deleted this attempt's segments; its work is simply not needed.
@@ -104,7 +110,10 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
                                      "before it finished; its segments do not count")
         return None
     client.stats.control_plane_s = control.seconds
-    finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats))
+    # Refused (another attempt finished first, or this one was superseded meanwhile): the
+    # master deletes the last segments as it does a refused commit's.
+    finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats,
+                                                last_segments))
     if not finished and raise_if_superseded:
         # Spark runs speculative attempts side by side: report failure so Spark keeps the
         # attempt whose segments count. (A Ray task retry only follows a dead attempt.)

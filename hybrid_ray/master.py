@@ -262,9 +262,15 @@ class ShuffleRegistry:
             state.nodes.add(meta.node_id)
         return True
 
-    def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any = None) -> bool:
-        """Mark an attempt complete. The first attempt to finish wins (in an open shuffle,
-        the attempt named at ``seal``)."""
+    def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any = None,
+                   last_segments: Sequence[SegmentMeta] = ()) -> bool:
+        """Mark an attempt complete, after committing its ``last_segments`` (one call for
+        a map's final commit and its finish: a map's calls to the master are a large share
+        of the control plane). The first attempt to finish wins (in an open shuffle, the
+        attempt named at ``seal``). False: the attempt does not count (its last segments
+        are then deleted like any refused commit's)."""
+        if last_segments and not self.commit(shuffle_id, map_index, attempt, last_segments):
+            return False
         state = self._get(shuffle_id)
         m = state.maps[map_index]
         if not state.sealed:  # open shuffle: seal chooses among the finished attempts

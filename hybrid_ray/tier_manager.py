@@ -157,7 +157,13 @@ class TierManager:
         return self.memory.quota(shuffle_id) if info and info["memory"] else 0
 
     def _local_tiers(self, shuffle_id: str) -> list[Tier]:
-        info = self._shuffles[shuffle_id]
+        info = self._shuffles.get(shuffle_id)
+        if info is None:
+            raise ShuffleNotFoundError(
+                f"shuffle {shuffle_id!r} was released on node {self.node_id}; a map of it "
+                "cannot write" if shuffle_id in self._released else
+                f"shuffle {shuffle_id!r} is not registered on node {self.node_id}: "
+                "reserve space with the shuffle's config first (register_shuffle)")
         tiers: list[Tier] = [self.memory] if info["memory"] else []
         tiers.append(self._disks[info["disk"]])
         return tiers
@@ -172,10 +178,16 @@ class TierManager:
 
     # ---- the write path ---------------------------------------------------------------------
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
-                settled: Sequence[tuple[Grant, int | None]] = ()) -> list[Placement]:
+                settled: Sequence[tuple[Grant, int | None]] = (),
+                register: ShuffleConfig | None = None) -> list[Placement]:
         """Settle finished grants, then pick for each new segment the first local tier, in
         priority order, that can take it (FLIP-301: try the higher tiers again every time,
-        so writing switches back up when space frees)."""
+        so writing switches back up when space frees). ``register``: register the shuffle
+        with this config first (``register_shuffle``), in the same call.
+
+        Raises ``ShuffleNotFoundError`` for a shuffle not registered here (or released)."""
+        if register is not None:
+            self.register_shuffle(shuffle_id, register)
         self.settle(shuffle_id, settled)
         tiers = self._local_tiers(shuffle_id)
         placements = []

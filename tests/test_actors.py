@@ -185,3 +185,45 @@ def test_master_long_poll_waits_for_news_and_answers_on_commit(ray_local, tmp_pa
     for result in ray.get(others):  # subpartition 1 got nothing: they waited it out
         assert result.updates == [] and result.waited_s >= MAX_POLL_WAIT_S * 0.9
     ray.get(master.release.remote("shf-poll"))
+
+
+def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ray_local,
+                                                                              tmp_path):
+    """The master keeps tier-manager handles (a lookup by name per deletion was a GCS
+    round trip). A handle whose actor died must be dropped: a tier manager started again
+    on the node gets the deletions, which would otherwise fail for good."""
+    from hybrid_ray.map_task import write_map_partition
+
+    namespace = f"tmcache-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, memory_fraction=0.0)
+    node = ray.get_runtime_context().get_node_id()
+    master = get_master(namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
+    write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+    files = {sub: [m.location for m in ray.get(master.segments.remote(shuffle_id))
+                   if m.id.subpartition == sub] for sub in (0, 1)}
+    assert files[0] and files[1] and all(os.path.exists(f) for f in files[0] + files[1])
+    # The master deletes subpartition 0 through the node's tier manager, keeping its handle.
+    ray.get(master.free_subpartition.remote(shuffle_id, 0))
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f) for f in files[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f) for f in files[0])
+    # The tier manager dies and another starts on the node.
+    ray.kill(get_tier_manager(node, namespace), no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(get_tier_manager(node, namespace).usage.remote(), timeout=30)
+            break
+        except ray.exceptions.RayActorError:  # the killed one, still registered by name
+            time.sleep(0.2)
+    ray.get(master.free_subpartition.remote(shuffle_id, 1))
+    deadline = time.monotonic() + 60  # the failed deletion is retried with backoff
+    while any(os.path.exists(f) for f in files[1]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f) for f in files[1]), ray.get(master.run_deletions.remote())
+    ray.get(master.release.remote(shuffle_id))

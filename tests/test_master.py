@@ -200,3 +200,20 @@ def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     assert registry.report_lost("s", 1, b0) is True
 
 
+
+
+def test_finish_map_commits_the_last_segments_in_the_same_call(registry):
+    """A map's last commit travels with its finish (one round trip). A finish that does not
+    count (a newer attempt runs) deletes those segments like a refused commit."""
+    a = registry.begin_map("s", 0, "n1")
+    registry.commit("s", 0, a, [meta("s", 0, 0, 0, a)])
+    assert registry.finish_map("s", 0, a, None, [meta("s", 0, 0, 1, a), meta("s", 0, 1, 0, a)])
+    res = registry.poll("s", 0, {})
+    assert [(m, len(segs)) for m, _, _, segs in res.updates] == [(0, 2)]
+    stale = registry.begin_map("s", 1, "n1")
+    newer = registry.begin_map("s", 1, "n1")  # supersedes the first attempt of map 1
+    assert newer == stale + 1
+    late = meta("s", 1, 0, 0, stale)
+    assert not registry.finish_map("s", 1, stale, None, [late])
+    assert late in registry.deleted
+    assert registry.state("s").maps[1].finished_attempt is None

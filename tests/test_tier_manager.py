@@ -73,3 +73,22 @@ def test_tier_manager_closes_remote_tiers_no_registered_shuffle_uses(tmp_path):
     for shuffle_id in configs:
         tm.release_shuffle(shuffle_id)
     assert len(tm._remotes) <= REMOTE_TIERS_KEPT
+
+
+def test_a_reservation_registers_the_shuffle_it_carries_the_config_of(tmp_path):
+    """A map's first reservation carries its shuffle's config: one call instead of a
+    registration and a reservation. Without it, an unknown or released shuffle gets a
+    ShuffleNotFoundError naming it and the node, not a KeyError."""
+    tm = TierManager("n1", object_store_bytes=1000)
+    cfg = ShuffleConfig(memory_fraction=0.5, spill_dirs=[str(tmp_path)])
+    with pytest.raises(ShuffleNotFoundError,
+                       match="shuffle 'a' is not registered on node n1: reserve space with"):
+        tm.reserve("a", [10])
+    [placement] = tm.reserve("a", [10], register=cfg)
+    assert placement.grant.tier == TierName.MEMORY and tm.usage().shuffles == ("a",)
+    assert tm.reserve("a", [10], register=cfg)[0].grant is not None  # again: a no-op
+    tm.release_shuffle("a")
+    with pytest.raises(ShuffleNotFoundError, match="'a' was released on node n1"):
+        tm.reserve("a", [10])
+    with pytest.raises(ShuffleNotFoundError, match="'a' was released on node n1"):
+        tm.reserve("a", [10], register=cfg)

@@ -51,6 +51,20 @@ class LruCache(Generic[V]):
                 self._on_evict(old)
         return value
 
+    def get(self, key: Hashable) -> V | None:
+        """The value of ``key`` (now the most recently used), or None."""
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def discard(self, key: Hashable) -> None:
+        """Forget ``key`` if present (its value is not passed to ``on_evict``: the caller
+        drops it because it is no longer usable)."""
+        with self._lock:
+            self._items.pop(key, None)
+
     def __len__(self) -> int:
         return len(self._items)
 
