@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -76,11 +77,21 @@ class ShuffleState:
         return self.sealed and all(m.finished_attempt is not None for m in self.maps)
 
 
+class MapUpdate(typing.NamedTuple):
+    """What is new for a reader of one map: segments of ``attempt`` after the reader's
+    cursor; ``reset``: drop what was read of this map before (a new attempt)."""
+
+    map_index: int
+    attempt: int
+    reset: bool
+    segments: list[SegmentMeta]
+
+
 @dataclasses.dataclass(frozen=True)
 class PollResult:
-    """New segments for a reader: per map, (attempt, reset, metas); ``done`` when complete."""
+    """New segments for a reader, per map; ``done`` when the subpartition is complete."""
 
-    updates: list[tuple[int, int, bool, list[SegmentMeta]]]
+    updates: list[MapUpdate]
     done: bool
     # Seconds the master held the poll waiting for news (a long poll): the reader's
     # waiting time, not control-plane time.
@@ -319,7 +330,7 @@ class ShuffleRegistry:
         state = self._get(shuffle_id)
         reader = state.readers.setdefault(subpartition, ReaderState())
         reader.pid = pid or reader.pid
-        updates = []
+        updates: list[MapUpdate] = []
         complete = True
         for map_index, m in enumerate(state.maps):
             attempt = m.current_attempt
@@ -331,12 +342,12 @@ class ShuffleRegistry:
             reset = seen_attempt != attempt
             start = 0 if reset else next_index
             if reset or start < len(segs):
-                updates.append((map_index, attempt, reset, segs[start:]))
+                updates.append(MapUpdate(map_index, attempt, reset, segs[start:]))
             if m.finished_attempt is None:
                 complete = False
         complete = complete and state.sealed
-        if updates and any(u[3] for u in updates):
-            reader.delivered += sum(len(u[3]) for u in updates)
+        if any(u.segments for u in updates):
+            reader.delivered += sum(len(u.segments) for u in updates)
             if reader.first_delivery is None:
                 reader.first_delivery = self._clock()
         reader.done = complete

@@ -27,6 +27,7 @@ from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ReduceTimes, Stopwatch
+from hybrid_ray.master import MapUpdate
 from hybrid_ray.segment import SegmentMeta
 
 # A reader's long poll waits at most this long in the master for new segments (then it
@@ -90,7 +91,7 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     cursors: dict[int, tuple[int, int]] = {}
     per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
 
-    def read_updates(updates: list) -> tuple[bool, _Missing | None]:
+    def read_updates(updates: list[MapUpdate]) -> tuple[bool, _Missing | None]:
         """Read the poll's new segments in order: (whether any was read, the segment found
         gone whose map runs again, if one was)."""
         got = False
