@@ -28,6 +28,7 @@ from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.master import (
     PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
 )
+from hybrid_ray.nodes import node_alive
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, NodeUsage, Placement, TierManager
@@ -80,7 +81,7 @@ def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str,
             ray.get(ref, timeout=NODE_DELETE_TIMEOUT_S)
         except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
             on_dead(node_id)
-            if _node_alive(node_id):
+            if node_alive(node_id):
                 problems.append(f"node {node_id}: its tier manager is unavailable")
         except ray.exceptions.GetTimeoutError:
             problems.append(f"node {node_id}: no answer in {NODE_DELETE_TIMEOUT_S:.0f} s")
@@ -88,10 +89,6 @@ def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str,
             problems.append(f"node {node_id}: {type(exc).__name__}: {exc}")
     if problems:
         raise OSError(f"{what} failed on {len(problems)} node(s): " + "; ".join(problems))
-
-
-def _node_alive(node_id: str) -> bool:
-    return any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
 
 
 def _call_periodically(actor: Any, interval_s: float,

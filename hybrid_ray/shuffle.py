@@ -33,12 +33,12 @@ from hybrid_ray.actors import get_reader_slots, reader_count, start_actors
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - re-exported
 from hybrid_ray.config import ShuffleConfig, ShuffleMode
 from hybrid_ray.errors import ConfigError, ShuffleFailedError
-from hybrid_ray.master import ShuffleSummary
 from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
     MapRunner, ShuffleLifecycle, describe_cause, report_from_summary,
 )
 from hybrid_ray.map_task import map_block, write_map_partition  # noqa: F401 - re-exported
 from hybrid_ray.map_task import unify_schemas
+from hybrid_ray.master import ShuffleSummary
 from hybrid_ray.nodes import WORKER_LOST_ERRORS, cluster_cpus, lost_with_node
 from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
