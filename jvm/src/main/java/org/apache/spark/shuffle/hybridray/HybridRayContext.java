@@ -35,6 +35,7 @@ public final class HybridRayContext {
   public static final String CONF_FLUSH_BYTES = "spark.hybridray.flushBytes";
   public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
   public static final String CONF_CALL_TIMEOUT_MS = "spark.hybridray.callTimeoutMs";
+  public static final String CONF_PACK_BYTES = "spark.hybridray.packBytes";
 
   private static HybridRayContext instance;
 
@@ -43,6 +44,9 @@ public final class HybridRayContext {
   final String configJson;
   final int segmentBytes;
   final long flushBytes;
+  /** Small memory-tier segments of a batch share one Ray object up to this size
+   *  ({@link MemoryPacking}); 0 puts each segment alone. */
+  final long packBytes;
   final long fetchTimeoutMs;
   /** Bound of every call to the master or a tier manager (a wedged actor fails the task). */
   final long callTimeoutMs;
@@ -62,6 +66,7 @@ public final class HybridRayContext {
     this.configJson = conf.get(CONF_CONFIG, "{}");
     this.segmentBytes = (int) conf.getSizeAsBytes(CONF_SEGMENT_BYTES, "4m");
     this.flushBytes = conf.getSizeAsBytes(CONF_FLUSH_BYTES, "32m");
+    this.packBytes = conf.getSizeAsBytes(CONF_PACK_BYTES, "512k");
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.appKey = appKey(conf.getAppId());

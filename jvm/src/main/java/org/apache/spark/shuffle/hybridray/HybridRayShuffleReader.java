@@ -204,23 +204,28 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     }
   }
 
-  // Memory-tier segments fetched ahead by location (serialized ref), taken when read.
+  // Memory-tier objects fetched ahead, by object location (serialized ref), with how many
+  // of the fetched blocks' segments still lie in each (packed objects hold several).
   private final Map<String, byte[]> prefetched = new HashMap<>();
+  private final Map<String, Integer> prefetchedUses = new HashMap<>();
   private int prefetchedUpTo;
 
   /**
-   * Fetch the memory-tier segments of the blocks from {@code from} on with one
+   * Fetch the memory-tier objects of the blocks from {@code from} on with one
    * {@code Ray.get} of many refs, up to {@link #PREFETCH_BYTES} or {@link #PREFETCH_REFS}:
    * one round trip to the object store instead of one per segment (segments are small
-   * when a map's output is spread over many partitions). A batch that fails is left to
-   * the per-segment path, which names the lost block in its FetchFailedException.
+   * when a map's output is spread over many partitions). An object holding several
+   * segments ({@link MemoryPacking}) is fetched once. A batch that fails is left to the
+   * per-segment path, which names the lost block in its FetchFailedException.
    */
   private void prefetchMemorySegments(List<JsonNode> where, int from) {
     if (from < prefetchedUpTo) {
       return;
     }
-    List<String> locations = new ArrayList<>();
+    Map<String, Integer> uses = new HashMap<>();
+    List<String> objects = new ArrayList<>();
     List<ObjectRef<byte[]>> refs = new ArrayList<>();
+    int slices = 0;
     long bytes = 0;
     int i = from;
     for (; i < where.size() && bytes < PREFETCH_BYTES && refs.size() < PREFETCH_REFS; i++) {
@@ -230,28 +235,46 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
       }
       for (JsonNode seg : segments) {
         if (seg.get(0).asText().equals("memory")) {
-          try {
-            refs.add(decodeRef(seg.get(3).asText()));
-          } catch (IOException e) {
-            return;  // the per-segment path reports it
+          String object = MemoryPacking.objectLocation(seg.get(3).asText());
+          if (uses.merge(object, 1, Integer::sum) == 1) {
+            try {
+              refs.add(decodeRef(object));
+            } catch (IOException e) {
+              prefetchedUpTo = i;
+              return;  // the per-segment path reports it
+            }
+            objects.add(object);
           }
-          locations.add(seg.get(3).asText());
+          slices++;
           bytes += seg.get(1).asLong();
         }
       }
     }
     prefetchedUpTo = i;
-    if (refs.size() < 2) {
+    if (slices < 2) {
       return;
     }
     try {
       List<byte[]> frames = Ray.get(refs, ctx.fetchTimeoutMs);
       for (int k = 0; k < frames.size(); k++) {
-        prefetched.put(locations.get(k), frames.get(k));
+        prefetched.put(objects.get(k), frames.get(k));
+        prefetchedUses.merge(objects.get(k), uses.get(objects.get(k)), Integer::sum);
       }
     } catch (RuntimeException e) {
-      prefetched.clear();  // some object is gone: each segment is fetched (and named) alone
+      // Some object is gone: each segment is fetched (and named) alone.
+      prefetched.clear();
+      prefetchedUses.clear();
     }
+  }
+
+  /** A prefetched object, dropped once the last of its fetched segments is taken. */
+  private byte[] takePrefetched(String object) {
+    byte[] bytes = prefetched.get(object);
+    if (bytes != null && prefetchedUses.merge(object, -1, Integer::sum) <= 0) {
+      prefetched.remove(object);
+      prefetchedUses.remove(object);
+    }
+    return bytes;
   }
 
   @SuppressWarnings("unchecked")
@@ -330,22 +353,26 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   private byte[] readSegment(String tier, String node, String location, String what)
       throws IOException {
     if (tier.equals("memory")) {
-      byte[] ahead = prefetched.remove(location);
-      if (ahead != null) {
-        return ahead;
-      }
-      ObjectRef<byte[]> ref;
-      try (ObjectInputStream in = new ObjectInputStream(
-          new ByteArrayInputStream(Base64.getDecoder().decode(location)))) {
-        ref = (ObjectRef<byte[]>) in.readObject();
-      } catch (ClassNotFoundException e) {
-        throw new IOException(what + ": cannot decode its object reference", e);
+      String object = MemoryPacking.objectLocation(location);
+      byte[] bytes = takePrefetched(object);
+      if (bytes == null) {
+        ObjectRef<byte[]> ref;
+        try {
+          ref = decodeRef(object);
+        } catch (IOException e) {
+          throw new IOException(what + ": cannot decode its object reference", e);
+        }
+        try {
+          bytes = Ray.get(ref, ctx.fetchTimeoutMs);
+        } catch (RuntimeException e) {
+          throw new IOException(what + " is gone from the memory tier (the executor that "
+              + "wrote it died?): " + e.getMessage(), e);
+        }
       }
       try {
-        return Ray.get(ref, ctx.fetchTimeoutMs);
-      } catch (RuntimeException e) {
-        throw new IOException(what + " is gone from the memory tier (the executor that "
-            + "wrote it died?): " + e.getMessage(), e);
+        return MemoryPacking.segment(location, bytes);
+      } catch (IOException e) {
+        throw new IOException(what + ": " + e.getMessage(), e);
       }
     }
     if (node.equals(ctx.nodeId())) {
