@@ -156,6 +156,23 @@ public final class HybridRayContext {
     }
   }
 
+  /**
+   * Start a call of a Python actor method taking and returning strings, without waiting:
+   * {@link #await} takes its answer. For a call whose round trip can overlap other work.
+   */
+  ObjectRef<String> callLater(PyActorHandle actor, String method, String argument) {
+    return actor.task(PyActorMethod.of(method, String.class), argument).remote();
+  }
+
+  /** The answer of a call started with {@link #callLater}; errors become IOException. */
+  String await(ObjectRef<String> pending, String method) throws IOException {
+    try {
+      return pending.get(callTimeoutMs);
+    } catch (RuntimeException e) {
+      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
   /** Call a Python actor method taking a string and bytes, returning a string. */
   String callWithBytes(PyActorHandle actor, String method, String argument, byte[] data)
       throws IOException {

@@ -50,8 +50,9 @@ import scala.collection.Iterator;
  * <p>Which attempt of each map counts is Spark's decision: the blocks come from the
  * {@code MapOutputTracker} (a map's {@code mapId} is the task attempt that Spark accepted),
  * so a failed, killed or speculative loser attempt is never read. Their segments come from
- * the shuffle master in one call; a segment that is gone, unreadable or fails its checksum
- * raises {@code FetchFailedException}, so Spark recomputes that map. A local disk segment
+ * the shuffle master in one call, sent before the tracker is asked (the two round trips
+ * overlap); a segment that is gone, unreadable or fails its checksum raises
+ * {@code FetchFailedException}, so Spark recomputes that map. A local disk segment
  * whose path lies outside this node's spill dirs is never opened
  * ({@link LocalSegmentFiles}): the task fails with an error naming the path and the allowed
  * directories (not a fetch failure: recomputing the map would not make the path safe).
@@ -92,8 +93,11 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   @SuppressWarnings({"unchecked", "rawtypes"})
   public Iterator<Product2<K, C>> read() {
     ShuffleDependency<K, ?, C> dep = handle.dependency();
+    // Ask the master for the segments while Spark's MapOutputTracker says which attempts
+    // count: two round trips at once instead of one after the other.
+    PendingLocate pending = locateAll();
     List<Block> blocks = blocks();
-    List<JsonNode> where = locate(blocks);
+    List<JsonNode> where = locate(blocks, pending);
     Iterator<Product2<Object, Object>> records =
         new RecordIterator(blocks, where, dep.serializer().newInstance());
     Iterator interruptible = new InterruptibleIterator(context, records);
@@ -139,21 +143,68 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     return out;
   }
 
-  /** Each block's segments ([tier, bytes, node, location] in index order), or null. */
-  private List<JsonNode> locate(List<Block> blocks) {
-    if (blocks.isEmpty()) {
-      return Collections.emptyList();
-    }
+  /** A locate call in flight, or why it could not be sent. */
+  private record PendingLocate(ObjectRef<String> answer, IOException failure) {}
+
+  /** One block's key in the master's answer. */
+  private record BlockKey(long mapId, int reduceId) {}
+
+  /**
+   * Send the master the read's whole range (map indices and partitions), not yet knowing
+   * which attempts Spark accepted: the answer holds every finished attempt's blocks in it,
+   * and {@link #locate} keeps those of the attempts Spark lists.
+   */
+  private PendingLocate locateAll() {
     try {
       ObjectNode request = ctx.json.createObjectNode();
       request.put("shuffle", shuffleKey);
-      ArrayNode list = request.putArray("blocks");
-      for (Block b : blocks) {
-        list.addArray().add(b.mapId).add(b.reduceId);
+      request.putArray("maps").add(startMapIndex).add(endMapIndex);
+      request.putArray("partitions").add(startPartition).add(endPartition);
+      return new PendingLocate(
+          ctx.callLater(ctx.master(), "spark_locate", ctx.toJson(request)), null);
+    } catch (IOException | RuntimeException e) {
+      return new PendingLocate(null, e instanceof IOException io ? io : new IOException(e));
+    }
+  }
+
+  /** Each block's segments ([tier, bytes, node, location] in index order), or null. */
+  private List<JsonNode> locate(List<Block> blocks, PendingLocate pending) {
+    if (blocks.isEmpty()) {
+      return Collections.emptyList();  // (an answer still in flight is dropped)
+    }
+    try {
+      if (pending.failure() != null) {
+        throw pending.failure();
       }
-      JsonNode answer = ctx.parse(ctx.call(ctx.master(), "spark_locate", ctx.toJson(request)));
+      JsonNode answer = ctx.parse(ctx.await(pending.answer(), "spark_locate"));
+      Map<BlockKey, JsonNode> found = new HashMap<>();
+      for (JsonNode entry : answer.get("attempts")) {
+        found.put(new BlockKey(entry.get(0).asLong(), entry.get(1).asInt()), entry.get(2));
+      }
       List<JsonNode> out = new ArrayList<>(blocks.size());
-      answer.get("blocks").forEach(out::add);
+      List<Integer> missing = new ArrayList<>();
+      for (Block b : blocks) {
+        JsonNode segments = found.get(new BlockKey(b.mapId, b.reduceId));
+        if (segments == null) {
+          missing.add(out.size());
+        }
+        out.add(segments);
+      }
+      if (!missing.isEmpty()) {
+        // Not finished when the master answered (an attempt Spark accepted since, or one
+        // lost): ask again for exactly these blocks; a null answer means lost.
+        ObjectNode request = ctx.json.createObjectNode();
+        request.put("shuffle", shuffleKey);
+        ArrayNode list = request.putArray("blocks");
+        for (int i : missing) {
+          list.addArray().add(blocks.get(i).mapId).add(blocks.get(i).reduceId);
+        }
+        JsonNode again = ctx.parse(ctx.call(ctx.master(), "spark_locate", ctx.toJson(request)))
+            .get("blocks");
+        for (int k = 0; k < missing.size(); k++) {
+          out.set(missing.get(k), again.get(k));
+        }
+      }
       return out;
     } catch (IOException e) {
       Block b = blocks.get(0);
