@@ -158,28 +158,62 @@ def abort(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
         registry.drop_attempt(shuffle_id, *entry)
 
 
+def _block_segments(m: Any, attempt: int, partition: int) -> list[list[Any]] | None:
+    """A complete block's ``[[tier, nbytes, node, location], ...]`` in index order, or None
+    if some segment of it is missing (a gap)."""
+    metas = sorted(m.segments[attempt].get(partition, []), key=lambda s: s.id.index)
+    if [s.id.index for s in metas] != list(range(len(metas))):
+        return None
+    return [[s.tier.value, s.nbytes, s.node_id, s.location] for s in metas]
+
+
+def _finished(state: ShuffleState, map_id: int) -> tuple[Any, int] | None:
+    """The map state and registry attempt of Spark attempt ``map_id`` if its output is
+    complete here, else None (never committed, lost, aborted)."""
+    entry = state.spark_attempts.get(map_id)
+    if entry is None:
+        return None
+    map_index, attempt = entry
+    m = state.maps[map_index]
+    if attempt not in m.done_attempts or attempt not in m.segments:
+        return None
+    return m, attempt
+
+
 def locate(registry: ShuffleRegistry, request: Mapping[str, Any]) -> dict[str, Any]:
-    """Segments of blocks ``[map_id, partition]``: per block ``[[tier, nbytes, node,
-    location], ...]`` in index order, or None if that attempt's output is not complete
-    here (lost, aborted, released): the reader then raises FetchFailedException."""
+    """Segments of Spark blocks, in one of two forms.
+
+    ``blocks``: ``[[map_id, partition], ...]``; the answer's ``blocks`` has per block
+    ``[[tier, nbytes, node, location], ...]`` in index order, or None if that attempt's
+    output is not complete here (lost, aborted, released): the reader then raises
+    FetchFailedException.
+
+    ``maps`` and ``partitions`` (``[start, end)`` each): every block of every finished
+    attempt of those map indices, as ``[map_id, partition, segments or None]`` in the
+    answer's ``attempts``. A reader sends this before it asks Spark's MapOutputTracker
+    which attempts count, so the two round trips overlap; it then reads only the attempts
+    Spark lists (a finished loser of a speculative pair is in the answer, never read)."""
     state = registry.state(request["shuffle"])  # ShuffleNotFoundError names the release
     registry.heartbeat(state.shuffle_id)
+    if "maps" in request:
+        map_start, map_end = (int(v) for v in request["maps"])
+        part_start, part_end = (int(v) for v in request["partitions"])
+        found: list[Any] = []
+        for map_id in sorted(state.spark_attempts):
+            if not map_start <= state.spark_attempts[map_id][0] < map_end:
+                continue
+            done = _finished(state, map_id)
+            if done is None:
+                continue
+            m, attempt = done
+            partitions = [p for p in m.segments[attempt] if part_start <= p < part_end]
+            for partition in sorted(partitions):
+                found.append([map_id, partition, _block_segments(m, attempt, partition)])
+        return {"attempts": found}
     out: list[Any] = []
     for map_id, partition in request["blocks"]:
-        entry = state.spark_attempts.get(int(map_id))
-        if entry is None:
-            out.append(None)
-            continue
-        map_index, attempt = entry
-        m = state.maps[map_index]
-        if attempt not in m.done_attempts or attempt not in m.segments:
-            out.append(None)
-            continue
-        metas = sorted(m.segments[attempt].get(int(partition), []), key=lambda s: s.id.index)
-        if [s.id.index for s in metas] != list(range(len(metas))):
-            out.append(None)  # a gap: some segment of the block is missing
-            continue
-        out.append([[s.tier.value, s.nbytes, s.node_id, s.location] for s in metas])
+        done = _finished(state, int(map_id))
+        out.append(None if done is None else _block_segments(*done, int(partition)))
     return {"blocks": out}
 
 

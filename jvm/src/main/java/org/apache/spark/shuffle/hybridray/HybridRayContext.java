@@ -35,6 +35,7 @@ public final class HybridRayContext {
   public static final String CONF_FLUSH_BYTES = "spark.hybridray.flushBytes";
   public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
   public static final String CONF_CALL_TIMEOUT_MS = "spark.hybridray.callTimeoutMs";
+  public static final String CONF_PACK_BYTES = "spark.hybridray.packBytes";
 
   private static HybridRayContext instance;
 
@@ -43,6 +44,9 @@ public final class HybridRayContext {
   final String configJson;
   final int segmentBytes;
   final long flushBytes;
+  /** Small memory-tier segments of a batch share one Ray object up to this size
+   *  ({@link MemoryPacking}); 0 puts each segment alone. */
+  final long packBytes;
   final long fetchTimeoutMs;
   /** Bound of every call to the master or a tier manager (a wedged actor fails the task). */
   final long callTimeoutMs;
@@ -62,6 +66,7 @@ public final class HybridRayContext {
     this.configJson = conf.get(CONF_CONFIG, "{}");
     this.segmentBytes = (int) conf.getSizeAsBytes(CONF_SEGMENT_BYTES, "4m");
     this.flushBytes = conf.getSizeAsBytes(CONF_FLUSH_BYTES, "32m");
+    this.packBytes = conf.getSizeAsBytes(CONF_PACK_BYTES, "512k");
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.appKey = appKey(conf.getAppId());
@@ -146,6 +151,23 @@ public final class HybridRayContext {
   String call(PyActorHandle actor, String method, String argument) throws IOException {
     try {
       return actor.task(PyActorMethod.of(method, String.class), argument).remote().get(callTimeoutMs);
+    } catch (RuntimeException e) {
+      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
+  /**
+   * Start a call of a Python actor method taking and returning strings, without waiting:
+   * {@link #await} takes its answer. For a call whose round trip can overlap other work.
+   */
+  ObjectRef<String> callLater(PyActorHandle actor, String method, String argument) {
+    return actor.task(PyActorMethod.of(method, String.class), argument).remote();
+  }
+
+  /** The answer of a call started with {@link #callLater}; errors become IOException. */
+  String await(ObjectRef<String> pending, String method) throws IOException {
+    try {
+      return pending.get(callTimeoutMs);
     } catch (RuntimeException e) {
       throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
     }

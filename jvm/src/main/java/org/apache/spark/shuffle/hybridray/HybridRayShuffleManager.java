@@ -33,7 +33,8 @@ import org.slf4j.LoggerFactory;
  * {@code spark.hybridray.namespace} (Ray namespace of the master, default "hybrid_ray"),
  * {@code spark.hybridray.config} (the ShuffleConfig as JSON), {@code spark.hybridray.segmentBytes}
  * (4m), {@code spark.hybridray.flushBytes} (32m: map output stored per batch of this size),
- * {@code spark.hybridray.fetchTimeoutMs} (10min).
+ * {@code spark.hybridray.fetchTimeoutMs} (10min), {@code spark.hybridray.packBytes} (512k: small
+ * memory-tier segments of a batch share one object up to this size).
  */
 public class HybridRayShuffleManager extends SortShuffleManager {
   private static final Logger LOG = LoggerFactory.getLogger(HybridRayShuffleManager.class);

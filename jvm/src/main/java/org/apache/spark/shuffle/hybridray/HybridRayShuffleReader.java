@@ -50,8 +50,9 @@ import scala.collection.Iterator;
  * <p>Which attempt of each map counts is Spark's decision: the blocks come from the
  * {@code MapOutputTracker} (a map's {@code mapId} is the task attempt that Spark accepted),
  * so a failed, killed or speculative loser attempt is never read. Their segments come from
- * the shuffle master in one call; a segment that is gone, unreadable or fails its checksum
- * raises {@code FetchFailedException}, so Spark recomputes that map. A local disk segment
+ * the shuffle master in one call, sent before the tracker is asked (the two round trips
+ * overlap); a segment that is gone, unreadable or fails its checksum raises
+ * {@code FetchFailedException}, so Spark recomputes that map. A local disk segment
  * whose path lies outside this node's spill dirs is never opened
  * ({@link LocalSegmentFiles}): the task fails with an error naming the path and the allowed
  * directories (not a fetch failure: recomputing the map would not make the path safe).
@@ -92,8 +93,11 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   @SuppressWarnings({"unchecked", "rawtypes"})
   public Iterator<Product2<K, C>> read() {
     ShuffleDependency<K, ?, C> dep = handle.dependency();
+    // Ask the master for the segments while Spark's MapOutputTracker says which attempts
+    // count: two round trips at once instead of one after the other.
+    PendingLocate pending = locateAll();
     List<Block> blocks = blocks();
-    List<JsonNode> where = locate(blocks);
+    List<JsonNode> where = locate(blocks, pending);
     Iterator<Product2<Object, Object>> records =
         new RecordIterator(blocks, where, dep.serializer().newInstance());
     Iterator interruptible = new InterruptibleIterator(context, records);
@@ -139,21 +143,68 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     return out;
   }
 
-  /** Each block's segments ([tier, bytes, node, location] in index order), or null. */
-  private List<JsonNode> locate(List<Block> blocks) {
-    if (blocks.isEmpty()) {
-      return Collections.emptyList();
-    }
+  /** A locate call in flight, or why it could not be sent. */
+  private record PendingLocate(ObjectRef<String> answer, IOException failure) {}
+
+  /** One block's key in the master's answer. */
+  private record BlockKey(long mapId, int reduceId) {}
+
+  /**
+   * Send the master the read's whole range (map indices and partitions), not yet knowing
+   * which attempts Spark accepted: the answer holds every finished attempt's blocks in it,
+   * and {@link #locate} keeps those of the attempts Spark lists.
+   */
+  private PendingLocate locateAll() {
     try {
       ObjectNode request = ctx.json.createObjectNode();
       request.put("shuffle", shuffleKey);
-      ArrayNode list = request.putArray("blocks");
-      for (Block b : blocks) {
-        list.addArray().add(b.mapId).add(b.reduceId);
+      request.putArray("maps").add(startMapIndex).add(endMapIndex);
+      request.putArray("partitions").add(startPartition).add(endPartition);
+      return new PendingLocate(
+          ctx.callLater(ctx.master(), "spark_locate", ctx.toJson(request)), null);
+    } catch (IOException | RuntimeException e) {
+      return new PendingLocate(null, e instanceof IOException io ? io : new IOException(e));
+    }
+  }
+
+  /** Each block's segments ([tier, bytes, node, location] in index order), or null. */
+  private List<JsonNode> locate(List<Block> blocks, PendingLocate pending) {
+    if (blocks.isEmpty()) {
+      return Collections.emptyList();  // (an answer still in flight is dropped)
+    }
+    try {
+      if (pending.failure() != null) {
+        throw pending.failure();
       }
-      JsonNode answer = ctx.parse(ctx.call(ctx.master(), "spark_locate", ctx.toJson(request)));
+      JsonNode answer = ctx.parse(ctx.await(pending.answer(), "spark_locate"));
+      Map<BlockKey, JsonNode> found = new HashMap<>();
+      for (JsonNode entry : answer.get("attempts")) {
+        found.put(new BlockKey(entry.get(0).asLong(), entry.get(1).asInt()), entry.get(2));
+      }
       List<JsonNode> out = new ArrayList<>(blocks.size());
-      answer.get("blocks").forEach(out::add);
+      List<Integer> missing = new ArrayList<>();
+      for (Block b : blocks) {
+        JsonNode segments = found.get(new BlockKey(b.mapId, b.reduceId));
+        if (segments == null) {
+          missing.add(out.size());
+        }
+        out.add(segments);
+      }
+      if (!missing.isEmpty()) {
+        // Not finished when the master answered (an attempt Spark accepted since, or one
+        // lost): ask again for exactly these blocks; a null answer means lost.
+        ObjectNode request = ctx.json.createObjectNode();
+        request.put("shuffle", shuffleKey);
+        ArrayNode list = request.putArray("blocks");
+        for (int i : missing) {
+          list.addArray().add(blocks.get(i).mapId).add(blocks.get(i).reduceId);
+        }
+        JsonNode again = ctx.parse(ctx.call(ctx.master(), "spark_locate", ctx.toJson(request)))
+            .get("blocks");
+        for (int k = 0; k < missing.size(); k++) {
+          out.set(missing.get(k), again.get(k));
+        }
+      }
       return out;
     } catch (IOException e) {
       Block b = blocks.get(0);
@@ -204,23 +255,28 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     }
   }
 
-  // Memory-tier segments fetched ahead by location (serialized ref), taken when read.
+  // Memory-tier objects fetched ahead, by object location (serialized ref), with how many
+  // of the fetched blocks' segments still lie in each (packed objects hold several).
   private final Map<String, byte[]> prefetched = new HashMap<>();
+  private final Map<String, Integer> prefetchedUses = new HashMap<>();
   private int prefetchedUpTo;
 
   /**
-   * Fetch the memory-tier segments of the blocks from {@code from} on with one
+   * Fetch the memory-tier objects of the blocks from {@code from} on with one
    * {@code Ray.get} of many refs, up to {@link #PREFETCH_BYTES} or {@link #PREFETCH_REFS}:
    * one round trip to the object store instead of one per segment (segments are small
-   * when a map's output is spread over many partitions). A batch that fails is left to
-   * the per-segment path, which names the lost block in its FetchFailedException.
+   * when a map's output is spread over many partitions). An object holding several
+   * segments ({@link MemoryPacking}) is fetched once. A batch that fails is left to the
+   * per-segment path, which names the lost block in its FetchFailedException.
    */
   private void prefetchMemorySegments(List<JsonNode> where, int from) {
     if (from < prefetchedUpTo) {
       return;
     }
-    List<String> locations = new ArrayList<>();
+    Map<String, Integer> uses = new HashMap<>();
+    List<String> objects = new ArrayList<>();
     List<ObjectRef<byte[]>> refs = new ArrayList<>();
+    int slices = 0;
     long bytes = 0;
     int i = from;
     for (; i < where.size() && bytes < PREFETCH_BYTES && refs.size() < PREFETCH_REFS; i++) {
@@ -230,28 +286,46 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
       }
       for (JsonNode seg : segments) {
         if (seg.get(0).asText().equals("memory")) {
-          try {
-            refs.add(decodeRef(seg.get(3).asText()));
-          } catch (IOException e) {
-            return;  // the per-segment path reports it
+          String object = MemoryPacking.objectLocation(seg.get(3).asText());
+          if (uses.merge(object, 1, Integer::sum) == 1) {
+            try {
+              refs.add(decodeRef(object));
+            } catch (IOException e) {
+              prefetchedUpTo = i;
+              return;  // the per-segment path reports it
+            }
+            objects.add(object);
           }
-          locations.add(seg.get(3).asText());
+          slices++;
           bytes += seg.get(1).asLong();
         }
       }
     }
     prefetchedUpTo = i;
-    if (refs.size() < 2) {
+    if (slices < 2) {
       return;
     }
     try {
       List<byte[]> frames = Ray.get(refs, ctx.fetchTimeoutMs);
       for (int k = 0; k < frames.size(); k++) {
-        prefetched.put(locations.get(k), frames.get(k));
+        prefetched.put(objects.get(k), frames.get(k));
+        prefetchedUses.merge(objects.get(k), uses.get(objects.get(k)), Integer::sum);
       }
     } catch (RuntimeException e) {
-      prefetched.clear();  // some object is gone: each segment is fetched (and named) alone
+      // Some object is gone: each segment is fetched (and named) alone.
+      prefetched.clear();
+      prefetchedUses.clear();
     }
+  }
+
+  /** A prefetched object, dropped once the last of its fetched segments is taken. */
+  private byte[] takePrefetched(String object) {
+    byte[] bytes = prefetched.get(object);
+    if (bytes != null && prefetchedUses.merge(object, -1, Integer::sum) <= 0) {
+      prefetched.remove(object);
+      prefetchedUses.remove(object);
+    }
+    return bytes;
   }
 
   @SuppressWarnings("unchecked")
@@ -330,22 +404,26 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   private byte[] readSegment(String tier, String node, String location, String what)
       throws IOException {
     if (tier.equals("memory")) {
-      byte[] ahead = prefetched.remove(location);
-      if (ahead != null) {
-        return ahead;
-      }
-      ObjectRef<byte[]> ref;
-      try (ObjectInputStream in = new ObjectInputStream(
-          new ByteArrayInputStream(Base64.getDecoder().decode(location)))) {
-        ref = (ObjectRef<byte[]>) in.readObject();
-      } catch (ClassNotFoundException e) {
-        throw new IOException(what + ": cannot decode its object reference", e);
+      String object = MemoryPacking.objectLocation(location);
+      byte[] bytes = takePrefetched(object);
+      if (bytes == null) {
+        ObjectRef<byte[]> ref;
+        try {
+          ref = decodeRef(object);
+        } catch (IOException e) {
+          throw new IOException(what + ": cannot decode its object reference", e);
+        }
+        try {
+          bytes = Ray.get(ref, ctx.fetchTimeoutMs);
+        } catch (RuntimeException e) {
+          throw new IOException(what + " is gone from the memory tier (the executor that "
+              + "wrote it died?): " + e.getMessage(), e);
+        }
       }
       try {
-        return Ray.get(ref, ctx.fetchTimeoutMs);
-      } catch (RuntimeException e) {
-        throw new IOException(what + " is gone from the memory tier (the executor that "
-            + "wrote it died?): " + e.getMessage(), e);
+        return MemoryPacking.segment(location, bytes);
+      } catch (IOException e) {
+        throw new IOException(what + ": " + e.getMessage(), e);
       }
     }
     if (node.equals(ctx.nodeId())) {

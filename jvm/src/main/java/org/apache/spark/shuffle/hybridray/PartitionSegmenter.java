@@ -10,8 +10,12 @@ import java.util.List;
  * (the sizes {@code MapStatus} reports, which AQE's coalescing and skew splitting use).
  *
  * <p>Spark's sorter writes partitions in increasing order, each at most once, so one buffer
- * is open at a time; a frame is allocated at full segment size, so a full segment is sealed
- * in place without a copy. Not thread-safe: one map task uses it.
+ * is open at a time. A frame is allocated for the bytes at hand (at most a segment), and
+ * grows by doubling when more come: a partition written in one call (the direct writer's
+ * flush) gets a frame of exactly its size, sealed in place without a copy. (Frames used to
+ * be allocated at full segment size, 4 MiB, for every partition of every flush: a small
+ * map task of 8 partitions zeroed 32 MiB of fresh heap, 200 partitions 800 MiB.)
+ * Not thread-safe: one map task uses it.
  */
 public final class PartitionSegmenter {
 
@@ -21,6 +25,9 @@ public final class PartitionSegmenter {
       return frame.length - SegmentCodec.HEADER_BYTES;
     }
   }
+
+  /** First frame size of a partition written in small pieces (the sort writer's stream). */
+  static final int MIN_FRAME = 64 * 1024;
 
   private final String shuffleKey;
   private final long mapId;
@@ -48,11 +55,8 @@ public final class PartitionSegmenter {
   public void write(int partition, byte[] b, int off, int len) {
     open(partition);
     while (len > 0) {
-      if (frame == null) {
-        frame = new byte[SegmentCodec.HEADER_BYTES + segmentBytes];
-        filled = 0;
-      }
-      int n = Math.min(len, segmentBytes - filled);
+      int n = Math.min(len, segmentBytes - (frame == null ? 0 : filled));
+      reserve(n);
       System.arraycopy(b, off, frame, SegmentCodec.HEADER_BYTES + filled, n);
       filled += n;
       off += n;
@@ -64,11 +68,29 @@ public final class PartitionSegmenter {
     }
   }
 
+  /** Room in the open frame for {@code n} more payload bytes (a new frame if none is open);
+   *  the payload capacity at least doubles when it grows, up to a segment. */
+  private void reserve(int n) {
+    if (frame == null) {
+      frame = new byte[SegmentCodec.HEADER_BYTES + Math.max(n, Math.min(MIN_FRAME, segmentBytes))];
+      filled = 0;
+      return;
+    }
+    int needed = filled + n;
+    int capacity = frame.length - SegmentCodec.HEADER_BYTES;
+    if (needed > capacity) {
+      int grown = (int) Math.min(segmentBytes, Math.max(needed, 2L * capacity));
+      frame = Arrays.copyOf(frame, SegmentCodec.HEADER_BYTES + grown);
+    }
+  }
+
   /** The partition's stream was closed: seal its last, partial segment. */
   public void finishPartition(int partition) {
     open(partition);
     if (frame != null && filled > 0) {
-      frame = Arrays.copyOf(frame, SegmentCodec.HEADER_BYTES + filled);
+      if (frame.length != SegmentCodec.HEADER_BYTES + filled) {
+        frame = Arrays.copyOf(frame, SegmentCodec.HEADER_BYTES + filled);
+      }
       cut();
     }
     frame = null;

@@ -83,9 +83,14 @@ final class RaySegmentSink implements SegmentSink {
       JsonNode answer = ctx.parse(ctx.call(tierManager, "spark_reserve", ctx.toJson(request)));
       JsonNode placements = answer.get("placements");
       boolean hasRemote = answer.path("remote").asBoolean(false);
-      List<long[]> granted = new ArrayList<>();
+      int n = segments.size();
+      String[] tiers = new String[n];
+      String[] locations = new String[n];
+      // Whether segment i's grant was used (its bytes are written): settled with its size.
+      boolean[] used = new boolean[n];
+      List<Integer> memory = new ArrayList<>();
       try {
-        for (int i = 0; i < segments.size(); i++) {
+        for (int i = 0; i < n; i++) {
           PartitionSegmenter.Segment s = segments.get(i);
           JsonNode p = placements.get(i);
           if (p.get("tier").isNull()) {
@@ -93,40 +98,31 @@ final class RaySegmentSink implements SegmentSink {
               throw new IOException(outOfSpace(s, p.get("refusals")));
             }
             // Neither local tier has room: the node's tier manager stores it remotely.
-            ArrayNode meta = stored.addArray();
-            meta.add(s.partition()).add(s.index()).add("remote").add(s.frame().length)
-                .add(writeRemote(tierManager, s));
-            continue;
-          }
-          String tier = p.get("tier").asText();
-          long grant = p.get("grant").asLong();
-          String location;
-          if (tier.equals("memory")) {
-            ObjectRef<byte[]> ref = Ray.put(s.frame());
-            ctx.own(shuffleId, mapId, ref);
-            location = Base64.getEncoder().encodeToString(serializeRef(ref));
+            tiers[i] = "remote";
+            locations[i] = writeRemote(tierManager, s);
+          } else if (p.get("tier").asText().equals("memory")) {
+            memory.add(i);  // put below, small ones together in one object
           } else {
+            tiers[i] = p.get("tier").asText();
             Path path = segmentPath(p.get("target").asText(), s);
             writePrivateFile(path, s.frame());
             uncommittedFiles.add(path);
-            location = path.toString();
+            locations[i] = path.toString();
+            used[i] = true;
           }
-          granted.add(new long[] {grant, s.frame().length});
-          ArrayNode meta = stored.addArray();
-          meta.add(s.partition()).add(s.index()).add(tier).add(s.frame().length).add(location);
         }
+        putMemorySegments(segments, memory, tiers, locations, used);
       } catch (IOException | RuntimeException e) {
         // Grants of this batch not used (or whose data is about to be deleted): give back.
-        for (int i = granted.size(); i < segments.size(); i++) {
-          JsonNode p = placements.get(i);
-          if (!p.get("tier").isNull()) {
-            settlements.add(new long[] {p.get("grant").asLong(), -1});
-          }
-        }
-        settlements.addAll(granted);
+        settle(segments, placements, used);
         throw e;
       }
-      settlements.addAll(granted);
+      settle(segments, placements, used);
+      for (int i = 0; i < n; i++) {
+        PartitionSegmenter.Segment s = segments.get(i);
+        stored.addArray().add(s.partition()).add(s.index()).add(tiers[i])
+            .add(s.frame().length).add(locations[i]);
+      }
     }
     ObjectNode commit = ctx.json.createObjectNode();
     commit.put("shuffle", shuffleKey);
@@ -142,6 +138,52 @@ final class RaySegmentSink implements SegmentSink {
     uncommittedFiles.clear();
     if (last && !settlements.isEmpty()) {
       sendSettlements(tierManager);
+    }
+  }
+
+  /**
+   * {@code Ray.put} the memory-tier segments {@code memory} (indices into {@code segments}),
+   * consecutive small ones together in one object of at most {@code packBytes}
+   * ({@link MemoryPacking}): one object store round trip per group instead of per segment.
+   */
+  private void putMemorySegments(List<PartitionSegmenter.Segment> segments,
+      List<Integer> memory, String[] tiers, String[] locations, boolean[] used)
+      throws IOException {
+    int[] sizes = new int[memory.size()];
+    for (int k = 0; k < sizes.length; k++) {
+      sizes[k] = segments.get(memory.get(k)).frame().length;
+    }
+    for (int[] group : MemoryPacking.groups(sizes, ctx.packBytes)) {
+      List<byte[]> frames = new ArrayList<>(group.length);
+      for (int k : group) {
+        frames.add(segments.get(memory.get(k)).frame());
+      }
+      byte[] object = group.length == 1 ? frames.get(0) : MemoryPacking.concat(frames);
+      ObjectRef<byte[]> ref = Ray.put(object);
+      ctx.own(shuffleId, mapId, ref);
+      String where = Base64.getEncoder().encodeToString(serializeRef(ref));
+      int offset = 0;
+      for (int k : group) {
+        int i = memory.get(k);
+        int length = segments.get(i).frame().length;
+        tiers[i] = "memory";
+        locations[i] = group.length == 1 ? where
+            : MemoryPacking.location(where, offset, length);
+        used[i] = true;
+        offset += length;
+      }
+    }
+  }
+
+  /** Queue the settlements of a batch's grants: used ones with their bytes, others -1. */
+  private void settle(List<PartitionSegmenter.Segment> segments, JsonNode placements,
+      boolean[] used) {
+    for (int i = 0; i < segments.size(); i++) {
+      JsonNode p = placements.get(i);
+      if (!p.get("tier").isNull()) {
+        settlements.add(new long[] {p.get("grant").asLong(),
+            used[i] ? segments.get(i).frame().length : -1});
+      }
     }
   }
 

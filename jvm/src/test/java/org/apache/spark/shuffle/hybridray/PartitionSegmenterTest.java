@@ -59,4 +59,39 @@ class PartitionSegmenterTest {
     seg.write(2, bytes("a"), 0, 1);
     assertThrows(IllegalStateException.class, () -> seg.write(1, bytes("b"), 0, 1));
   }
+
+  @Test
+  void piecesGrowTheFrameAcrossSegmentsAndEveryFrameIsExact() throws Exception {
+    int segmentBytes = 3 * PartitionSegmenter.MIN_FRAME + 5;  // frames grow past MIN_FRAME
+    byte[] data = new byte[2 * segmentBytes + 1234];
+    for (int i = 0; i < data.length; i++) {
+      data[i] = (byte) (i * 7 + i / 251);
+    }
+    PartitionSegmenter seg = new PartitionSegmenter(KEY, 3L, 2, segmentBytes);
+    for (int off = 0; off < data.length; off += 1000) {
+      seg.write(1, data, off, Math.min(1000, data.length - off));
+    }
+    seg.finishPartition(1);
+    List<PartitionSegmenter.Segment> out = seg.takePending();
+    assertEquals(3, out.size());
+    java.io.ByteArrayOutputStream joined = new java.io.ByteArrayOutputStream();
+    for (PartitionSegmenter.Segment s : out) {
+      int n = SegmentCodec.verify(s.frame(),
+          SegmentCodec.identity(KEY, 3L, s.partition(), s.index()), "seg");
+      assertEquals(SegmentCodec.HEADER_BYTES + n, s.frame().length);
+      joined.write(s.frame(), SegmentCodec.HEADER_BYTES, n);
+    }
+    assertEquals(segmentBytes, out.get(0).payloadBytes());
+    assertArrayEquals(data, joined.toByteArray());
+  }
+
+  @Test
+  void aPartitionWrittenInOneCallGetsAFrameOfItsSize() throws Exception {
+    PartitionSegmenter seg = new PartitionSegmenter(KEY, 3L, 1, 4 << 20);
+    seg.write(0, bytes("small"), 0, 5);
+    seg.finishPartition(0);
+    PartitionSegmenter.Segment s = seg.takePending().get(0);
+    assertEquals(SegmentCodec.HEADER_BYTES + 5, s.frame().length);
+    assertEquals("small", payload(s, 3L));
+  }
 }

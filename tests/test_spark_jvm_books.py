@@ -1,0 +1,75 @@
+"""The shuffle master's books of JVM shuffle-manager shuffles (``hybrid_ray.spark_jvm``),
+without Ray or Spark: commits as the JVM sends them, locates as its readers ask."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_ray.master import ShuffleRegistry
+from hybrid_ray.spark_jvm import abort, commit, locate
+
+SHUFFLE = "spark-app-1-0"
+
+
+def _registry() -> ShuffleRegistry:
+    return ShuffleRegistry(lambda state, metas: None, lambda state: None)
+
+
+def _commit(registry: ShuffleRegistry, map_index: int, map_id: int,
+            segments: list[list[Any]], final: bool = True) -> None:
+    commit(registry, {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": map_index,
+                      "map_id": map_id, "node": "n1", "final": final, "segments": segments},
+           lambda token: None)
+
+
+def _seg(partition: int, index: int, where: str) -> list[Any]:
+    return [partition, index, "memory", 10, where]
+
+
+def _range(registry: ShuffleRegistry, maps: tuple[int, int],
+           partitions: tuple[int, int]) -> list[list[Any]]:
+    return locate(registry, {"shuffle": SHUFFLE, "maps": list(maps),
+                             "partitions": list(partitions)})["attempts"]
+
+
+def test_range_locate_gives_every_finished_attempt_in_range() -> None:
+    registry = _registry()
+    _commit(registry, 0, 100, [_seg(0, 0, "a"), _seg(1, 0, "b"), _seg(1, 1, "c")])
+    _commit(registry, 1, 101, [_seg(1, 0, "d"), _seg(3, 0, "e")])
+    # A speculative duplicate of map 1 that finished too: in the answer, and the reader
+    # keeps the attempt Spark lists.
+    _commit(registry, 1, 105, [_seg(1, 0, "f")])
+    # Map 2 has not finished: not in the answer.
+    _commit(registry, 2, 102, [_seg(1, 0, "g")], final=False)
+
+    got = _range(registry, (0, 2**31 - 1), (1, 3))
+    assert got == [
+        [100, 1, [["memory", 10, "n1", "b"], ["memory", 10, "n1", "c"]]],
+        [101, 1, [["memory", 10, "n1", "d"]]],
+        [105, 1, [["memory", 10, "n1", "f"]]],
+    ]
+    # A skew-split read's map range, and a partition range outside the data.
+    assert _range(registry, (1, 2), (3, 4)) == [[101, 3, [["memory", 10, "n1", "e"]]]]
+    assert _range(registry, (0, 3), (2, 3)) == []
+
+
+def test_range_locate_agrees_with_the_per_block_form() -> None:
+    registry = _registry()
+    _commit(registry, 0, 7, [_seg(0, 0, "x"), _seg(2, 0, "y")], final=False)
+    _commit(registry, 0, 7, [_seg(2, 1, "z")])
+    _commit(registry, 1, 8, [_seg(0, 0, "w")])
+    abort(registry, {"shuffle": SHUFFLE, "map_id": 8})  # failed after committing: gone
+
+    ranged = {(m, p): segs for m, p, segs in _range(registry, (0, 2), (0, 4))}
+    blocks = [[7, 0], [7, 2], [8, 0], [9, 0]]
+    per_block = locate(registry, {"shuffle": SHUFFLE, "blocks": blocks})["blocks"]
+    assert per_block == [ranged.get((m, p)) for m, p in blocks]
+    assert per_block[1] == [["memory", 10, "n1", "y"], ["memory", 10, "n1", "z"]]
+    assert per_block[2] is None and per_block[3] is None
+
+
+def test_a_block_with_a_gap_is_none_in_both_forms() -> None:
+    registry = _registry()
+    _commit(registry, 0, 3, [_seg(1, 0, "a"), _seg(1, 2, "c")])  # index 1 missing
+    assert _range(registry, (0, 1), (0, 4)) == [[3, 1, None]]
+    assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[3, 1]]})["blocks"] == [None]
