@@ -15,7 +15,11 @@ of the shuffle's CPU, idle at most 5% of the cores' time):
 - data plane: the writer and reader actors;
 - idle: the cores' time in the round (cores x wall) that no process of the session used.
 
-    python -m benchmarks.cpu_by_process --size 1GiB --rounds 3
+    python -m benchmarks.cpu_by_process --size 1 --rounds 3
+
+Every round's time and map/reduce phases are printed too, so the first call (round 0,
+the first shuffle after ``hybrid_ray.init``) reads against the warm ones; with
+``--preallocate-plasma`` Ray starts with its object store pre-faulted.
 """
 
 from __future__ import annotations
@@ -107,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="processes listed")
+    p.add_argument("--object-store-gib", type=float, default=0.0,
+                   help="Ray's object store size (default: Ray's own choice)")
+    p.add_argument("--preallocate-plasma", action="store_true",
+                   help="start Ray with its object store pre-faulted "
+                        "(preallocate_plasma_memory): a first call without fresh pages")
     args = p.parse_args(argv)
     if args.size <= 0 or args.rounds < 1:
         p.error("--size must be > 0 and --rounds >= 1")
@@ -117,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     size = int(args.size * (1 << 30))
     work = tempfile.mkdtemp(prefix="hr-cpu-")
     try:
+        started = time.perf_counter()
         ray.init(address="local", num_cpus=args.cpus, include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False,
+                 object_store_memory=int(args.object_store_gib * (1 << 30)) or None,
+                 _system_config={"preallocate_plasma_memory": True}
+                 if args.preallocate_plasma else None)
+        print(f"ray.init {time.perf_counter() - started:.2f} s")
         config = hybrid_ray.ShuffleConfig(spill_dirs=[os.path.join(work, "spill")],
                                           progress=False, memory_capacity_bytes=size // 2)
         hybrid_ray.init(config)
@@ -137,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             if checksum(ray.get(b) for b in out.to_arrow_refs()) != expected:
                 print(f"round {r}: output differs from the input", file=sys.stderr)
                 return 1
+            phases = report.phases
             print(f"round {r}: {wall:.2f} s, {size / 1e6 / wall:.0f} MB/s, "
-                  f"tiers {report.bytes_per_tier()}")
+                  f"tiers {report.bytes_per_tier()}; map {phases.map:.2f} s, "
+                  f"reduce {phases.reduce:.2f} s")
             del out
         print(f"last round: {sum(x[0] for x in rows):.2f} CPU-s in {wall:.2f} s on "
               f"{args.cpus} cores; {report.phases}")
