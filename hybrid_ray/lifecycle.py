@@ -492,7 +492,7 @@ class _HeldShuffles:
         try:
             lifecycle.heartbeat()
             lost = lifecycle.take_lost() if rerun is not None else []
-        except ShuffleNotFoundError as exc:  # released (or expired) meanwhile
+        except (ShuffleNotFoundError, ShuffleFailedError) as exc:  # released, expired
             if self.unhold(lifecycle.shuffle_id) is not None:
                 self._note(lifecycle, f"the master no longer knows it: {exc}")
             return

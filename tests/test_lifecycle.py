@@ -205,3 +205,21 @@ def test_fail_translates_the_error_and_removes_the_data(config):
     stop = KeyboardInterrupt()
     assert shuffle.fail(stop) is stop
     assert not _known(shuffle)
+
+
+def test_a_held_shuffle_released_elsewhere_as_failed_is_let_go_once(config):
+    """Released as failed by someone else (another process, an operator), a held shuffle's
+    heartbeat gets a ShuffleFailedError: the holder lets it go and notes it once, instead of
+    noting the same error every second."""
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    shuffle.hold()
+    ray.get(shuffle.master.release.remote(shuffle.shuffle_id, "a disk failed", True))
+    deadline = time.monotonic() + 30
+    while shuffle.shuffle_id in lifecycle.held_shuffle_ids() and time.monotonic() < deadline:
+        lifecycle._held._tend(shuffle, None)  # what the holder's thread does each second
+        time.sleep(0.2)
+    assert shuffle.shuffle_id not in lifecycle.held_shuffle_ids()
+    time.sleep(2 * lifecycle.RECOVERY_POLL_S + 1)
+    notes = [e for e in lifecycle.held_errors() if shuffle.shuffle_id in e]
+    assert len(notes) == 1 and "a disk failed" in notes[0]
