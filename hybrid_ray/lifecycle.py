@@ -161,6 +161,8 @@ class ShuffleLifecycle:
         self.released = False
         self._last_beat = 0.0
         self._unchecked: list[ray.ObjectRef] = []  # calls not waited for, checked later
+        # A held shuffle's thread heartbeats while the caller's thread may seal or report.
+        self._unchecked_lock = threading.Lock()
 
     # ---- the phases, in order ------------------------------------------------------------
     def register(self, num_maps: int | None = None) -> None:
@@ -185,7 +187,9 @@ class ShuffleLifecycle:
             return
         self._check_unchecked(wait=False)
         with self.control:
-            self._unchecked.append(self.master.heartbeat.remote(self.shuffle_id))
+            ref = self.master.heartbeat.remote(self.shuffle_id)
+        with self._unchecked_lock:
+            self._unchecked.append(ref)
         self._last_beat = now
 
     def take_lost(self) -> list[int]:
@@ -196,8 +200,9 @@ class ShuffleLifecycle:
         """A reducer's output is stored: its subpartition's segments can go (not waited
         for; checked at the next heartbeat or at ``summary``)."""
         with self.control:
-            self._unchecked.append(
-                self.master.free_subpartition.remote(self.shuffle_id, subpartition))
+            ref = self.master.free_subpartition.remote(self.shuffle_id, subpartition)
+        with self._unchecked_lock:
+            self._unchecked.append(ref)
 
     def seal(self, num_maps: int, attempts: Mapping[int, int]) -> None:
         """Fix the map count of a ``CHOSEN_AT_SEAL`` shuffle and the attempt of each map
@@ -277,8 +282,10 @@ class ShuffleLifecycle:
         """Keep the shuffle after the call that made it returns: a daemon thread
         heartbeats it and, given ``rerun``, runs maps whose output was lost with
         ``rerun(maps)`` until ``release``. A failed re-run releases the shuffle, telling
-        its readers why."""
-        _held.hold(self, rerun)
+        its readers why. A released shuffle is not held again (a map stage that ends
+        just after the user released its shuffle)."""
+        if not self.released:
+            _held.hold(self, rerun)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _call(self, method: Any, *args: Any) -> Any:
@@ -290,18 +297,20 @@ class ShuffleLifecycle:
     def _check_unchecked(self, wait: bool) -> None:
         """Raise the error of a call not waited for, if one failed (``wait``: wait,
         bounded, for all of them; else look only at those already answered)."""
-        if not self._unchecked:
+        with self._unchecked_lock:
+            pending = list(self._unchecked)
+        if not pending:
             return
         if wait:
-            ready = self._unchecked
             with self.control:
-                ray.wait(ready, num_returns=len(ready), timeout=MASTER_CALL_TIMEOUT_S,
-                         fetch_local=True)
+                ready, _ = ray.wait(pending, num_returns=len(pending),
+                                    timeout=MASTER_CALL_TIMEOUT_S, fetch_local=True)
         else:
-            ready, _ = ray.wait(self._unchecked, num_returns=len(self._unchecked),
-                                timeout=0, fetch_local=True)
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0,
+                                fetch_local=True)
         done = set(ready)
-        self._unchecked = [r for r in self._unchecked if r not in done]
+        with self._unchecked_lock:
+            self._unchecked = [r for r in self._unchecked if r not in done]
         for ref in ready:
             ray.get(ref, timeout=MASTER_CALL_TIMEOUT_S)
 
