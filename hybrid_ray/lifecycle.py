@@ -144,9 +144,11 @@ class ShuffleLifecycle:
 
     def __init__(self, config: ShuffleConfig, num_partitions: int, operation: str, *,
                  policy: AttemptPolicy = AttemptPolicy.FIRST_FINISH, id_prefix: str = "shf",
-                 master: Any = None) -> None:
+                 master: Any = None, started: float | None = None) -> None:
         """``operation`` names the shuffle in reports and errors; ``id_prefix`` starts its
-        id (``shf`` for Ray shuffles, ``spk`` for the Spark bridge's)."""
+        id (``shf`` for Ray shuffles, ``spk`` for the Spark bridge's). ``started``: when
+        the shuffle's work began (``time.perf_counter``; default now), the start of its
+        report's wall time."""
         if not isinstance(policy, AttemptPolicy):
             raise ConfigError(f"policy must be a hybrid_ray.lifecycle.AttemptPolicy, got "
                               f"{policy!r}")
@@ -157,7 +159,7 @@ class ShuffleLifecycle:
         self.shuffle_id = f"{id_prefix}-{uuid.uuid4().hex[:12]}"
         self.master = master if master is not None else get_master(config.namespace)
         self.control = Stopwatch()
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
         self.released = False
         self._last_beat = 0.0
         self._unchecked: list[ray.ObjectRef] = []  # calls not waited for, checked later

@@ -529,7 +529,7 @@ class ShuffleRegistry:
 @dataclasses.dataclass(frozen=True)
 class ShuffleSummary:
     """The master's books of one shuffle, from which its driver builds the report
-    (``report.report_from_summary``) and ``hybrid-ray status`` its lines."""
+    (``lifecycle.report_from_summary``) and ``hybrid-ray status`` its lines."""
 
     shuffle_id: str
     num_maps: int

@@ -366,8 +366,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     started = time.perf_counter()
     actors = start_actors(config.namespace, reader_count(config))
     shuffle = ShuffleLifecycle(config, num_partitions, operation,
-                               master=actors.master.handle)
-    shuffle.started = started
+                               master=actors.master.handle, started=started)
     inputs, input_nodes = _map_inputs(blocks, config)
     shuffle.register(len(inputs))
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
