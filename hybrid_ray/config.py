@@ -91,6 +91,10 @@ DEFAULT_MIN_RESERVE_FRACTION = 0.05
 DEFAULT_MEMORY_FRACTION = 0.3
 # Orphaned shuffle data (its driver died without releasing it) is removed after this long.
 DEFAULT_ORPHAN_TTL_S = 6 * 3600.0
+# A shuffle in which no map and no reducer finished for this long fails (ShuffleStalledError)
+# instead of waiting forever on a hung worker. Generous: a map or reducer of one large block
+# through a slow remote store can legitimately take minutes.
+DEFAULT_STALL_TIMEOUT_S = 900.0
 # A running shuffle's driver heartbeats the master this often (hybrid_ray.shuffle).
 DRIVER_HEARTBEAT_S = 5.0
 # A shorter orphan TTL would release live shuffles: a heartbeat can be late by a busy
@@ -177,6 +181,10 @@ class ShuffleConfig:
             while maps write, so this also bounds the processes that wait.
         map_chunk_bytes: a map partitions and commits its block in chunks of about
             this size; smaller chunks make data visible to hybrid readers sooner.
+        stall_timeout_s: a shuffle in which no map and no reducer finished for this many
+            seconds fails with ``ShuffleStalledError`` (its data removed, the stuck
+            worker processes restarted) instead of waiting forever. Raise it for maps or
+            reducers that legitimately take longer (very large blocks, a slow store).
         remote_transfers: remote-tier transfers each writer or reader process keeps in
             flight while it goes on partitioning or decoding (an object store's latency
             and per-connection bandwidth are hidden by concurrency). A writer holds at most
@@ -206,6 +214,7 @@ class ShuffleConfig:
     max_concurrent_reducers: int | None = None
     map_chunk_bytes: int = 32 * MiB
     remote_transfers: int = 4
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -226,6 +235,7 @@ class ShuffleConfig:
             _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes)
         _require_bytes("map_chunk_bytes", self.map_chunk_bytes, 1)
         _require_count("remote_transfers", self.remote_transfers)
+        _require_number("stall_timeout_s", self.stall_timeout_s, 1.0, float("inf"), False)
         if self.max_concurrent_reducers is not None:
             _require_count("max_concurrent_reducers", self.max_concurrent_reducers)
 

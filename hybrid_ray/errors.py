@@ -70,6 +70,13 @@ class ShuffleFailedError(HybridRayError, RuntimeError):
     """A shuffle could not complete; its data has been cleaned up."""
 
 
+class ShuffleStalledError(ShuffleFailedError):
+    """No map and no reducer of a shuffle finished for ``ShuffleConfig.stall_timeout_s``
+    (a hung or paused worker process, a store that stopped answering): the shuffle was
+    failed and its data removed instead of waiting forever. The message names what still
+    ran, where."""
+
+
 class ShuffleMasterLostError(ShuffleFailedError):
     """The namespace's shuffle master is gone (its node died or it was killed): the books
     of every shuffle in flight went with it."""

@@ -51,6 +51,7 @@ from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import (
     ConfigError, ShuffleFailedError, ShuffleMasterLostError, ShuffleNotFoundError,
+    ShuffleStalledError,
 )
 from hybrid_ray.master import ShuffleSummary
 from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
@@ -368,6 +369,9 @@ class MapRunner:
         # the last one was seen finished.
         self.first_dispatch: float | None = None
         self.last_finish: float | None = None
+        # When a map last finished (or the runner started; monotonic): the stall bound's
+        # clock (``check_stalled``).
+        self.last_progress = time.monotonic()
         self._dispatch()
 
     @property
@@ -401,6 +405,7 @@ class MapRunner:
                 try:
                     self.results[map_index] = ray.get(ref)
                     self.last_finish = time.perf_counter()
+                    self.last_progress = time.monotonic()
                 except WORKER_LOST_ERRORS as exc:
                     node = self._writers[slot][0]
                     if not lost_with_node(node, exc):
@@ -417,10 +422,39 @@ class MapRunner:
         results. For callers with nothing else to do meanwhile."""
         while not self.done:
             self.poll()
+            self.check_stalled()
             running = self.running_refs()
             if running:
                 ray.wait(running, num_returns=1, timeout=wait_s, fetch_local=False)
         return self.results
+
+    def check_stalled(self, other_progress: float = 0.0,
+                      other_running: str = "", restart_others: Callable[[], None] | None = None
+                      ) -> None:
+        """Raise ``ShuffleStalledError`` if work is running but no map finished (and
+        nothing the caller tracks made progress: ``other_progress``, monotonic) for the
+        config's ``stall_timeout_s``. A hung writer would otherwise keep its shuffle, and
+        every later shuffle dispatched to it, waiting forever: the writers of the running
+        maps (and the caller's stuck workers, ``restart_others``) are restarted first.
+        ``other_running`` names the caller's running work for the message."""
+        timeout = self._lifecycle.config.stall_timeout_s
+        idle = time.monotonic() - max(self.last_progress, other_progress)
+        if idle <= timeout or not (self._running or other_running):
+            return
+        maps = sorted(m for m, _ in self._running.values())
+        nodes = sorted({self._writers[slot][0][:12] for slot in self._running})
+        running = [f"maps {maps} on writers at node(s) {', '.join(nodes)}"] if maps else []
+        running += [other_running] if other_running else []
+        for slot in list(self._running):
+            restart_stuck_worker(self._writers[slot][1])
+        if restart_others is not None:
+            restart_others()
+        raise ShuffleStalledError(
+            f"shuffle {self._lifecycle.shuffle_id} made no progress for {idle:.0f} s: no map "
+            f"and no reducer finished ({'; '.join(running)} still running). Their worker "
+            "processes were restarted and the shuffle's data is removed. If maps or "
+            "reducers legitimately take longer (very large blocks, a slow remote store), "
+            f"raise ShuffleConfig.stall_timeout_s (now {timeout:g} s)")
 
     def _requeue(self, maps: Sequence[int]) -> None:
         """Put maps at the front of the queue, each once: a map lost with its node can be
@@ -453,6 +487,16 @@ class MapRunner:
             self._running[slot] = (pick, ref)
             if self.first_dispatch is None:
                 self.first_dispatch = time.perf_counter()
+
+
+def restart_stuck_worker(actor: Any) -> None:
+    """Restart a long-lived worker actor stuck in a task (it comes back empty, through
+    its ``max_restarts``). A kill that fails (the actor is already gone) changes
+    nothing the caller needs."""
+    try:
+        ray.kill(actor, no_restart=False)
+    except Exception:  # noqa: BLE001 - best effort: the stall is the error to report
+        pass
 
 
 # ---- shuffles held after the call that made them -------------------------------------------

@@ -34,7 +34,7 @@ from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - 
 from hybrid_ray.config import ShuffleConfig, ShuffleMode
 from hybrid_ray.errors import ConfigError, ShuffleFailedError
 from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
-    MapRunner, ShuffleLifecycle, describe_cause, report_from_summary,
+    MapRunner, ShuffleLifecycle, describe_cause, report_from_summary, restart_stuck_worker,
 )
 from hybrid_ray.map_task import map_block, write_map_partition  # noqa: F401 - re-exported
 from hybrid_ray.map_task import unify_schemas
@@ -292,6 +292,16 @@ class _ReaderPool:
         keys = {_actor_key(r) for _, r in self._readers}
         self._busy = {k: s for k, s in self._busy.items() if k in keys}
 
+    def busy_subpartitions(self) -> list[int]:
+        return sorted(self._busy.values())
+
+    def restart_busy(self) -> None:
+        """Restart the readers still reducing (stuck: see ``MapRunner.check_stalled``)."""
+        busy = set(self._busy)
+        for _, reader in self._readers:
+            if _actor_key(reader) in busy:
+                restart_stuck_worker(reader)
+
     def close(self) -> None:
         """End this shuffle's extra readers (their output blocks stay: the driver owns
         them)."""
@@ -445,8 +455,12 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
     start: float | None = None
     end: float | None = None
     times = ReduceTimes()
+    last_reduced = 0.0  # when a reducer last finished (monotonic): the stall bound's clock
     while True:
         maps.poll()
+        busy = readers.busy_subpartitions()
+        maps.check_stalled(last_reduced, f"reducers of subpartitions {busy}" if busy else "",
+                           readers.restart_busy)
         if maps.lost_nodes - readers.lost_nodes:
             readers.drop_nodes(maps.lost_nodes)
         maps_done = maps.done
@@ -469,6 +483,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                 readers.done(sub)
                 finished.add(sub)
                 end = time.perf_counter()
+                last_reduced = time.monotonic()
                 # Returned with the stats, so ready now: a small inlined object.
                 reducer_times = ray.get(times_refs[sub])
                 times.waiting += reducer_times.waiting

@@ -36,6 +36,9 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("job_id", "a/b", "job_id"),
     ("remote_transfers", 0, "remote_transfers must be an integer >= 1"),
     ("max_concurrent_reducers", 2.5, "max_concurrent_reducers must be an integer >= 1"),
+    ("stall_timeout_s", 0.5, "stall_timeout_s must be in [1.0, inf)"),
+    ("stall_timeout_s", float("inf"), "stall_timeout_s must be in [1.0, inf)"),
+    ("stall_timeout_s", "600", "stall_timeout_s must be a number"),
     # Issue 14 item 15: accepted before, each failing late or silently wrong.
     ("orphan_ttl_s", 1, "orphan_ttl_s must be >= 15 s (3 driver heartbeats of 5 s)"),
     ("orphan_ttl_s", 14.9, "releases live shuffles"),

@@ -127,3 +127,45 @@ def test_a_finished_maps_segment_deleted_before_it_is_read_fails_at_once_naming_
     finally:
         ray.get(master.release.remote(shuffle_id))
     assert_no_leftovers(config, ray)
+
+
+def test_a_shuffle_whose_writers_hang_fails_within_its_stall_bound_and_the_next_one_runs(
+        ray_local, tmp_path):
+    """Was: with its writer processes stuck in a task (a call that never returns),
+    ``repartition`` waited forever, and so did every later shuffle sent to those
+    writers."""
+    import ray
+
+    import hybrid_ray
+    from hybrid_ray.actors import get_writers
+
+    config = base_config(tmp_path, namespace=f"hr-stall-{uuid.uuid4().hex[:6]}",
+                         stall_timeout_s=3)
+    hybrid_ray.init(config)
+    table = pa.table({"key": np.arange(200_000) % 97, "id": np.arange(200_000)})
+    ds = ray.data.from_arrow([table.slice(i * 50_000, 50_000) for i in range(4)])
+    writers = [w for _, w in get_writers(config.namespace)]
+    stuck = [ray.get(w.run.remote(os.getpid), timeout=30) for w in writers]
+    # Not retried on the restarted writer (a stuck map is: it then fails at once, its
+    # shuffle released).
+    hangs = [w.run.options(max_task_retries=0).remote(time.sleep, 3600) for w in writers]
+    started = time.monotonic()
+    with pytest.raises(hybrid_ray.ShuffleStalledError) as err:
+        hybrid_ray.repartition(ds, 4, keys=["key"], config=config).materialize()
+    elapsed = time.monotonic() - started
+    assert 3 <= elapsed < 20, f"took {elapsed:.1f} s"
+    message = str(err.value)
+    assert "made no progress for" in message and "still running" in message
+    assert "maps [" in message and "ShuffleConfig.stall_timeout_s (now 3 s)" in message
+    assert_no_leftovers(config, ray)
+
+    # The stuck writers were restarted: new processes, and the next shuffle is exact.
+    for hang in hangs:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(hang, timeout=60)
+    fresh = [ray.get(w.run.remote(os.getpid), timeout=60) for w in writers]
+    assert not set(fresh) & set(stuck)
+    out = pa.concat_tables(ray.get(
+        hybrid_ray.repartition(ds, 4, keys=["key"], config=config).to_arrow_refs()))
+    assert sorted(out["id"].to_pylist()) == list(range(200_000))
+    assert_no_leftovers(config, ray)
