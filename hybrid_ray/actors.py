@@ -490,16 +490,27 @@ class ShuffleMasterActor:
         start = time.monotonic()
         deadline = start + max(0.0, min(float(wait_s), MAX_POLL_WAIT_S))
         with self._lock:
+            # Answer once a batch of news is in (``ShuffleRegistry.poll_batch``), a map
+            # was reset, the subpartition is complete, or at the deadline with what there is.
+            batch = self.registry.poll_batch(shuffle_id) if wait_s > 0 else 1
             while True:
-                result = self.registry.poll(shuffle_id, subpartition, cursors, pid)
+                result = self.registry.poll(shuffle_id, subpartition, cursors, pid,
+                                            record=False)
                 remaining = deadline - time.monotonic()
-                if result.updates or result.done or remaining <= 0:
-                    return dataclasses.replace(result, waited_s=time.monotonic() - start)
+                news = sum(len(u.segments) for u in result.updates)
+                if result.done or news >= batch or remaining <= 0 \
+                        or any(u.reset for u in result.updates):
+                    break
                 self._changed.wait(remaining)
+            result = self.registry.poll(shuffle_id, subpartition, cursors, pid)
+            return dataclasses.replace(result, waited_s=time.monotonic() - start)
 
     def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
+        return self.free_subpartitions(shuffle_id, [subpartition])
+
+    def free_subpartitions(self, shuffle_id: str, subpartitions: list[int]) -> int:
         with self._lock:
-            result = self.registry.free_subpartition(shuffle_id, subpartition)
+            result = self.registry.free_subpartitions(shuffle_id, subpartitions)
         self._queued()
         return result
 

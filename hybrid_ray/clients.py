@@ -32,6 +32,7 @@ from hybrid_ray.segment import (
 )
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
+from hybrid_ray.tiers.base import settle_changes_books
 from hybrid_ray.tiers.disk import map_segment_file
 from hybrid_ray.tiers.remote import RemoteTier
 
@@ -120,6 +121,8 @@ class WriteClient:
         self._current_tier = [self._top_tier] * num_subpartitions
         self._next_index = [0] * num_subpartitions
         self._unsettled: list[tuple[Grant, int | None]] = []
+        # Full segments kept for close (``write_many(place=False)``), not written yet.
+        self._held: list[tuple[int, pa.Table]] = []
         self._compression = Compression(config.compression)
         self._skip_compression = 0  # segments left to write uncompressed
         self._uncommitted: list[SegmentMeta] = []
@@ -135,8 +138,11 @@ class WriteClient:
         """Append rows to a subpartition; full segments are written out as they fill."""
         self.write_many([(subpartition, data)])
 
-    def write_many(self, parts: Iterable[tuple[int, pa.Table | pa.RecordBatch]]) -> None:
-        """Append to several subpartitions, placing all segments that filled in one round trip."""
+    def write_many(self, parts: Iterable[tuple[int, pa.Table | pa.RecordBatch]],
+                   place: bool = True) -> None:
+        """Append to several subpartitions, placing all segments that filled in one round
+        trip. ``place=False``: keep the full segments to place with the tails at ``close``
+        (the writer's last rows: one reservation for both)."""
         self._check_open()
         ready = []
         for subpartition, data in parts:
@@ -150,7 +156,10 @@ class WriteClient:
             self._buffered_bytes[subpartition] += table.nbytes
             if self._buffered_bytes[subpartition] >= self._segment_bytes(subpartition):
                 ready.extend(self._cut(subpartition, final=False))
-        self._place(ready)
+        if place:
+            self._place(ready)
+        else:
+            self._held.extend(ready)
 
     def flush(self, wait_uploads: bool = False) -> list[SegmentMeta]:
         """Commit the segments written so far (they become visible to readers). Remote
@@ -165,13 +174,11 @@ class WriteClient:
     def close(self) -> list[SegmentMeta]:
         """Write the partial tail segments, settle space, commit; returns all segments."""
         self._check_open()
-        tails = []
+        tails, self._held = self._held, []
         for sub in range(self.num_subpartitions):
             tails.extend(self._cut(sub, final=True))
         self._place(tails)
-        if self._unsettled:
-            self.storage.settle(self.shuffle_id, self._unsettled)
-            self._unsettled = []
+        self._settle_changes()
         self.flush(wait_uploads=True)
         self._closed = True
         return list(self.written)
@@ -188,9 +195,8 @@ class WriteClient:
             except Exception:  # failed or cancelled: nothing to delete
                 pass
         self._uploads.clear()
-        if self._unsettled:
-            self.storage.settle(self.shuffle_id, self._unsettled)
-            self._unsettled = []
+        self._held = []
+        self._settle_changes()
         local = [m for m in self.written if m.tier != TierName.REMOTE]
         if local:
             self.storage.free_segments(self.shuffle_id, local)
@@ -204,6 +210,15 @@ class WriteClient:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"write client of map {self.map_partition} is closed")
+
+    def _settle_changes(self) -> None:
+        """Tell the tier manager what became of the grants not settled yet, if that
+        changes its books (``settle_changes_books``): a map whose segments all went to
+        the memory tier in full makes no call (one round trip per map saved)."""
+        changed = [(g, w) for g, w in self._unsettled if settle_changes_books(g, w)]
+        self._unsettled = []
+        if changed:
+            self.storage.settle(self.shuffle_id, changed)
 
     def _segment_bytes(self, subpartition: int) -> int:
         return self.config.segment_bytes[self._current_tier[subpartition]]
@@ -245,7 +260,8 @@ class WriteClient:
                                   job_id=self.config.job_id or ""))
             self._next_index[sub] += 1
         payloads = [self._encode(t, sid, arena) for (_, t), sid in zip(pieces, sids)]
-        settled, self._unsettled = self._unsettled, []
+        settled = [(g, w) for g, w in self._unsettled if settle_changes_books(g, w)]
+        self._unsettled = []
         placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
         # Grants not yet settled: if a write raises, they are given back (with abort).
         granted = {i for i, p in enumerate(placements) if p.grant is not None}

@@ -64,6 +64,9 @@ RECOVERY_POLL_S = 1.0
 # wake-up of the driver's loop (each map or reducer that finished), it was a tenth of the
 # master's calls in a 1 GiB shuffle. A lost map's readers wait for it anyway.
 LOST_MAPS_POLL_S = 0.5
+# Subpartitions freed within this many seconds of the last free go to the master together
+# (one call, one deletion per node): one call per reducer was a tenth of the master's calls.
+FREE_BATCH_S = 0.25
 # Errors of held shuffles' background work (heartbeats, re-runs) kept for ``held_errors``.
 HELD_ERRORS_KEPT = 100
 
@@ -164,6 +167,8 @@ class ShuffleLifecycle:
         self.released = False
         self._last_beat = 0.0
         self._unchecked: list[ray.ObjectRef] = []  # calls not waited for, checked later
+        self._frees: list[int] = []  # subpartitions to free, not sent yet
+        self._frees_sent = 0.0  # when frees were last sent (monotonic)
         # A held shuffle's thread heartbeats while the caller's thread may seal or report.
         self._unchecked_lock = threading.Lock()
 
@@ -185,6 +190,7 @@ class ShuffleLifecycle:
         after ``orphan_ttl_s``), at most every ``HEARTBEAT_S`` unless ``force``. Not waited
         for; the previous beat's answer is checked here (a shuffle the master no longer
         knows raises ``ShuffleNotFoundError``)."""
+        self._send_frees()
         now = time.monotonic()
         if not force and now - self._last_beat < HEARTBEAT_S:
             return
@@ -200,10 +206,22 @@ class ShuffleLifecycle:
         return self._call(self.master.take_lost)
 
     def free_subpartition(self, subpartition: int) -> None:
-        """A reducer's output is stored: its subpartition's segments can go (not waited
-        for; checked at the next heartbeat or at ``summary``)."""
+        """A reducer's output is stored: its subpartition's segments can go. Sent with the
+        others freed within ``FREE_BATCH_S`` (by this call or the next ``heartbeat``); not
+        waited for, checked at the next heartbeat or at ``summary``. Frees still unsent at
+        ``release`` are dropped: the release deletes everything."""
+        with self._unchecked_lock:
+            self._frees.append(subpartition)
+        self._send_frees()
+
+    def _send_frees(self) -> None:
+        if not self._frees or time.monotonic() - self._frees_sent < FREE_BATCH_S:
+            return
+        with self._unchecked_lock:
+            subpartitions, self._frees = self._frees, []
+        self._frees_sent = time.monotonic()
         with self.control:
-            ref = self.master.free_subpartition.remote(self.shuffle_id, subpartition)
+            ref = self.master.free_subpartitions.remote(self.shuffle_id, subpartitions)
         with self._unchecked_lock:
             self._unchecked.append(ref)
 
@@ -239,6 +257,8 @@ class ShuffleLifecycle:
         if self.released:
             return False
         self.released = True
+        with self._unchecked_lock:
+            self._frees = []  # covered by the release
         return bool(self._call(self.master.release, reason, failed))
 
     def fail(self, exc: BaseException) -> BaseException:

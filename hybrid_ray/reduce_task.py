@@ -91,10 +91,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     cursors: dict[int, tuple[int, int]] = {}
     per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
 
-    def read_updates(updates: list[MapUpdate]) -> tuple[bool, _Missing | None]:
-        """Read the poll's new segments in order: (whether any was read, the segment found
-        gone whose map runs again, if one was)."""
-        got = False
+    def read_updates(updates: list[MapUpdate]) -> _Missing | None:
+        """Read the poll's new segments in order; the segment found gone whose map runs
+        again, if one was."""
         for map_index, attempt, reset, _ in updates:
             if reset:
                 per_map[map_index] = []
@@ -121,11 +120,10 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                         finished = _finished_attempt(master, shuffle_id, map_index)
                     if finished == attempt:
                         raise _segment_lost(meta, exc, subpartition) from exc
-                return got, _Missing(meta, exc)
+                return _Missing(meta, exc)
             _, nxt = cursors.get(map_index, (attempt, 0))
             cursors[map_index] = (attempt, nxt + 1)
-            got = True
-        return got, None
+        return None
 
     # A segment that vanished while its map was being retried (the dead attempt's data is
     # deleted) is expected: wait for the master to reset that map to the new attempt.
@@ -140,7 +138,7 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                              timeout=POLL_WAIT_S + MASTER_CALL_TIMEOUT_S)
         control.seconds -= result.waited_s
         waiting.seconds += result.waited_s
-        got, missing = read_updates(result.updates)
+        missing = read_updates(result.updates)
         if missing is not None:
             now = time.monotonic()
             missing_since = missing_since or now
@@ -155,7 +153,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                 time.sleep(POLL_RETRY_S)
             continue
         missing_since = None
-        if result.done and not got:
+        # Complete, and every segment of the answer read: nothing more can come (asking
+        # again cost every reader one more round trip through the master).
+        if result.done:
             break
     times.waiting += waiting.seconds
     times.control_plane += control.seconds

@@ -187,6 +187,50 @@ def test_master_long_poll_waits_for_news_and_answers_on_commit(ray_local, tmp_pa
     ray.get(master.release.remote("shf-poll"))
 
 
+def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tmp_path):
+    """With 8 maps a waiting poll is answered once 2 new segments are in (a quarter of the
+    maps), not at the first commit: a reader that started with the maps was answered at
+    every commit, about 30 round trips through the master per reader at 17 maps. Whatever
+    is in is answered at the deadline, and a complete subpartition at once."""
+    from hybrid_ray import SegmentId, SegmentMeta, TierName
+    from hybrid_ray.actors import MAX_POLL_WAIT_S
+
+    namespace = f"batchpoll-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace)
+    master = get_master(namespace)
+    ray.get(master.register.remote("shf-batch", 8, 1, cfg))
+
+    def commit(m):
+        attempt = ray.get(master.begin_map.remote("shf-batch", m, "n1", 1))
+        meta = SegmentMeta(SegmentId("shf-batch", m, 0, 0, attempt), TierName.DISK, 10, 1,
+                           "n1", f"/x/{m}")
+        assert ray.get(master.finish_map.remote("shf-batch", m, attempt, None, [meta]))
+
+    waiting = master.poll.remote("shf-batch", 0, {}, 1, MAX_POLL_WAIT_S)
+    time.sleep(0.2)
+    commit(0)
+    ready, _ = ray.wait([waiting], timeout=0.3)
+    assert not ready  # one segment: not worth an answer yet
+    commit(1)
+    answered = ray.get(waiting)
+    assert sorted(u.map_index for u in answered.updates) == [0, 1]
+    assert answered.waited_s < MAX_POLL_WAIT_S  # answered by the batch, not the deadline
+    cursors = {u.map_index: (u.attempt, 1) for u in answered.updates}
+
+    commit(2)  # alone at the deadline: answered with what there is
+    late = ray.get(master.poll.remote("shf-batch", 0, cursors, 1, MAX_POLL_WAIT_S))
+    assert [u.map_index for u in late.updates] == [2] and not late.done
+    assert late.waited_s >= MAX_POLL_WAIT_S * 0.9
+    cursors[2] = (late.updates[0].attempt, 1)
+
+    for m in range(3, 8):
+        commit(m)
+    final = ray.get(master.poll.remote("shf-batch", 0, cursors, 1, MAX_POLL_WAIT_S))
+    assert final.done and sorted(u.map_index for u in final.updates) == [3, 4, 5, 6, 7]
+    ray.get(master.release.remote("shf-batch"))
+
+
 def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ray_local,
                                                                               tmp_path):
     """The master keeps tier-manager handles (a lookup by name per deletion was a GCS

@@ -321,3 +321,58 @@ def test_a_failed_write_gives_every_grant_of_its_batch_back(ray_local, tmp_path,
     client.abort()
     assert segment_files_under(spill) == []
     assert tm.usage().tiers[1].used_bytes == 0  # the grants of segments 2-4 too
+
+
+class CountingStorage:
+    """A node's ``TierManager`` that records the write client's calls to it (each is a
+    round trip to the tier-manager actor in a real map)."""
+
+    def __init__(self, tm):
+        self.tm, self.calls = tm, []
+
+    def reserve(self, shuffle_id, sizes, settled=()):
+        self.calls.append("reserve")
+        return self.tm.reserve(shuffle_id, sizes, settled)
+
+    def settle(self, shuffle_id, settled):
+        self.calls.append("settle")
+        return self.tm.settle(shuffle_id, settled)
+
+    def free_segments(self, shuffle_id, metas):
+        self.calls.append("free")
+        return self.tm.free_segments(shuffle_id, metas)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_writers_last_rows_take_one_reservation_and_settle_only_what_changes_books(
+        ray_local, tmp_path, tier):
+    """A map's last chunk (``write_many(place=False)``) is placed with the tails at close:
+    one reservation, not two. Memory grants written in full change no books, so a map
+    all in memory makes no settle call; disk grants are settled (in flight until then)."""
+    spill = str(tmp_path / "spill")
+    cfg = ShuffleConfig(memory_capacity_bytes=64 * MiB if tier == "memory" else 0,
+                        spill_dirs=[spill], compression="none",
+                        segment_bytes={"memory": 256 * 1024, "disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"ls-{uuid.uuid4().hex[:6]}"
+    tm.register_shuffle(shuffle, cfg)
+    storage = CountingStorage(tm)
+    io = build_io_tiers(cfg)
+    client = WriteClient(shuffle, 0, 4, cfg, storage, io)
+    first, last = random_table(80_000, seed=1), random_table(80_000, seed=2)
+    client.write_many((s, first.slice(s * 20_000, 20_000)) for s in range(4))
+    assert storage.calls == ["reserve"]  # its full segments placed at once
+    client.write_many(((s, last.slice(s * 20_000, 20_000)) for s in range(4)), place=False)
+    assert storage.calls == ["reserve"]  # held for close
+    metas = client.close()
+    expected = ["reserve", "reserve"] + (["settle"] if tier == "disk" else [])
+    assert storage.calls == expected
+    assert {m.tier.value for m in metas} == {tier}
+    used = tm.usage().tiers[0 if tier == "memory" else 1].used_bytes
+    assert used == sum(m.nbytes for m in metas)
+    if tier == "disk":
+        assert all(disk._in_flight == {} for disk in tm._disks.values())
+    out = list(ReadClient(io).read_segments(metas))
+    assert row_fingerprint(out) == row_fingerprint([first, last])
+    tm.release_shuffle(shuffle)
+    assert files_under(spill) == []

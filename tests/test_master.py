@@ -153,6 +153,42 @@ def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
     assert summary.per_node_tier == {"n1": {"disk": (30, 3)}}
 
 
+def test_subpartitions_freed_together_are_one_deletion():
+    """The driver frees the subpartitions of the reducers that finished within 0.25 s in
+    one call; their segments go in one deletion (one tier-manager call per node), not one
+    per subpartition."""
+    deletions = []
+    reg = ShuffleRegistry(lambda state, metas: deletions.append(sorted(
+        (m.id.subpartition, m.id.map_partition) for m in metas)), lambda state: None, Clock())
+    reg.register("f", num_maps=2, num_subpartitions=3, config=ShuffleConfig())
+    for m in range(2):
+        a = reg.begin_map("f", m, "n1")
+        reg.commit("f", m, a, [meta("f", m, sub, 0, a) for sub in range(3)])
+        reg.finish_map("f", m, a)
+    assert reg.free_subpartitions("f", [2, 0]) == 4
+    assert deletions == [[(0, 0), (0, 1), (2, 0), (2, 1)]]
+    assert reg.free_subpartitions("f", [0, 2]) == 0  # freed already: no second deletion
+    assert reg.free_subpartitions("f", [0, 1]) == 2
+    assert deletions[1:] == [[(1, 0), (1, 1)]]
+
+
+def test_a_look_at_a_poll_does_not_count_as_a_delivery(registry):
+    """The master's long poll looks (``record=False``) until it answers: only the answer
+    counts as the reader's first delivery in the report."""
+    a = registry.begin_map("s", 0, "n1")
+    registry.commit("s", 0, a, [meta("s", 0, 0, 0, a)])
+    registry.clock.now += 5
+    assert len(registry.poll("s", 0, {}, record=False).updates) == 1
+    assert registry.summary("s").first_delivery is None
+    registry.clock.now += 1
+    registry.poll("s", 0, {})
+    assert registry.summary("s").first_delivery == registry.clock.now
+    assert registry.poll_batch("s") == 1  # 2 maps: every segment is worth an answer
+    registry.register("wide", num_maps=17, num_subpartitions=2, config=ShuffleConfig())
+    assert registry.poll_batch("wide") == 4
+    assert registry.poll_batch("unknown") == 1
+
+
 def _finish(registry, m, subs=(0, 1), shuffle="s"):
     a = registry.begin_map(shuffle, m, "n1")
     registry.commit(shuffle, m, a, [meta(shuffle, m, sub, 0, a) for sub in subs])

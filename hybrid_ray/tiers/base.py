@@ -67,6 +67,14 @@ class TierUsage:
     shuffles: int
 
 
+def settle_changes_books(grant: Grant, written_bytes: int | None) -> bool:
+    """Whether settling ``grant`` with ``written_bytes`` changes a tier's books. A grant
+    is counted as used when reserved, so one written in full changes nothing, except on
+    the disk tier, which also counts it as in flight until settled (free space it has
+    promised but that ``statvfs`` does not show yet: ``DiskTier._on_settled``)."""
+    return written_bytes != grant.nbytes or grant.tier == TierName.DISK
+
+
 class Tier(abc.ABC):
     """Base class: byte accounting per shuffle; subclasses decide room and do the I/O."""
 
