@@ -13,7 +13,11 @@ of the shuffle's CPU, idle at most 5% of the cores' time):
 - control plane: the shuffle master, the tier managers and the driver (this process);
 - object store: the raylet (plasma: creating, sealing and freeing memory-tier objects);
 - data plane: the writer and reader actors;
-- idle: the cores' time in the round (cores x wall) that no process of the session used.
+- idle: the time the machine's cores were idle during the round (``/proc/stat``), and
+  beside it the CPU used outside the session (kernel threads such as page-cache
+  writeback of the disk tier's files, other jobs on a shared machine). On a machine with
+  more cores than ``--cpus``, idle is the cores' time in the round (cores x wall) that no
+  process of the session used instead.
 
     python -m benchmarks.cpu_by_process --size 1 --rounds 3
 
@@ -61,6 +65,14 @@ def cpu_between(before: dict[int, tuple[float, str]],
     most first (a process started in between counts from zero)."""
     rows = [(t - before.get(pid, (0.0, ""))[0], pid, cmd) for pid, (t, cmd) in after.items()]
     return sorted((r for r in rows if r[0] > 0), reverse=True)
+
+
+def machine_cpu(proc: str = "/proc") -> tuple[float, float]:
+    """(all CPU seconds so far, idle CPU seconds so far) of the machine's cores, from the
+    aggregate line of /proc/stat (idle counts idle and iowait)."""
+    with open(os.path.join(proc, "stat")) as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields[:8]) / _TICKS, (fields[3] + fields[4]) / _TICKS
 
 
 def process_tree(root: int, proc: str = "/proc") -> set[int]:
@@ -141,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         ds = ray.data.from_arrow(blocks).materialize()
         del blocks
         for r in range(args.rounds):
-            before = cpu_snapshot()
+            before, machine_before = cpu_snapshot(), machine_cpu()
             start = time.perf_counter()
             out = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
             wall = time.perf_counter() - start
+            machine_after = machine_cpu()
             tree = process_tree(os.getpid())
             rows = [r for r in cpu_between(before, cpu_snapshot()) if r[1] in tree]
             report = hybrid_ray.last_report()
@@ -162,11 +175,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {seconds:6.2f} {pid:>7} {cmd[:80]}")
         shares = cpu_shares(rows, os.getpid(), args.cpus, wall)
         total = shares["total"] or 1.0
+        idle_note = f"{args.cpus} cores x {wall:.2f} s"
+        if os.cpu_count() == args.cpus:  # the machine's idle time is the session's
+            machine_total = machine_after[0] - machine_before[0]
+            shares["idle"] = machine_after[1] - machine_before[1]
+            outside = max(0.0, machine_total - shares["idle"] - shares["total"])
+            idle_note = (f"the machine's {args.cpus} cores, /proc/stat; {outside:.2f} CPU-s "
+                         "used outside the session: kernel threads, other jobs")
+            wall_cores = machine_total or 1.0
+        else:
+            wall_cores = args.cpus * wall
         print("shares of the round's CPU: " + ", ".join(
             f"{role} {shares[role]:.2f} CPU-s ({shares[role] / total:.0%})"
             for role in ("data plane", "control plane", "object store", "other"))
               + f"; idle {shares['idle']:.2f} core-s "
-              f"({shares['idle'] / (args.cpus * wall):.0%} of {args.cpus} cores x {wall:.2f} s)")
+              f"({shares['idle'] / wall_cores:.0%} of {idle_note})")
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)

@@ -449,14 +449,16 @@ class MapRunner:
         return self.results
 
     def check_stalled(self, other_progress: float = 0.0,
-                      other_running: str = "", restart_others: Callable[[], None] | None = None
+                      other_running: str = "",
+                      restart_others: Callable[[list[str]], None] | None = None
                       ) -> None:
         """Raise ``ShuffleStalledError`` if work is running but no map finished (and
         nothing the caller tracks made progress: ``other_progress``, monotonic) for the
         config's ``stall_timeout_s``. A hung writer would otherwise keep its shuffle, and
         every later shuffle dispatched to it, waiting forever: the writers of the running
         maps (and the caller's stuck workers, ``restart_others``) are restarted first.
-        ``other_running`` names the caller's running work for the message."""
+        ``other_running`` names the caller's running work for the message;
+        ``restart_others`` adds the restarts that failed to the list it is given."""
         timeout = self._lifecycle.config.stall_timeout_s
         idle = time.monotonic() - max(self.last_progress, other_progress)
         if idle <= timeout or not (self._running or other_running):
@@ -465,16 +467,18 @@ class MapRunner:
         nodes = sorted({self._writers[slot][0][:12] for slot in self._running})
         running = [f"maps {maps} on writers at node(s) {', '.join(nodes)}"] if maps else []
         running += [other_running] if other_running else []
+        failures: list[str] = []
         for slot in list(self._running):
-            restart_stuck_worker(self._writers[slot][1])
+            restart_stuck_worker(self._writers[slot][1], failures)
         if restart_others is not None:
-            restart_others()
+            restart_others(failures)
+        unrestarted = f" Restarting some failed: {'; '.join(failures)}." if failures else ""
         raise ShuffleStalledError(
             f"shuffle {self._lifecycle.shuffle_id} made no progress for {idle:.0f} s: no map "
             f"and no reducer finished ({'; '.join(running)} still running). Their worker "
             "processes were restarted and the shuffle's data is removed. If maps or "
             "reducers legitimately take longer (very large blocks, a slow remote store), "
-            f"raise ShuffleConfig.stall_timeout_s (now {timeout:g} s)")
+            f"raise ShuffleConfig.stall_timeout_s (now {timeout:g} s).{unrestarted}")
 
     def _requeue(self, maps: Sequence[int]) -> None:
         """Put maps at the front of the queue, each once: a map lost with its node can be
@@ -509,14 +513,15 @@ class MapRunner:
                 self.first_dispatch = time.perf_counter()
 
 
-def restart_stuck_worker(actor: Any) -> None:
+def restart_stuck_worker(actor: Any, failures: list[str] | None = None) -> None:
     """Restart a long-lived worker actor stuck in a task (it comes back empty, through
-    its ``max_restarts``). A kill that fails (the actor is already gone) changes
-    nothing the caller needs."""
+    its ``max_restarts``). A kill that fails (the actor is gone already) is added to
+    ``failures`` for the caller's error: the stall stays the error to raise."""
     try:
         ray.kill(actor, no_restart=False)
-    except Exception:  # noqa: BLE001 - best effort: the stall is the error to report
-        pass
+    except Exception as exc:  # noqa: BLE001 - reported in the caller's error
+        if failures is not None:
+            failures.append(f"{type(exc).__name__}: {exc}")
 
 
 # ---- shuffles held after the call that made them -------------------------------------------

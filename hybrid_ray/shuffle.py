@@ -295,12 +295,13 @@ class _ReaderPool:
     def busy_subpartitions(self) -> list[int]:
         return sorted(self._busy.values())
 
-    def restart_busy(self) -> None:
-        """Restart the readers still reducing (stuck: see ``MapRunner.check_stalled``)."""
+    def restart_busy(self, failures: list[str]) -> None:
+        """Restart the readers still reducing (stuck: see ``MapRunner.check_stalled``);
+        restarts that failed are added to ``failures``."""
         busy = set(self._busy)
         for _, reader in self._readers:
             if _actor_key(reader) in busy:
-                restart_stuck_worker(reader)
+                restart_stuck_worker(reader, failures)
 
     def close(self) -> None:
         """End this shuffle's extra readers (their output blocks stay: the driver owns

@@ -220,13 +220,18 @@ def release(shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
     return shuffle.release(reason, failed)
 
 
-def _release_failed(shuffle_id: str, why: str) -> None:
-    """Release a shuffle that failed, telling its readers ``why``; if Ray is going down,
-    the master's orphan TTL removes the data instead."""
+def _release_failed(shuffle_id: str, why: str) -> str:
+    """Release a shuffle that failed, telling its readers ``why``. Returns "" or, if the
+    release itself failed (Ray going down, the master gone), a sentence saying so for the
+    error the caller raises: the caller's failure stays the error, and the data is then
+    removed by the master's orphan TTL (or ``hybrid-ray cleanup``)."""
     try:
         release(shuffle_id, why, failed=True)
-    except Exception:
-        pass
+    except Exception as exc:  # noqa: BLE001 - reported in the caller's error, not raised
+        return (f" (its data could not be removed now: {type(exc).__name__}: {exc}; the "
+                "shuffle master removes it after the config's orphan_ttl_s, or run "
+                "`hybrid-ray cleanup`)")
+    return ""
 
 
 def release_all() -> int:
@@ -351,7 +356,7 @@ def _map_stage(shuffle: BridgeShuffle, life: ShuffleLifecycle,
                    "while its map stage ran; run the operation again")
         else:
             why = f"its map stage failed: {_explain_spark_failure(exc)}"
-            _release_failed(shuffle.shuffle_id, why)
+            why += _release_failed(shuffle.shuffle_id, why)
         operation = life.operation.removeprefix("spark_")
         error = ShuffleFailedError(f"spark_bridge {operation}: hybrid_ray shuffle "
                                    f"{shuffle.shuffle_id} did not complete and its data was "
@@ -375,9 +380,11 @@ def reduce_frame(spark: Any, shuffles: Sequence[BridgeShuffle], reducer: Reducer
         n = shuffles[0].num_partitions
         fn = make_reduce_function(address, shuffles, reducer, to_arrow_schema(out_spark_schema))
         out = spark.range(0, n, 1, n).mapInArrow(fn, out_spark_schema)
-    except BaseException:
+    except BaseException as exc:
         for shuffle in shuffles:
-            _release_failed(shuffle.shuffle_id, "its reduce stage could not be built")
+            left = _release_failed(shuffle.shuffle_id, "its reduce stage could not be built")
+            if left:
+                exc.add_note(f"hybrid_ray shuffle {shuffle.shuffle_id}{left}")
         raise
     out._hybrid_ray_shuffles = [s.shuffle_id for s in shuffles]  # for release(df)
     return out

@@ -353,6 +353,17 @@ def test_cpu_by_process_counts_cpu_between_snapshots(tmp_path):
     assert rows[0][0] == pytest.approx(50 / _TICKS) and rows[1][0] == pytest.approx(10 / _TICKS)
 
 
+def test_cpu_by_process_reads_the_machines_idle_time_from_proc_stat(tmp_path):
+    """Idle is what the cores really did not use (idle + iowait of /proc/stat's aggregate
+    line), not the cores' time minus the session's processes: kernel threads (page-cache
+    writeback of spilled files) used some of that."""
+    from benchmarks.cpu_by_process import _TICKS, machine_cpu
+
+    (tmp_path / "stat").write_text("cpu  100 5 40 300 20 1 2 3 0 0\ncpu0 1 2 3 4 5 6 7 8\n")
+    total, idle = machine_cpu(str(tmp_path))
+    assert total == pytest.approx(471 / _TICKS) and idle == pytest.approx(320 / _TICKS)
+
+
 def test_cpu_by_process_counts_only_its_own_session_and_splits_it_by_role(tmp_path):
     """On a shared machine another job's processes must not count; the control-plane share
     is the master, tier managers and driver, the raylet is the object store, and idle is

@@ -71,3 +71,21 @@ def test_a_failed_shuffle_says_its_cause_first_and_attaches_the_traceback(ray_lo
     # The remote traceback is attached, not pasted.
     assert isinstance(info.value.__cause__, ray.exceptions.RayTaskError)
     assert 'File "' in str(info.value.__cause__) and "in assign" in str(info.value.__cause__)
+
+
+def test_a_failed_bridge_shuffle_whose_release_fails_says_so_instead_of_hiding_it(
+        monkeypatch):
+    """Was: the bridge's release of a failed shuffle swallowed its own failure silently
+    (the data then stayed until the orphan TTL with nothing telling the user)."""
+    from spark_bridge import exchange
+
+    def master_gone(shuffle_id, reason="", failed=False):
+        raise ConnectionError("the shuffle master is unreachable")
+
+    monkeypatch.setattr(exchange, "release", master_gone)
+    left = exchange._release_failed("spk-0123456789ab", "its map stage failed: boom")
+    assert "could not be removed now: ConnectionError: the shuffle master is unreachable" \
+        in left
+    assert "orphan_ttl_s" in left and "hybrid-ray cleanup" in left
+    monkeypatch.setattr(exchange, "release", lambda *a, **k: True)
+    assert exchange._release_failed("spk-0123456789ab", "boom") == ""
