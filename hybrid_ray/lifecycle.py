@@ -405,9 +405,11 @@ class MapRunner:
     def running_refs(self) -> list[ray.ObjectRef]:
         return [ref for _, ref in self._running.values()]
 
-    def poll(self) -> None:
+    def poll(self, ready: set[ray.ObjectRef] | None = None) -> None:
         """Collect finished maps (raising a failed one's error), queue lost maps again,
-        and hand out the queue to free writers.
+        and hand out the queue to free writers. ``ready``: the refs a caller's own
+        ``ray.wait`` found ready (then this one asks Ray nothing: each wait is a call into
+        the core worker, a good share of a driver's CPU); None: check every running map.
 
         A writer that died with its node takes its running map with it: that map goes
         back to the front of the queue, the node's writers leave the pool, and the map
@@ -417,9 +419,10 @@ class MapRunner:
         """
         if self._running:
             by_ref = {ref: slot for slot, (_, ref) in self._running.items()}
-            ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
-                                fetch_local=False)
-            for ref in ready:
+            if ready is None:
+                ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0,
+                                    fetch_local=False)
+            for ref in [r for r in ready if r in by_ref]:
                 slot = by_ref[ref]
                 map_index = self._running.pop(slot)[0]
                 try:

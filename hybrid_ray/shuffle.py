@@ -457,8 +457,10 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
     end: float | None = None
     times = ReduceTimes()
     last_reduced = 0.0  # when a reducer last finished (monotonic): the stall bound's clock
+    # Refs the last wait found ready: one ray.wait per turn of this loop, not three.
+    ready: set[ray.ObjectRef] = set()
     while True:
-        maps.poll()
+        maps.poll(ready)
         busy = readers.busy_subpartitions()
         maps.check_stalled(last_reduced, f"reducers of subpartitions {busy}" if busy else "",
                            readers.restart_busy)
@@ -466,9 +468,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
             readers.drop_nodes(maps.lost_nodes)
         maps_done = maps.done
         if running:
-            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0,
-                                fetch_local=False)
-            for ref in ready:
+            for ref in [r for r in ready if r in running]:
                 sub = running.pop(ref)
                 try:
                     ray.get(ref)  # raise a failed reducer's error now
@@ -505,9 +505,14 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
         if maps_done and len(finished) == num_partitions:
             break
         shuffle.heartbeat()
-        # Wake on the next map or reducer to finish (or fail: handled above).
-        ray.wait(maps.running_refs() + list(running), num_returns=1, timeout=0.5,
-                 fetch_local=False)
+        # Wake on the next map or reducer to finish (or fail: handled next turn).
+        waiting_on = maps.running_refs() + list(running)
+        if waiting_on:
+            ready = set(ray.wait(waiting_on, num_returns=1, timeout=0.5,
+                                 fetch_local=False)[0])
+        else:  # nothing in flight this turn (a writer freed just now): look again soon
+            ready = set()
+            time.sleep(0.01)
     return _Reduced(table_refs, stats_refs, start, end, times, shuffle.summary())
 
 
