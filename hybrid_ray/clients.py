@@ -32,7 +32,6 @@ from hybrid_ray.segment import (
 )
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
-from hybrid_ray.tiers.base import settle_changes_books
 from hybrid_ray.tiers.disk import map_segment_file
 from hybrid_ray.tiers.remote import RemoteTier
 
@@ -211,12 +210,18 @@ class WriteClient:
         if self._closed:
             raise RuntimeError(f"write client of map {self.map_partition} is closed")
 
-    def _settle_changes(self) -> None:
-        """Tell the tier manager what became of the grants not settled yet, if that
-        changes its books (``settle_changes_books``): a map whose segments all went to
-        the memory tier in full makes no call (one round trip per map saved)."""
-        changed = [(g, w) for g, w in self._unsettled if settle_changes_books(g, w)]
+    def _take_settles(self) -> list[tuple[Grant, int | None]]:
+        """The grants not settled yet whose settling changes the tier manager's books
+        (``Tier.settle_changes_books``); all are taken off ``_unsettled``. A map whose
+        segments all went to the memory tier in full has none: no call."""
+        changed = [(g, w) for g, w in self._unsettled
+                   if self.io_tiers[g.tier].settle_changes_books(g, w)]
         self._unsettled = []
+        return changed
+
+    def _settle_changes(self) -> None:
+        """Tell the tier manager what became of the grants not settled yet, if anything."""
+        changed = self._take_settles()
         if changed:
             self.storage.settle(self.shuffle_id, changed)
 
@@ -260,9 +265,8 @@ class WriteClient:
                                   job_id=self.config.job_id or ""))
             self._next_index[sub] += 1
         payloads = [self._encode(t, sid, arena) for (_, t), sid in zip(pieces, sids)]
-        settled = [(g, w) for g, w in self._unsettled if settle_changes_books(g, w)]
-        self._unsettled = []
-        placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads], settled)
+        placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads],
+                                          self._take_settles())
         # Grants not yet settled: if a write raises, they are given back (with abort).
         granted = {i for i, p in enumerate(placements) if p.grant is not None}
         try:

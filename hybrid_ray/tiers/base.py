@@ -67,14 +67,6 @@ class TierUsage:
     shuffles: int
 
 
-def settle_changes_books(grant: Grant, written_bytes: int | None) -> bool:
-    """Whether settling ``grant`` with ``written_bytes`` changes a tier's books. A grant
-    is counted as used when reserved, so one written in full changes nothing, except on
-    the disk tier, which also counts it as in flight until settled (free space it has
-    promised but that ``statvfs`` does not show yet: ``DiskTier._on_settled``)."""
-    return written_bytes != grant.nbytes or grant.tier == TierName.DISK
-
-
 class Tier(abc.ABC):
     """Base class: byte accounting per shuffle; subclasses decide room and do the I/O."""
 
@@ -105,6 +97,13 @@ class Tier(abc.ABC):
         delta = (written_bytes or 0) - grant.nbytes
         self._adjust(shuffle_id, delta)
         self._on_settled(shuffle_id, grant, written_bytes)
+
+    def settle_changes_books(self, grant: Grant, written_bytes: int | None) -> bool:
+        """Whether ``settle(grant, written_bytes)`` would change this tier's books (a write
+        client skips the call otherwise). A grant counts as used when reserved, so one
+        written in full changes nothing here; a tier that tracks more until the grant is
+        settled (``_on_settled``) says so."""
+        return written_bytes != grant.nbytes
 
     def free(self, shuffle_id: str, nbytes: int) -> None:
         """Return ``nbytes`` of a shuffle's space (segments deleted before release)."""

@@ -217,6 +217,9 @@ class DiskTier(Tier):
                 return spill_dir
         return None
 
+    def settle_changes_books(self, grant: Grant, written_bytes: int | None) -> bool:
+        return True  # every grant is in flight until settled (``_on_settled``)
+
     def _on_settled(self, shuffle_id: str, grant: Grant, written_bytes: int | None) -> None:
         key = (grant.target, shuffle_id)
         left = self._in_flight.get(key, 0) - grant.nbytes
