@@ -505,9 +505,6 @@ class ShuffleMasterActor:
             result = self.registry.poll(shuffle_id, subpartition, cursors, pid)
             return dataclasses.replace(result, waited_s=time.monotonic() - start)
 
-    def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
-        return self.free_subpartitions(shuffle_id, [subpartition])
-
     def free_subpartitions(self, shuffle_id: str, subpartitions: list[int]) -> int:
         with self._lock:
             result = self.registry.free_subpartitions(shuffle_id, subpartitions)

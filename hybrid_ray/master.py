@@ -368,10 +368,6 @@ class ShuffleRegistry:
         state = self._shuffles.get(shuffle_id)
         return max(1, len(state.maps) // POLL_BATCH_DIVISOR) if state is not None else 1
 
-    def free_subpartition(self, shuffle_id: str, subpartition: int) -> int:
-        """``free_subpartitions`` of one subpartition."""
-        return self.free_subpartitions(shuffle_id, [subpartition])
-
     def free_subpartitions(self, shuffle_id: str, subpartitions: Sequence[int]) -> int:
         """Delete the data of subpartitions whose output is safely stored elsewhere
         (finished Ray Data reducers' blocks), keeping their metadata for the report: one

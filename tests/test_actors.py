@@ -251,7 +251,7 @@ def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ra
                    if m.id.subpartition == sub] for sub in (0, 1)}
     assert files[0] and files[1] and all(os.path.exists(f) for f in files[0] + files[1])
     # The master deletes subpartition 0 through the node's tier manager, keeping its handle.
-    ray.get(master.free_subpartition.remote(shuffle_id, 0))
+    ray.get(master.free_subpartitions.remote(shuffle_id, [0]))
     deadline = time.monotonic() + 30
     while any(os.path.exists(f) for f in files[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -265,7 +265,7 @@ def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ra
             break
         except ray.exceptions.RayActorError:  # the killed one, still registered by name
             time.sleep(0.2)
-    ray.get(master.free_subpartition.remote(shuffle_id, 1))
+    ray.get(master.free_subpartitions.remote(shuffle_id, [1]))
     deadline = time.monotonic() + 60  # the failed deletion is retried with backoff
     while any(os.path.exists(f) for f in files[1]) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -139,16 +139,16 @@ def test_open_shuffle_keeps_the_attempt_spark_reports_not_the_first_to_finish(re
     assert registry.summary("open").superseded_attempts == 1
 
 
-def test_free_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
+def test_freeing_a_subpartition_deletes_its_data_once_and_keeps_the_report(registry):
     a = registry.begin_map("s", 0, "n1")
     registry.commit("s", 0, a, [meta("s", 0, 0, 0, a), meta("s", 0, 1, 0, a),
                                 meta("s", 0, 0, 1, a)])
     registry.finish_map("s", 0, a)
-    assert registry.free_subpartition("s", 0) == 2
+    assert registry.free_subpartitions("s", [0]) == 2
     assert sorted(m.id.index for m in registry.deleted) == [0, 1]
     assert {m.id.subpartition for m in registry.deleted} == {0}  # subpartition 1 untouched
-    assert registry.free_subpartition("s", 0) == 0  # idempotent
-    assert registry.free_subpartition("unknown", 0) == 0
+    assert registry.free_subpartitions("s", [0]) == 0  # idempotent
+    assert registry.free_subpartitions("unknown", [0]) == 0
     summary = registry.summary("s")  # bytes per tier still count the freed segments
     assert summary.per_node_tier == {"n1": {"disk": (30, 3)}}
 
@@ -200,7 +200,7 @@ def test_lost_finished_map_is_rerun_and_readers_reset(registry):
     registry.register("r", 2, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
     a0 = _finish(registry, 0, shuffle="r")
     _finish(registry, 1, shuffle="r")
-    registry.free_subpartition("r", 1)  # reducer 1 stored its output already
+    registry.free_subpartitions("r", [1])  # reducer 1 stored its output already
     deleted_before = len(registry.deleted)
     cursors = {0: (a0, 1), 1: (0, 1)}
     assert registry.poll("r", 0, cursors).done
