@@ -246,9 +246,10 @@ def held_shuffles() -> list[str]:
 
 def _explain_spark_failure(exc: BaseException) -> str:
     """The line of a Spark job failure that says what went wrong in our code, if any.
-    A map of the direct path failed in a writer actor: its cause, not Ray's task header."""
-    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
-        return f"{type(exc.cause).__name__}: {exc.cause}"
+    A map of the direct path failed in a writer actor: its cause, not Ray's task header
+    (``lifecycle.describe_cause`` unwraps it, however deeply nested)."""
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        return lifecycle.describe_cause(exc)
     text = str(exc)
     for line in text.splitlines():
         if "hybrid_ray.errors." in line or "Error:" in line and "hybrid_ray" in line:
