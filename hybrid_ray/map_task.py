@@ -121,8 +121,15 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     client.stats.control_plane_s = control.seconds
     # Refused (another attempt finished first, or this one was superseded meanwhile): the
     # master deletes the last segments as it does a refused commit's.
-    finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt, client.stats,
-                                                last_segments))
+    try:
+        finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt,
+                                                    client.stats, last_segments))
+    except BaseException:
+        # No answer, or the shuffle is gone (failed and released while this map wrote):
+        # the master never took the last segments, and a release that came after this
+        # map's reservation may have found none of its files yet. Delete them here.
+        _abort_keeping_the_cause(client)
+        raise
     if not finished and raise_if_superseded:
         # Spark runs speculative attempts side by side: report failure so Spark keeps the
         # attempt whose segments count. (A Ray task retry only follows a dead attempt.)

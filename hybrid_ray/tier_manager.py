@@ -226,6 +226,11 @@ class TierManager:
                 tier = self._tier(shuffle_id, meta.tier)
                 tier.delete(meta)
                 tier.free(shuffle_id, meta.nbytes)
+        if not registered and shuffle_id in self._released:
+            # A late writer reserved before the release and wrote after it, creating the
+            # shuffle's directories (and marker) again: they go with its files.
+            for disk in self._disks.values():
+                disk.remove_shuffle_data(shuffle_id)
 
     def release_shuffle(self, shuffle_id: str) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node."""

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from conftest import S3_KEY, S3_SECRET, TcpProxy, base_config
-from hybrid_ray import HashPartitioner, ShuffleConfig, ShuffleFailedError
+from hybrid_ray import HashPartitioner, ShuffleConfig, ShuffleFailedError, TierName
 from hybrid_ray.actors import get_master, get_tier_manager
 
 
@@ -270,4 +270,49 @@ def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ra
     while any(os.path.exists(f) for f in files[1]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(os.path.exists(f) for f in files[1]), ray.get(master.run_deletions.remote())
+    ray.get(master.release.remote(shuffle_id))
+
+
+@ray.remote
+def _answer_shuffle_released(shuffle_id):
+    raise ShuffleFailedError(f"shuffle {shuffle_id!r} failed and was released: test")
+
+
+class _MasterReleasedAtFinish:
+    """The master as a late map sees it: the shuffle failed and was released between the
+    map's last reservation and its finish_map (which then raises)."""
+
+    def __init__(self, master):
+        self._master = master
+        self.finish_map = self
+
+    def remote(self, shuffle_id, *args):  # finish_map.remote
+        return _answer_shuffle_released.remote(shuffle_id)
+
+    def __getattr__(self, name):
+        return getattr(self._master, name)
+
+
+def test_a_map_whose_finish_finds_its_shuffle_released_deletes_what_it_wrote(ray_local,
+                                                                             tmp_path):
+    """A map's last segments travel with finish_map. If that call finds the shuffle gone,
+    the master never took them: the map must delete them itself (a CI run left a late
+    map's files behind when the release came after its reservation)."""
+    from hybrid_ray.map_task import write_map_partition
+
+    namespace = f"late-{uuid.uuid4().hex[:6]}"
+    spill = tmp_path / "spill"
+    cfg = ShuffleConfig(spill_dirs=[str(spill)], progress=False, namespace=namespace,
+                        memory_fraction=0.0)
+    master = get_master(namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
+    with pytest.raises(ShuffleFailedError, match="failed and was released: test"):
+        write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg,
+                            _MasterReleasedAtFinish(master))
+    assert [p for p in spill.rglob("*.seg")] == []
+    node = ray.get_runtime_context().get_node_id()
+    usage = ray.get(get_tier_manager(node, namespace).usage.remote())
+    assert [t.used_bytes for t in usage.tiers if t.tier == TierName.DISK] == [0]
     ray.get(master.release.remote(shuffle_id))

@@ -92,3 +92,24 @@ def test_a_reservation_registers_the_shuffle_it_carries_the_config_of(tmp_path):
         tm.reserve("a", [10])
     with pytest.raises(ShuffleNotFoundError, match="'a' was released on node n1"):
         tm.reserve("a", [10], register=cfg)
+
+
+def test_a_late_writer_s_files_go_with_its_abort_directory_and_marker_too(tmp_path):
+    """A map that reserved space before its shuffle was released and wrote after the
+    release creates the shuffle's directory and marker again; its abort (freeing its
+    segments) must leave nothing of the shuffle on the node."""
+    from hybrid_ray.tiers.disk import DiskTier
+
+    spill = tmp_path / "spill"
+    tm = TierManager("n1", object_store_bytes=1000)
+    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(spill)])
+    grant = tm.reserve("s", [100], register=cfg)[0].grant
+    assert grant.tier == TierName.DISK
+    tm.release_shuffle("s")
+    # The writer's own disk tier (another process) writes the granted segment now.
+    writer_disk = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
+    meta = writer_disk.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100, grant)
+    assert [p.name for p in spill.rglob("*") if p.is_file()] != []
+    tm.free_segments("s", [meta])
+    assert [str(p) for p in spill.rglob("*") if p.is_file()] == []
+    assert not (spill / "hybrid_ray" / "s").exists()
