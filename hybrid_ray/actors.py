@@ -435,11 +435,12 @@ class ShuffleMasterActor:
 
     # ---- the API (each a locked call into the registry) --------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
-                 config: ShuffleConfig, recoverable: bool = False) -> None:
+                 config: ShuffleConfig, recoverable: bool = False,
+                 maps_begun_on: list[str] | None = None) -> None:
         with self._changing():  # expire may release shuffles that readers poll for
             self.registry.expire()
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
-                                   recoverable)
+                                   recoverable, maps_begun_on)
         self._queued()
 
     def seal(self, shuffle_id: str, num_maps: int,
@@ -459,17 +460,17 @@ class ShuffleMasterActor:
         return result
 
     def commit(self, shuffle_id: str, map_index: int, attempt: int,
-               metas: list[SegmentMeta]) -> bool:
+               metas: list[SegmentMeta], pid: int = 0) -> bool:
         with self._changing():
-            result = self.registry.commit(shuffle_id, map_index, attempt, metas)
+            result = self.registry.commit(shuffle_id, map_index, attempt, metas, pid)
         self._queued()
         return result
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any,
-                   last_segments: list[SegmentMeta] | None = None) -> bool:
+                   last_segments: list[SegmentMeta] | None = None, pid: int = 0) -> bool:
         with self._changing():
             result = self.registry.finish_map(shuffle_id, map_index, attempt, stats,
-                                              last_segments or ())
+                                              last_segments or (), pid)
         self._queued()
         return result
 
@@ -670,8 +671,25 @@ class ShuffleWorkerActor:
     maps (``ShuffleRegistry.report_lost``).
     """
 
-    def run(self, fn: Any, *args: Any) -> Any:
-        return fn(*args)
+    def __init__(self) -> None:
+        global _RESTARTED_WORKER
+        # Asked once per process (a GCS lookup), for map_task's retry check: Ray runs a
+        # task again in the restarted process of an actor that died running it.
+        _RESTARTED_WORKER = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+
+# Whether this process is a worker actor started again after its predecessor died
+# (None: not a worker actor). See ``ShuffleWorkerActor.__init__``.
+_RESTARTED_WORKER: bool | None = None
+
+
+def restarted_worker() -> bool:
+    """True in a worker actor's process that Ray started again after the previous one
+    died: calls it runs may be Ray's retries of calls that died with that process."""
+    return bool(_RESTARTED_WORKER)
 
 
 def _alive_cpu_nodes() -> list[dict]:

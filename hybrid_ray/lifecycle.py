@@ -169,21 +169,35 @@ class ShuffleLifecycle:
         self._unchecked: list[ray.ObjectRef] = []  # calls not waited for, checked later
         self._frees: list[int] = []  # subpartitions to free, not sent yet
         self._frees_sent = 0.0  # when frees were last sent (monotonic)
+        self._begun_maps: set[int] = set()  # see register
         # A held shuffle's thread heartbeats while the caller's thread may seal or report.
         self._unchecked_lock = threading.Lock()
 
     # ---- the phases, in order ------------------------------------------------------------
-    def register(self, num_maps: int | None = None) -> None:
+    def register(self, num_maps: int | None = None,
+                 writer_nodes: Sequence[str] | None = None) -> None:
         """Register with the master: ``num_maps`` maps (``FIRST_FINISH``), or a map count
-        left open until ``seal`` (``CHOSEN_AT_SEAL``, ``num_maps`` None)."""
+        left open until ``seal`` (``CHOSEN_AT_SEAL``, ``num_maps`` None).
+
+        ``writer_nodes``: the nodes of the writer actors a ``MapRunner`` will run the maps
+        on. Every map's attempt 0 then begins at registration (``take_begun_maps``): a
+        map's first run makes no ``begin_map`` call."""
         if (num_maps is None) != (self.policy is AttemptPolicy.CHOSEN_AT_SEAL):
             raise ConfigError(
                 f"a {self.policy.value} shuffle registers "
                 + ("with its map count" if num_maps is None else
                    "without a map count (it is fixed at seal)"))
+        begun = sorted(set(writer_nodes)) if writer_nodes is not None else None
         self._call(self.master.register, num_maps, self.num_partitions, self.config,
-                   self.policy is AttemptPolicy.FIRST_FINISH)
+                   self.policy is AttemptPolicy.FIRST_FINISH, begun)
+        self._begun_maps = set(range(num_maps or 0)) if begun is not None else set()
         self._last_beat = time.monotonic()
+
+    def take_begun_maps(self) -> set[int]:
+        """The maps whose attempt 0 began at registration, handed out once: the first
+        ``MapRunner`` runs them as attempt 0; any later run of a map begins its own."""
+        begun, self._begun_maps = self._begun_maps, set()
+        return begun
 
     def heartbeat(self, force: bool = False) -> None:
         """Tell the master this driver still holds the shuffle (it expires a silent one
@@ -367,9 +381,11 @@ class MapRunner:
                  inputs: Sequence[Any], map_fn: Callable[..., Any], map_args: tuple,
                  input_nodes: Sequence[str | None] | None = None,
                  maps: Sequence[int] | None = None) -> None:
-        """Runs ``map_fn(shuffle_id, map_index, inputs[map_index], *map_args)`` for every
-        input (or the inputs ``maps``) on ``writers`` ((node, actor) pairs);
-        ``input_nodes[i]`` is the node holding input i (None: anywhere)."""
+        """Runs ``map_fn(shuffle_id, map_index, inputs[map_index], *map_args,
+        attempt=...)`` for every input (or the inputs ``maps``) on ``writers`` ((node,
+        actor) pairs); ``input_nodes[i]`` is the node holding input i (None: anywhere).
+        ``attempt`` is 0 for a map's first run if it began at registration
+        (``ShuffleLifecycle.register``), else None: the map begins its own attempt."""
         self._lifecycle = lifecycle
         self._writers = writers
         self._inputs = inputs
@@ -385,6 +401,8 @@ class MapRunner:
         self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
         self._dead_slots: set[int] = set()
         self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
+        # Maps whose attempt 0 began at registration: their first run here is attempt 0.
+        self._begun = lifecycle.take_begun_maps()
         # For the report's phases (perf_counter): when the first map was dispatched and
         # the last one was seen finished.
         self.first_dispatch: float | None = None
@@ -509,8 +527,10 @@ class MapRunner:
             pick = next((m for m in self._queue if self._input_nodes[m] == node),
                         self._queue[0])
             self._queue.remove(pick)
+            attempt = 0 if pick in self._begun else None  # None: the map begins its own
+            self._begun.discard(pick)
             ref = writer.run.remote(self._map_fn, self._lifecycle.shuffle_id, pick,
-                                    self._inputs[pick], *self._args)
+                                    self._inputs[pick], *self._args, attempt=attempt)
             self._running[slot] = (pick, ref)
             if self.first_dispatch is None:
                 self.first_dispatch = time.perf_counter()

@@ -10,6 +10,7 @@ deletes what it wrote before its error propagates.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from hybrid_ray.actors import ActorNodeStorage, get_tier_manager
+from hybrid_ray.actors import ActorNodeStorage, get_tier_manager, restarted_worker
 from hybrid_ray.clients import WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ConfigError, ShuffleFailedError
@@ -33,7 +34,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
                         num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
                         master: Any, raise_if_superseded: bool = False,
                         own_memory_segments: bool = False,
-                        on_attempt: Callable[[int], None] | None = None) -> WriteStats | None:
+                        on_attempt: Callable[[int], None] | None = None,
+                        attempt: int | None = None) -> WriteStats | None:
     """Write one map partition through this node's tiers, committing chunk by chunk.
 
     Runs in any process connected to the Ray cluster (a writer actor, or a Spark executor's
@@ -46,16 +48,21 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     at the cost of a second object-store copy (see ``put_many_owned_by``).
     ``on_attempt``: told the attempt number the master gave this run (the Spark bridge
     reports it, so the driver can seal with the attempts whose Spark tasks succeeded).
+    ``attempt``: the attempt begun for this map at registration (``MapRunner`` passes 0
+    for a map's first run); None: ask the master for one (``begin_map``). A given attempt
+    is used only if this process may be its only run (``_first_run_of``).
     """
     node_id = ray.get_runtime_context().get_node_id()
     # Every bookkeeping call of this attempt is timed into one stopwatch: the report's
     # control-plane time (the stats travel with finish_map, so that call is not in it).
     control = Stopwatch()
-    with control:
-        attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id,
-                                                  os.getpid()))
+    if attempt is None or not _first_run_of(shuffle_id, map_index, attempt):
+        with control:
+            attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id,
+                                                      os.getpid()))
     if attempt is None:
         return None
+    pid = os.getpid()
     if on_attempt is not None:
         on_attempt(attempt)
     # The node's tier manager registers the shuffle with this map's first reservation.
@@ -69,7 +76,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             last_segments.extend(metas)
             return
         with control:
-            live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas))
+            live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas, pid))
         if not live:
             superseded.append(True)
 
@@ -123,7 +130,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     # master deletes the last segments as it does a refused commit's.
     try:
         finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt,
-                                                    client.stats, last_segments))
+                                                    client.stats, last_segments, pid))
     except BaseException:
         # No answer, or the shuffle is gone (failed and released while this map wrote):
         # the master never took the last segments, and a release that came after this
@@ -136,6 +143,32 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded before "
                                  "it finished; its segments do not count")
     return client.stats
+
+
+# (shuffle, map, attempt) begun at registration that this process started, newest last.
+_STARTED_ATTEMPTS: collections.OrderedDict[tuple[str, int, int], None] = \
+    collections.OrderedDict()
+_STARTED_ATTEMPTS_KEPT = 4096
+
+
+def _first_run_of(shuffle_id: str, map_index: int, attempt: int) -> bool:
+    """Whether this run may write as ``attempt``, begun for it at registration.
+
+    Ray runs an actor task again after its process died (``max_task_retries``), with the
+    same arguments, and may run it again in the same process if the call's reply was lost.
+    A second run writing as the first one's attempt would add its segments to the first
+    one's: duplicate rows. So a restarted writer (``was_current_actor_reconstructed``) or a
+    process that already started this attempt asks the master for a new attempt instead,
+    which supersedes the first run's (its segments are deleted, its readers reset)."""
+    if restarted_worker():
+        return False
+    key = (shuffle_id, map_index, attempt)
+    if key in _STARTED_ATTEMPTS:
+        return False
+    _STARTED_ATTEMPTS[key] = None
+    while len(_STARTED_ATTEMPTS) > _STARTED_ATTEMPTS_KEPT:
+        _STARTED_ATTEMPTS.popitem(last=False)
+    return True
 
 
 def _abort_keeping_the_cause(client: WriteClient) -> None:
@@ -156,14 +189,16 @@ def _abort_keeping_the_cause(client: WriteClient) -> None:
 
 def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.ObjectRef],
               num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
-              master: Any, schema: pa.Schema | None = None) -> dict:
+              master: Any, schema: pa.Schema | None = None,
+              attempt: int | None = None) -> dict:
     """One map of ``run_shuffle``, run by a writer actor (``get_writers``) that owns the
     memory-tier segments it writes.
 
     ``block`` is one table, or the references of a group of small input blocks (see
     ``_group_blocks``) that this map reads and partitions as one table. Every block must
     have ``schema`` (when given): a block that differs fails the map, before it writes
-    anything, with both schemas' differing fields named.
+    anything, with both schemas' differing fields named. ``attempt``: see
+    ``write_map_partition``.
     """
     if isinstance(block, pa.Table):
         tables = [block]
@@ -181,7 +216,7 @@ def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.Ob
     chunks = (block.slice(start, rows_per_chunk)
               for start in range(0, block.num_rows, rows_per_chunk))
     stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
-                                config, master, own_memory_segments=True)
+                                config, master, own_memory_segments=True, attempt=attempt)
     return {"rows": stats.rows if stats else 0, "skipped": stats is None}
 
 

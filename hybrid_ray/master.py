@@ -166,18 +166,33 @@ class ShuffleRegistry:
 
     # ---- lifecycle --------------------------------------------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
-                 config: ShuffleConfig, recoverable: bool = False) -> None:
+                 config: ShuffleConfig, recoverable: bool = False,
+                 maps_begun_on: Sequence[str] | None = None) -> None:
         """Register a shuffle. ``num_maps=None`` leaves the map count open until ``seal``.
         ``recoverable``: the driver re-runs maps whose finished output is lost (it polls
-        ``take_lost``); otherwise such a loss fails the readers."""
+        ``take_lost``); otherwise such a loss fails the readers.
+
+        ``maps_begun_on``: the nodes of the writers that will run the maps. Every map's
+        attempt 0 then begins here, so a map's first run starts writing without a
+        ``begin_map`` call of its own (one round trip per map, a quarter of the master's
+        calls); a map run again (a retry, a lost map) still calls ``begin_map``."""
         check_id("shuffle_id", shuffle_id)  # it names directories on every tier
         if shuffle_id in self._shuffles:
             raise ShuffleStateError(f"shuffle {shuffle_id!r} is already registered")
+        if maps_begun_on is not None and num_maps is None:
+            raise ShuffleStateError("maps can begin at registration only with a map count")
         now = self._clock()
-        self._shuffles[shuffle_id] = ShuffleState(
-            shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
-            [MapState() for _ in range(num_maps or 0)], sealed=num_maps is not None,
-            recoverable=recoverable)
+        maps = [MapState() for _ in range(num_maps or 0)]
+        state = ShuffleState(shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
+                             maps, sealed=num_maps is not None, recoverable=recoverable)
+        if maps_begun_on is not None:
+            for m in maps:
+                m.current_attempt, m.started = 0, now
+                m.segments[0] = collections.defaultdict(list)
+            # The writers' nodes are told at release even if no map commits there (a
+            # writer that failed after its first reservation registered it on its node).
+            state.nodes.update(maps_begun_on)
+        self._shuffles[shuffle_id] = state
 
     def seal(self, shuffle_id: str, num_maps: int,
              attempts: Mapping[int, int] | None = None) -> None:
@@ -256,8 +271,10 @@ class ShuffleRegistry:
         return m.current_attempt
 
     def commit(self, shuffle_id: str, map_index: int, attempt: int,
-               metas: Sequence[SegmentMeta]) -> bool:
-        """Publish finished segments of an attempt; False (and deleted) if it was superseded."""
+               metas: Sequence[SegmentMeta], pid: int = 0) -> bool:
+        """Publish finished segments of an attempt; False (and deleted) if it was superseded.
+        ``pid``: the writer's process, recorded for progress (a map begun at registration
+        names its writer first here)."""
         state = self._get(shuffle_id)
         m = state.maps[map_index]
         live = (attempt in m.segments and attempt not in m.done_attempts) if not state.sealed \
@@ -265,6 +282,8 @@ class ShuffleRegistry:
         if not live:
             self._delete_segments(state, metas)
             return False
+        if pid and attempt == m.current_attempt and metas:
+            m.pid, m.node_id = pid, metas[0].node_id
         subs = m.segments[attempt]
         # A re-run map (see report_lost) writes every subpartition again, including those
         # whose reducer already stored its output: those segments are not needed.
@@ -278,13 +297,14 @@ class ShuffleRegistry:
         return True
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any = None,
-                   last_segments: Sequence[SegmentMeta] = ()) -> bool:
+                   last_segments: Sequence[SegmentMeta] = (), pid: int = 0) -> bool:
         """Mark an attempt complete, after committing its ``last_segments`` (one call for
         a map's final commit and its finish: a map's calls to the master are a large share
         of the control plane). The first attempt to finish wins (in an open shuffle, the
         attempt named at ``seal``). False: the attempt does not count (its last segments
         are then deleted like any refused commit's)."""
-        if last_segments and not self.commit(shuffle_id, map_index, attempt, last_segments):
+        if last_segments and not self.commit(shuffle_id, map_index, attempt, last_segments,
+                                             pid):
             return False
         state = self._get(shuffle_id)
         m = state.maps[map_index]

@@ -379,7 +379,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     shuffle = ShuffleLifecycle(config, num_partitions, operation,
                                master=actors.master.handle, started=started)
     inputs, input_nodes = _map_inputs(blocks, config)
-    shuffle.register(len(inputs))
+    shuffle.register(len(inputs), writer_nodes=[w.node_id for w in actors.writers])
     progress = ProgressBar(f"hybrid_ray {operation}", config.progress)
     readers: _ReaderPool | None = None
     try:

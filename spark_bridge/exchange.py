@@ -35,7 +35,7 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from hybrid_ray.actors import get_master
+from hybrid_ray.actors import get_master, get_writers
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleNotFoundError
 from hybrid_ray.partitioning import Partitioner
@@ -307,7 +307,8 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
         # The map count is known: readers can tell when the shuffle is complete. Lost maps
         # (their writer died with their memory-tier segments) run again, also after the
         # map stage, for as long as the shuffle is held.
-        life.register(len(scan.pieces))
+        life.register(len(scan.pieces),
+                      writer_nodes=[node for node, _ in get_writers(config.namespace)])
         life.hold()
 
         def run_direct() -> tuple[str, int]:

@@ -219,8 +219,10 @@ def converts_losslessly(source: pa.DataType, target: pa.DataType) -> bool:
 
 def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, schema: pa.Schema,
                       num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
-                      master: Any, transform: Callable[[pa.Table], pa.Table] | None) -> dict:
-    """One map of the direct path, run by a writer actor (which owns its memory segments)."""
+                      master: Any, transform: Callable[[pa.Table], pa.Table] | None,
+                      attempt: int | None = None) -> dict:
+    """One map of the direct path, run by a writer actor (which owns its memory segments).
+    ``attempt``: see ``hybrid_ray.map_task.write_map_partition``."""
     input_bytes = 0
 
     def chunks():
@@ -234,7 +236,7 @@ def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, sche
             yield transform(table) if transform else table
 
     stats = write_map_partition(shuffle_id, map_index, chunks(), num_partitions, partitioner,
-                                config, master, own_memory_segments=True)
+                                config, master, own_memory_segments=True, attempt=attempt)
     return {"rows": stats.rows if stats else 0, "bytes": input_bytes, "skipped": stats is None}
 
 

@@ -376,3 +376,18 @@ def test_a_writers_last_rows_take_one_reservation_and_settle_only_what_changes_b
     assert row_fingerprint(out) == row_fingerprint([first, last])
     tm.release_shuffle(shuffle)
     assert files_under(spill) == []
+
+
+def test_a_map_s_registered_attempt_is_used_by_its_first_run_only(monkeypatch):
+    """A second run of the same call in one process (Ray retrying a call whose reply was
+    lost), or any run in a restarted worker process (Ray retrying a call that died with
+    its process), must not write as the attempt begun at registration: its segments
+    would join the first run's (duplicate rows). They ask the master for a new attempt."""
+    from hybrid_ray import actors, map_task
+
+    monkeypatch.setattr(map_task, "_STARTED_ATTEMPTS", map_task.collections.OrderedDict())
+    assert map_task._first_run_of("shf-a", 3, 0)
+    assert not map_task._first_run_of("shf-a", 3, 0)
+    assert map_task._first_run_of("shf-a", 4, 0)
+    monkeypatch.setattr(actors, "_RESTARTED_WORKER", True)
+    assert not map_task._first_run_of("shf-a", 5, 0)

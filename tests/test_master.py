@@ -253,3 +253,28 @@ def test_finish_map_commits_the_last_segments_in_the_same_call(registry):
     assert not registry.finish_map("s", 1, stale, None, [late])
     assert late in registry.deleted
     assert registry.state("s").maps[1].finished_attempt is None
+
+
+def test_maps_begun_at_registration_write_as_attempt_0_and_a_rerun_supersedes_it():
+    """``maps_begun_on``: every map's attempt 0 begins with the registration (a map's
+    first run then makes no begin_map call); the writers' nodes are told at release
+    even if nothing committed there; a run begun later supersedes attempt 0 as before."""
+    deleted, released = [], []
+    reg = ShuffleRegistry(lambda state, metas: deleted.extend(metas),
+                          lambda state: released.append(sorted(state.nodes)), Clock())
+    reg.register("b", 2, 2, ShuffleConfig(), recoverable=True, maps_begun_on=["n1", "n2"])
+    assert reg.commit("b", 0, 0, [meta("b", 0, 0, 0, 0)], pid=4242)
+    progress = reg.state("b").maps[0]
+    assert (progress.current_attempt, progress.pid, progress.node_id) == (0, 4242, "n1")
+    assert reg.poll("b", 0, {}).updates[0].attempt == 0
+    # The first run's process died; Ray ran the call again in a new one, which begins.
+    assert reg.begin_map("b", 0, "n1") == 1
+    assert [m.id for m in deleted] == [SegmentId("b", 0, 0, 0, 0)]
+    assert not reg.commit("b", 0, 0, [meta("b", 0, 1, 0, 0)])  # the dead run's late commit
+    assert reg.finish_map("b", 0, 1, last_segments=[meta("b", 0, 0, 0, 1)], pid=4343)
+    assert reg.finish_map("b", 1, 0)
+    assert reg.poll("b", 0, {}).done
+    reg.release("b")
+    assert released == [["n1", "n2"]]
+    with pytest.raises(ShuffleStateError, match="only with a map count"):
+        reg.register("c", None, 2, ShuffleConfig(), maps_begun_on=["n1"])
