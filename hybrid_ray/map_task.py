@@ -71,14 +71,28 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     # The segments of the last flush (``close``) travel with finish_map: one call, not two.
     last_segments: list[SegmentMeta] | None = None
 
+    # The commit sent last, not waited for yet: the map writes its next chunk meanwhile
+    # (a blocking commit per chunk left a core idle for a round trip each time).
+    sent: list[ray.ObjectRef] = []
+
+    def settle_sent():
+        """Wait for the commit sent last (long done, normally: a chunk's work came since)
+        and note whether the master refused it. Before the next commit and before
+        finish_map: the master runs calls on several threads, so a later call must not be
+        sent before the previous one ran (segments are kept in the order of their index)."""
+        if sent:
+            with control:
+                live = ray.get(sent.pop())
+            if not live:
+                superseded.append(True)
+
     def commit(metas):
         if last_segments is not None:  # closing: held for finish_map
             last_segments.extend(metas)
             return
+        settle_sent()
         with control:
-            live = ray.get(master.commit.remote(shuffle_id, map_index, attempt, metas, pid))
-        if not live:
-            superseded.append(True)
+            sent.append(master.commit.remote(shuffle_id, map_index, attempt, metas, pid))
 
     client = WriteClient(shuffle_id, map_index, num_partitions, config,
                          ActorNodeStorage(tm, control, register=config),
@@ -103,6 +117,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
                 client.flush()
             if superseded:
                 break
+        settle_sent()
         if not superseded:
             last_segments = []
             client.close()  # its last segments go to finish_map, below

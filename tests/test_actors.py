@@ -316,3 +316,64 @@ def test_a_map_whose_finish_finds_its_shuffle_released_deletes_what_it_wrote(ray
     usage = ray.get(get_tier_manager(node, namespace).usage.remote())
     assert [t.used_bytes for t in usage.tiers if t.tier == TierName.DISK] == [0]
     ray.get(master.release.remote(shuffle_id))
+
+
+@ray.remote
+def _commit_once_flagged(flag, master, *args):
+    """A commit the master answers only once ``flag`` exists (bounded: a hang guard)."""
+    deadline = time.monotonic() + 20
+    while not os.path.exists(flag):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the map never wrote its next chunk while its commit ran")
+        time.sleep(0.05)
+    return ray.get(master.commit.remote(*args))
+
+
+class _SlowCommits:
+    def __init__(self, master, flag):
+        self._master, self._flag = master, flag
+        self.commit = self
+
+    def remote(self, *args):  # commit.remote
+        return _commit_once_flagged.remote(self._flag, self._master, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._master, name)
+
+
+class _FlagsSecondChunk(HashPartitioner):
+    def __init__(self, keys, flag):
+        super().__init__(keys)
+        self.flag, self.calls = flag, 0
+
+    def assign(self, table, map_index, num_partitions):
+        self.calls += 1
+        if self.calls == 2:
+            open(self.flag, "w").close()
+        return super().assign(table, map_index, num_partitions)
+
+
+def test_a_map_writes_its_next_chunk_while_its_commit_is_answered(ray_local, tmp_path):
+    """A map's chunk commit is not waited for before the next chunk is written (a
+    blocking round trip per chunk left a core idle): here the master answers the first
+    commit only once the second chunk is being partitioned, and the map still finishes
+    exactly."""
+    from hybrid_ray.map_task import write_map_partition
+
+    namespace = f"async-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, memory_fraction=0.0,
+                        segment_bytes={"disk": 16 * 1024})  # each chunk fills segments
+    master = get_master(namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+    chunks = [pa.table({"k": list(range(i * 1000, (i + 1) * 1000)), "v": [b"x" * 50] * 1000})
+              for i in range(3)]
+    flag = str(tmp_path / "second-chunk")
+    stats = write_map_partition(shuffle_id, 0, chunks, 2, _FlagsSecondChunk(["k"], flag), cfg,
+                                _SlowCommits(master, flag))
+    assert stats is not None and stats.rows == 3000
+    metas = ray.get(master.segments.remote(shuffle_id))
+    assert sum(m.num_rows for m in metas) == 3000
+    assert ray.get(master.progress.remote(shuffle_id))["maps"][0]["finished"] == 0
+    ray.get(master.release.remote(shuffle_id))
