@@ -571,7 +571,10 @@ def _dataset_blocks(ds: Any) -> _Blocks:
     if not isinstance(ds, ray.data.Dataset):
         raise TypeError(f"expected a ray.data.Dataset, got {type(ds).__name__}; "
                         "wrap Arrow tables with ray.data.from_arrow(...)")
-    ds = ds.materialize()
+    from ray.data.dataset import MaterializedDataset
+
+    if not isinstance(ds, MaterializedDataset):  # materializing one again
+        ds = ds.materialize()  # cost the driver 10 ms for nothing (copies of its plan)
     refs: list[ray.ObjectRef] = []
     schemas: list[tuple[int, pa.Schema]] = []  # (block index, schema) of non-empty blocks
     nbytes = num_rows = index = 0
