@@ -384,3 +384,22 @@ def test_cpu_by_process_counts_only_its_own_session_and_splits_it_by_role(tmp_pa
     shares = cpu_shares(rows, driver_pid=100, cpus=2, wall=2.5)
     assert shares == {"control plane": 1.0, "data plane": 2.0, "object store": 0.5,
                       "other": 0.5, "total": 4.0, "idle": 1.0}
+
+
+def test_cpu_by_process_round_shares_are_the_goal_s_two_ratios(monkeypatch):
+    """The control-plane share is of the session's CPU; idle is of the cores' time: the
+    machine's (from /proc/stat) when the machine has exactly ``cpus`` cores, else the
+    cores' time in the round that the session did not use."""
+    from benchmarks import cpu_by_process
+
+    rows = [(2.0, 102, "ray::ShuffleWorkerActor"), (0.5, 103, "ray::ShuffleMasterActor"),
+            (0.5, 100, "python -m benchmarks.cpu_by_process"), (1.0, 101, "/x/raylet")]
+    monkeypatch.setattr(cpu_by_process.os, "cpu_count", lambda: 8)
+    shares = cpu_by_process.round_shares(rows, 100, 2, 2.5, ((0.0, 0.0), (0.0, 0.0)))
+    assert (shares["control plane share"], shares["idle share"]) == (0.25, 0.2)
+    monkeypatch.setattr(cpu_by_process.os, "cpu_count", lambda: 2)
+    # The machine: 5.2 CPU-s in the round, 0.26 of them idle, 0.94 used by others.
+    shares = cpu_by_process.round_shares(rows, 100, 2, 2.5, ((100.0, 10.0), (105.2, 10.26)))
+    assert shares["control plane share"] == 0.25
+    assert abs(shares["idle share"] - 0.05) < 1e-9
+    assert "0.94 CPU-s used outside the session" in shares["idle note"]
