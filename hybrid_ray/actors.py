@@ -121,8 +121,6 @@ class TierManagerActor:
     def __init__(self, node_id: str, namespace: str) -> None:
         self.tm = TierManager(node_id, _node_object_store_bytes(node_id))
         self.namespace = namespace
-        # Grants handed to the JVM shuffle manager's writers (hybrid_ray.spark_jvm).
-        self._jvm_grants = spark_jvm.JvmGrants()
         # Spark session token -> its whole ShuffleConfig (from the master), or None.
         self._spark_sessions: dict[str, Any] = {}
         # Shuffle -> consecutive sweeps that found the master without it.
@@ -199,8 +197,8 @@ class TierManagerActor:
 
     # ---- the JVM shuffle manager (JSON strings in and out: see hybrid_ray.spark_jvm) ------
     def spark_reserve(self, request: str) -> str:
-        return json.dumps(self._jvm_grants.reserve(self.tm, json.loads(request),
-                                                   self._spark_session))
+        return json.dumps(spark_jvm.reserve(self.tm, json.loads(request),
+                                            self._spark_session))
 
     def _spark_session(self, token: str) -> Any:
         """A Spark session's whole ShuffleConfig, asked of the master once per session."""
@@ -222,7 +220,8 @@ class TierManagerActor:
         return spark_jvm.read_remote(self.tm, json.loads(request), self._spark_session)
 
     def spark_settle(self, request: str) -> str:
-        self._jvm_grants.settle(self.tm, json.loads(request).get("settle"))
+        request = json.loads(request)
+        spark_jvm.settle(self.tm, request["shuffle"], request.get("settle"))
         return "ok"
 
     def spark_read_segment(self, location: str) -> bytes:

@@ -73,3 +73,38 @@ def test_a_block_with_a_gap_is_none_in_both_forms() -> None:
     _commit(registry, 0, 3, [_seg(1, 0, "a"), _seg(1, 2, "c")])  # index 1 missing
     assert _range(registry, (0, 1), (0, 4)) == [[3, 1, None]]
     assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[3, 1]]})["blocks"] == [None]
+
+
+def test_jvm_grants_are_settled_from_what_the_writer_sends_back(tmp_path) -> None:
+    """A tier manager keeps no record of its grants to JVM writers: a writer settles a
+    grant by sending back its tier, size and target with the bytes it wrote. Disk grants
+    are in flight until settled; a memory grant written in full needs no settlement (the
+    JVM sends none); an unused grant's space comes back; a bad settlement is refused."""
+    import pytest
+
+    from hybrid_ray import ShuffleConfig, TierName
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.spark_jvm import reserve, settle
+    from hybrid_ray.tier_manager import TierManager
+
+    tm = TierManager("n1", object_store_bytes=1000)
+    config = ShuffleConfig(memory_fraction=0.3, spill_dirs=[str(tmp_path / "spill")])
+    answer = reserve(tm, {"shuffle": SHUFFLE, "sizes": [200, 150, 50]}, lambda t: config)
+    tiers = [p["tier"] for p in answer["placements"]]
+    assert tiers == ["memory", "disk", "memory"] and answer["remote"] is False
+    disk = tm._tier(SHUFFLE, TierName.DISK)
+    target = answer["placements"][1]["target"]
+    assert disk._in_flight == {(target, SHUFFLE): 150}
+    assert tm.memory.used_by(SHUFFLE) == 250
+    # The disk segment was written with 140 bytes; the second memory grant went unused.
+    reserve(tm, {"shuffle": SHUFFLE, "sizes": [],
+                 "settle": [["disk", 150, target, 140], ["memory", 50, "", None]]},
+            lambda t: config)
+    assert disk._in_flight == {} and disk.used_by(SHUFFLE) == 140
+    assert tm.memory.used_by(SHUFFLE) == 200
+    with pytest.raises(ConfigError, match="only \\['memory', 'disk'\\] grant space"):
+        settle(tm, SHUFFLE, [["remote", 10, "", 10]])
+    with pytest.raises(ConfigError, match="negative bytes"):
+        settle(tm, SHUFFLE, [["disk", -1, target, None]])
+    tm.release_shuffle(SHUFFLE)
+    settle(tm, SHUFFLE, [["disk", 100, target, 100]])  # released meanwhile: nothing to do

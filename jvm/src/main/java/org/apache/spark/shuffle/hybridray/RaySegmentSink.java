@@ -47,8 +47,8 @@ final class RaySegmentSink implements SegmentSink {
   private final int numPartitions;
   private final int mapIndex;
   private final long mapId;
-  // Grants not yet settled: [grant id, bytes written].
-  private final List<long[]> settlements = new ArrayList<>();
+  // Grants whose settling changes the tier manager's books, not sent yet.
+  private final List<Settlement> settlements = new ArrayList<>();
   private final List<Path> uncommittedFiles = new ArrayList<>();
   private boolean committedAny;
 
@@ -175,16 +175,32 @@ final class RaySegmentSink implements SegmentSink {
     }
   }
 
-  /** Queue the settlements of a batch's grants: used ones with their bytes, others -1. */
+  /**
+   * Queue the settlements of a batch's grants that change the tier manager's books: every
+   * disk grant (in flight until settled) and every grant not used (its space goes back).
+   * A memory grant written in full changes nothing there: no settlement, and a map task
+   * whose segments all went to memory makes no settle call.
+   */
   private void settle(List<PartitionSegmenter.Segment> segments, JsonNode placements,
       boolean[] used) {
     for (int i = 0; i < segments.size(); i++) {
       JsonNode p = placements.get(i);
-      if (!p.get("tier").isNull()) {
-        settlements.add(new long[] {p.get("grant").asLong(),
-            used[i] ? segments.get(i).frame().length : -1});
+      if (p.get("tier").isNull()) {
+        continue;
       }
+      String tier = p.get("tier").asText();
+      int granted = segments.get(i).frame().length;
+      if (used[i] && tier.equals("memory")) {
+        continue;
+      }
+      settlements.add(new Settlement(tier, granted, p.get("target").asText(),
+          used[i] ? granted : -1));
     }
+  }
+
+  /** What became of a grant: its tier, size and target as granted, and the bytes written
+   *  (-1: none, the space goes back). The tier manager keeps no record of its grants. */
+  record Settlement(String tier, long granted, String target, long written) {
   }
 
   @Override
@@ -230,12 +246,12 @@ final class RaySegmentSink implements SegmentSink {
 
   private ArrayNode settlementsJson() {
     ArrayNode out = ctx.json.createArrayNode();
-    for (long[] s : settlements) {
-      ArrayNode pair = out.addArray().add(s[0]);
-      if (s[1] < 0) {
-        pair.addNull();
+    for (Settlement s : settlements) {
+      ArrayNode entry = out.addArray().add(s.tier()).add(s.granted()).add(s.target());
+      if (s.written() < 0) {
+        entry.addNull();
       } else {
-        pair.add(s[1]);
+        entry.add(s.written());
       }
     }
     return out;
