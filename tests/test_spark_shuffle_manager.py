@@ -109,6 +109,7 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
                 out["rows"][name] = ([k for k, _ in rows], sorted(rows, key=repr))
             else:
                 out["rows"][name] = sorted(rows, key=repr)
+        out["shuffle_metrics"] = _shuffle_metrics(spark)
         if hybrid:
             out["plans"] = spark.sparkContext.getConf().get("spark.shuffle.manager")
             out["lost"] = _lost_segment_recovers(spark, config)
@@ -129,6 +130,23 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
             ray.get_actor("hybrid_ray_shuffle_master", namespace=config.namespace)
             .live_shuffles.remote()) if s.startswith("spark-")]
     return out
+
+
+def _shuffle_metrics(spark) -> dict:
+    """Shuffle bytes and records written and read, summed over the application's stages,
+    from Spark's own status store (what its UI, REST API and event log show)."""
+    store = spark.sparkContext._jsc.sc().statusStore()
+    # stageList(statuses, details, withSummaries, quantiles, taskStatus): all stages, plain.
+    quantiles = getattr(store, "stageList$default$4")()  # Scala's default: an empty array
+    stages = store.stageList(None, False, False, quantiles, None)
+    totals = {"write_bytes": 0, "write_records": 0, "read_bytes": 0, "read_records": 0}
+    for i in range(stages.size()):
+        stage = stages.apply(i)
+        totals["write_bytes"] += stage.shuffleWriteBytes()
+        totals["write_records"] += stage.shuffleWriteRecords()
+        totals["read_bytes"] += stage.shuffleReadBytes()
+        totals["read_records"] += stage.shuffleReadRecords()
+    return totals
 
 
 def _lost_segment_recovers(spark, config):
@@ -218,6 +236,22 @@ def test_query_matches_sparks_own_shuffle(runs, name):
     hybrid, own, _ = runs
     assert hybrid["rows"][name], f"{name} returned no rows"
     assert hybrid["rows"][name] == own["rows"][name]
+
+
+def test_spark_shows_the_shuffle_reads_of_hybrid_ray_exchanges(runs):
+    """Spark's task metrics (its UI, REST API, event log) count what hybrid_ray's readers
+    read, as they count Spark's own: the reader folds its metrics into the task's at its
+    end. Before, every hybrid_ray exchange showed 0 bytes and 0 records read."""
+    hybrid, own, _ = runs
+    ours = hybrid["shuffle_metrics"]
+    assert ours["write_records"] > 0, ours
+    # Every record written is read (no query here stops reading early); the skew join's
+    # splits read their other side's partition once each, so a few are read twice.
+    assert ours["write_records"] <= ours["read_records"] <= 1.1 * ours["write_records"], ours
+    assert 0.5 * ours["write_bytes"] <= ours["read_bytes"] <= 2 * ours["write_bytes"], ours
+    # The same plans read the same records as with Spark's own shuffle.
+    assert ours["read_records"] == own["shuffle_metrics"]["read_records"], \
+        (ours, own["shuffle_metrics"])
 
 
 def test_exchanges_went_through_hybrid_ray_memory_and_disk(runs):

@@ -222,6 +222,8 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     private int next;
     private Iterator<Tuple2<Object, Object>> current;
 
+    private boolean merged;
+
     RecordIterator(List<Block> blocks, List<JsonNode> where, SerializerInstance serializer) {
       this.blocks = blocks;
       this.where = where;
@@ -232,6 +234,12 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     public boolean hasNext() {
       while (current == null || !current.hasNext()) {
         if (next >= blocks.size()) {
+          if (!merged) {
+            // As Spark's own reader does at its end: fold this reader's metrics into the
+            // task's (without it, the UI, event log and listeners saw no shuffle read).
+            merged = true;
+            context.taskMetrics().mergeShuffleReadMetrics();
+          }
           return false;
         }
         Block b = blocks.get(next);
