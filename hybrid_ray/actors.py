@@ -140,6 +140,8 @@ class TierManagerActor:
         sweeps without it; a master that does not answer in time releases nothing."""
         from hybrid_ray.errors import ShuffleMasterLostError
 
+        # What late writers left of shuffles released here lately: no master needed.
+        self.tm.remove_late_files()
         try:
             live = set(ray.get(master_handle(self.namespace).live_shuffles.remote(),
                                timeout=MASTER_CALL_TIMEOUT_S))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,9 @@ from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
 # Released shuffle ids a tier manager remembers (see TierManager.register_shuffle).
 RELEASED_MEMORY = 10_000
+# How long after a release the node looks for files a late writer left (see
+# TierManager.remove_late_files).
+LATE_FILES_WINDOW_S = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,9 @@ class TierManager:
         # Shuffles released here: a map that began just before its shuffle was released must
         # not register it again (its space would stay counted, its quota taken, for good).
         self._released: collections.deque[str] = collections.deque(maxlen=RELEASED_MEMORY)
+        # Shuffles released in the last LATE_FILES_WINDOW_S -> when (monotonic), oldest first.
+        self._recently_released: collections.OrderedDict[str, float] = \
+            collections.OrderedDict()
 
     # ---- registration and quotas -----------------------------------------------------------
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
@@ -239,12 +246,32 @@ class TierManager:
         self._freed.pop(shuffle_id, None)
         if shuffle_id not in self._released:
             self._released.append(shuffle_id)
+        self._recently_released[shuffle_id] = time.monotonic()
+        self._recently_released.move_to_end(shuffle_id)
         self.memory.release_shuffle(shuffle_id)
         for disk in self._disks.values():
             disk.release_shuffle(shuffle_id)
         if info is not None:
             self._rebalance_quotas()
             self._prune_remotes()
+
+    def remove_late_files(self, window_s: float = LATE_FILES_WINDOW_S) -> list[str]:
+        """Remove what writers left of shuffles released here in the last ``window_s``;
+        returns the shuffles whose directories were found again. A map that reserved space
+        before its shuffle's release and wrote after it recreates the shuffle's directory;
+        its abort removes it, but a writer killed before its abort leaves its files. Run
+        periodically (the tier manager actor's sweep)."""
+        now = time.monotonic()
+        while self._recently_released and \
+                now - next(iter(self._recently_released.values())) > window_s:
+            self._recently_released.popitem(last=False)
+        found = []
+        for shuffle_id in self._recently_released:
+            if any(disk.has_shuffle_data(shuffle_id) for disk in self._disks.values()):
+                for disk in self._disks.values():
+                    disk.remove_shuffle_data(shuffle_id)
+                found.append(shuffle_id)
+        return found
 
     def shuffle_ids(self) -> list[str]:
         """The shuffles registered on this node (not released)."""

@@ -3,6 +3,8 @@ given back once, released shuffles, the remote tiers it keeps open."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hybrid_ray import (
@@ -113,3 +115,31 @@ def test_a_late_writer_s_files_go_with_its_abort_directory_and_marker_too(tmp_pa
     tm.free_segments("s", [meta])
     assert [str(p) for p in spill.rglob("*") if p.is_file()] == []
     assert not (spill / "hybrid_ray" / "s").exists()
+
+
+def test_files_a_killed_late_writer_left_go_with_the_next_sweep(tmp_path, monkeypatch):
+    """A writer killed after writing, past its shuffle's release, never aborts: the node's
+    periodic sweep (``remove_late_files``) removes the shuffle's directory again while the
+    release is recent, and touches nothing else in the spill dir."""
+    from hybrid_ray import tier_manager
+    from hybrid_ray.tiers.disk import DiskTier
+
+    spill = tmp_path / "spill"
+    tm = TierManager("n1", object_store_bytes=1000)
+    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(spill)])
+    grant = tm.reserve("s", [100], register=cfg)[0].grant
+    tm.reserve("t", [100], register=cfg)  # a live shuffle: left alone
+    tm.release_shuffle("s")
+    writer_disk = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
+    writer_disk.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100, grant)  # then killed
+    other = writer_disk.write(SegmentId("t", 0, 0, 0, 0), b"y" * 100,
+                              tm.reserve("t", [100])[0].grant)
+    assert tm.remove_late_files() == ["s"]
+    assert [p for p in spill.rglob("*") if p.is_file() and "/s/" in str(p)] == []
+    assert (spill / "hybrid_ray" / "t").is_dir() and os.path.exists(other.location)
+    assert tm.remove_late_files() == []
+    # Past the window, a release is not looked at again.
+    writer_disk.write(SegmentId("s", 0, 0, 1, 0), b"x" * 100, grant)
+    clock = [tier_manager.time.monotonic() + tier_manager.LATE_FILES_WINDOW_S + 1]
+    monkeypatch.setattr(tier_manager.time, "monotonic", lambda: clock[0])
+    assert tm.remove_late_files() == []

@@ -282,6 +282,11 @@ class DiskTier(Tier):
                                   f"data dirs {sorted(self._data_dirs.values())}")
         unlink_quietly(location)
 
+    def has_shuffle_data(self, shuffle_id: str) -> bool:
+        """Whether a directory of the shuffle exists in one of this tier's spill dirs."""
+        check_id("shuffle_id", shuffle_id)
+        return any(os.path.isdir(shuffle_dir(d, shuffle_id)) for d in self._data_dirs)
+
     def remove_shuffle_data(self, shuffle_id: str) -> None:
         check_id("shuffle_id", shuffle_id)
         for key in [k for k in self._in_flight if k[1] == shuffle_id]:
