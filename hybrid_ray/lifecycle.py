@@ -64,6 +64,9 @@ RECOVERY_POLL_S = 1.0
 # wake-up of the driver's loop (each map or reducer that finished), it was a tenth of the
 # master's calls in a 1 GiB shuffle. A lost map's readers wait for it anyway.
 LOST_MAPS_POLL_S = 0.5
+# While nothing is lost, the interval doubles up to this (a lost map is rare: each ask is a
+# master call, and a 1 GiB shuffle asked five times for nothing).
+LOST_MAPS_POLL_MAX_S = 4.0
 # Subpartitions freed within this many seconds of the last free go to the master together
 # (one call, one deletion per node): one call per reducer was a tenth of the master's calls.
 FREE_BATCH_S = 0.25
@@ -401,6 +404,7 @@ class MapRunner:
         self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
         self._dead_slots: set[int] = set()
         self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
+        self._lost_interval = LOST_MAPS_POLL_S  # until the next ask (see poll)
         # Maps whose attempt 0 began at registration: their first run here is attempt 0.
         self._begun = lifecycle.take_begun_maps()
         # For the report's phases (perf_counter): when the first map was dispatched and
@@ -453,9 +457,12 @@ class MapRunner:
                         raise
                     self._drop_node(node)
                     self._requeue([map_index])
-        if time.monotonic() - self._lost_asked >= LOST_MAPS_POLL_S:
+        if time.monotonic() - self._lost_asked >= self._lost_interval:
             self._lost_asked = time.monotonic()
-            self._requeue(self._lifecycle.take_lost())
+            lost = self._lifecycle.take_lost()
+            self._lost_interval = LOST_MAPS_POLL_S if lost else \
+                min(2 * self._lost_interval, LOST_MAPS_POLL_MAX_S)
+            self._requeue(lost)
         self._dispatch()
 
     def run_to_end(self, wait_s: float = 1.0) -> dict[int, Any]:

@@ -223,3 +223,38 @@ def test_a_held_shuffle_released_elsewhere_as_failed_is_let_go_once(config):
     time.sleep(2 * lifecycle.RECOVERY_POLL_S + 1)
     notes = [e for e in lifecycle.held_errors() if shuffle.shuffle_id in e]
     assert len(notes) == 1 and "a disk failed" in notes[0]
+
+
+class _CountsLostAsks:
+    """A lifecycle that answers ``take_lost`` from a script and counts the asks."""
+
+    def __init__(self, answers):
+        self.answers, self.asks = list(answers), 0
+
+    def take_begun_maps(self):
+        return set()
+
+    def take_lost(self):
+        self.asks += 1
+        return self.answers.pop(0) if self.answers else []
+
+
+def test_a_map_runner_asks_for_lost_maps_less_often_while_none_are_lost(monkeypatch):
+    """Each ask for lost maps is a master call: while none is lost the interval doubles
+    (0.5 s up to LOST_MAPS_POLL_MAX_S), and a loss brings it back to 0.5 s."""
+    clock = [1000.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
+    fake = _CountsLostAsks([[], [], [], [], [], [], [7]])
+    runner = lifecycle.MapRunner(fake, [], [None] * 8, lambda *a, **k: None, ())
+    asked_at = []
+    for _ in range(240):  # 30 s of driver loop turns, one every 125 ms
+        before = fake.asks
+        runner.poll(set())
+        if fake.asks > before:
+            asked_at.append(clock[0] - 1000.0)
+        clock[0] += 0.125
+    gaps = [b - a for a, b in zip(asked_at, asked_at[1:])]
+    # Nothing lost: 1, 2, 4, 4... s apart (the first ask set 0.5 s, doubled at once); map 7
+    # came back in the 7th answer: the next ask is 0.5 s later.
+    assert gaps[:7] == [1.0, 2.0, 4.0, 4.0, 4.0, 4.0, 0.5], gaps
+    assert 7 in runner._queue
