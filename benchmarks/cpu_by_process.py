@@ -129,7 +129,7 @@ def round_shares(rows: list[tuple[float, int, str]], driver_pid: int, cpus: int,
     """``cpu_shares`` of one round plus the goal's two ratios: ``control plane share`` (of
     the session's CPU) and ``idle share`` (of the cores' time). On a machine with exactly
     ``cpus`` cores idle is the machine's (``machine``: ``machine_cpu`` before and after),
-    and ``other outside`` the CPU used outside the session meanwhile."""
+    and ``idle note`` says how much CPU was used outside the session meanwhile."""
     shares: dict[str, Any] = cpu_shares(rows, driver_pid, cpus, wall)
     shares["idle note"] = f"{cpus} cores x {wall:.2f} s"
     wall_cores = cpus * wall
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         expected = checksum(blocks)
         ds = ray.data.from_arrow(blocks).materialize()
         del blocks
-        warm: list[dict[str, float]] = []  # the goal's shares of every warm round
+        warm: list[dict[str, Any]] = []  # the goal's shares of every warm round
         for r in range(args.rounds):
             before, machine_before = cpu_snapshot(), machine_cpu()
             start = time.perf_counter()

@@ -56,13 +56,12 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     # Every bookkeeping call of this attempt is timed into one stopwatch: the report's
     # control-plane time (the stats travel with finish_map, so that call is not in it).
     control = Stopwatch()
+    pid = os.getpid()
     if attempt is None or not _first_run_of(shuffle_id, map_index, attempt):
         with control:
-            attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id,
-                                                      os.getpid()))
+            attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, pid))
     if attempt is None:
         return None
-    pid = os.getpid()
     if on_attempt is not None:
         on_attempt(attempt)
     # The node's tier manager registers the shuffle with this map's first reservation.

@@ -86,12 +86,11 @@ class TierManager:
         # writer's abort and again when the master drops the attempt; space must come
         # back once, or the tier under-counts and overshoots its budget.
         self._freed: dict[str, set[Any]] = {}
-        # Shuffles released here: a map that began just before its shuffle was released must
-        # not register it again (its space would stay counted, its quota taken, for good).
-        self._released: collections.deque[str] = collections.deque(maxlen=RELEASED_MEMORY)
-        # Shuffles released in the last LATE_FILES_WINDOW_S -> when (monotonic), oldest first.
-        self._recently_released: collections.OrderedDict[str, float] = \
-            collections.OrderedDict()
+        # Shuffles released here -> when (monotonic), oldest first, the last RELEASED_MEMORY:
+        # a map that began just before its shuffle was released must not register it again
+        # (its space would stay counted, its quota taken, for good), and the recent ones are
+        # looked at for late writers' files (``remove_late_files``).
+        self._released: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     # ---- registration and quotas -----------------------------------------------------------
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
@@ -244,10 +243,10 @@ class TierManager:
         check_id("shuffle_id", shuffle_id)
         info = self._shuffles.pop(shuffle_id, None)
         self._freed.pop(shuffle_id, None)
-        if shuffle_id not in self._released:
-            self._released.append(shuffle_id)
-        self._recently_released[shuffle_id] = time.monotonic()
-        self._recently_released.move_to_end(shuffle_id)
+        self._released[shuffle_id] = time.monotonic()
+        self._released.move_to_end(shuffle_id)
+        while len(self._released) > RELEASED_MEMORY:
+            self._released.popitem(last=False)
         self.memory.release_shuffle(shuffle_id)
         for disk in self._disks.values():
             disk.release_shuffle(shuffle_id)
@@ -262,14 +261,14 @@ class TierManager:
         its abort removes it, but a writer killed before its abort leaves its files. Run
         periodically (the tier manager actor's sweep)."""
         now = time.monotonic()
-        while self._recently_released and \
-                now - next(iter(self._recently_released.values())) > window_s:
-            self._recently_released.popitem(last=False)
         found = []
-        for shuffle_id in self._recently_released:
-            if any(disk.has_shuffle_data(shuffle_id) for disk in self._disks.values()):
-                for disk in self._disks.values():
-                    disk.remove_shuffle_data(shuffle_id)
+        for shuffle_id, released in reversed(self._released.items()):  # newest first
+            if now - released > window_s:
+                break
+            left = [d for d in self._disks.values() if d.has_shuffle_data(shuffle_id)]
+            for disk in left:
+                disk.remove_shuffle_data(shuffle_id)
+            if left:
                 found.append(shuffle_id)
         return found
 

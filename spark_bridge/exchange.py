@@ -307,13 +307,13 @@ def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,
         # The map count is known: readers can tell when the shuffle is complete. Lost maps
         # (their writer died with their memory-tier segments) run again, also after the
         # map stage, for as long as the shuffle is held.
-        life.register(len(scan.pieces),
-                      writer_nodes=[node for node, _ in get_writers(config.namespace)])
+        writers = get_writers(config.namespace)
+        life.register(len(scan.pieces), writer_nodes=[node for node, _ in writers])
         life.hold()
 
         def run_direct() -> tuple[str, int]:
             input_bytes = parquet_scan.run_maps(scan, life, num_partitions, partitioner,
-                                                config, transform)
+                                                config, transform, writers=writers)
             # While the stage ran, its MapRunner re-ran lost maps; from now on, the holder.
             life.hold(rerun=lambda lost: parquet_scan.run_maps(
                 scan, life, num_partitions, partitioner, config, transform, only=lost))

@@ -243,11 +243,15 @@ def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, sche
 def run_maps(scan: ParquetScan, shuffle: ShuffleLifecycle, num_partitions: int,
              partitioner: Partitioner, config: ShuffleConfig,
              transform: Callable[[pa.Table], pa.Table] | None,
-             only: Sequence[int] | None = None) -> int:
-    """Run every piece's map (or the maps ``only``) of ``shuffle`` on the writer actors;
-    returns the input bytes read. Raises the first map's error (a writer that died is
-    retried by Ray, as a new map attempt)."""
-    maps = MapRunner(shuffle, get_writers(config.namespace), scan.pieces, map_parquet_piece,
+             only: Sequence[int] | None = None,
+             writers: Sequence[tuple[str, Any]] | None = None) -> int:
+    """Run every piece's map (or the maps ``only``) of ``shuffle`` on the writer actors
+    (``writers``, as ``get_writers`` gives them; None: looked up here); returns the input
+    bytes read. Raises the first map's error (a writer that died is retried by Ray, as a
+    new map attempt)."""
+    if writers is None:
+        writers = get_writers(config.namespace)
+    maps = MapRunner(shuffle, list(writers), scan.pieces, map_parquet_piece,
                      (scan.schema, num_partitions, partitioner, config, shuffle.master,
                       transform), maps=only)
     return sum(r["bytes"] for r in maps.run_to_end().values())
