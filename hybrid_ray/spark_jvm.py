@@ -272,6 +272,9 @@ def settle(tm: TierManager, shuffle_id: str, settlements: Any) -> None:
     shuffle no longer registered here (released meanwhile) has nothing to settle."""
     settled = []
     for entry in settlements or ():
+        if not isinstance(entry, (list, tuple)) or len(entry) != 4:
+            raise ConfigError(f"a JVM settlement must be [tier, granted bytes, target, "
+                              f"written bytes or null], got {entry!r}")
         tier, granted, target, written = entry
         name = TierName.parse(tier)
         if name not in SETTLE_TIERS:
@@ -288,9 +291,11 @@ def settle(tm: TierManager, shuffle_id: str, settlements: Any) -> None:
 def reserve(tm: TierManager, request: Mapping[str, Any],
             sessions: SessionLookup) -> dict[str, Any]:
     """Room for a batch of segments (``sizes``), after settling earlier grants
-    (``settle``, see ``settle``): per segment ``{tier, target, refusals}``; tier None when
-    no local tier can take it (refusals say why). ``remote`` says whether the shuffle has
-    a remote tier for those (``write_remote``)."""
+    (``settle``, see ``settle``): per segment ``{tier, target, settle_if_written,
+    refusals}``; tier None when no local tier can take it (refusals say why).
+    ``settle_if_written``: whether the grant must be settled even when written in full
+    (``Tier.settle_changes_books``; a grant not used always is). ``remote`` says whether
+    the shuffle has a remote tier for those (``write_remote``)."""
     shuffle_id = request["shuffle"]
     if shuffle_id not in tm.shuffle_ids():
         tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
@@ -300,7 +305,10 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
         if placement.grant is None:
             out.append({"tier": None, "target": "", "refusals": list(placement.refusals)})
             continue
-        out.append({"tier": placement.grant.tier.value, "target": placement.grant.target,
+        grant = placement.grant
+        out.append({"tier": grant.tier.value, "target": grant.target,
+                    "settle_if_written": tm.settle_changes_books(shuffle_id, grant,
+                                                                 grant.nbytes),
                     "refusals": []})
     return {"placements": out, "remote": tm.remote_tier(shuffle_id) is not None}
 

@@ -216,6 +216,12 @@ class TierManager:
         for grant, written in settled:
             self._tier(shuffle_id, grant.tier).settle(shuffle_id, grant, written)
 
+    def settle_changes_books(self, shuffle_id: str, grant: Grant,
+                             written_bytes: int | None) -> bool:
+        """Whether settling ``grant`` of a shuffle registered here with ``written_bytes``
+        changes its tier's books (``Tier.settle_changes_books``)."""
+        return self._tier(shuffle_id, grant.tier).settle_changes_books(grant, written_bytes)
+
     # ---- deletion ----------------------------------------------------------------------------
     def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
         """Delete segments stored on this node (abandoned attempts, consumed data). Data is

@@ -92,6 +92,8 @@ def test_jvm_grants_are_settled_from_what_the_writer_sends_back(tmp_path) -> Non
     answer = reserve(tm, {"shuffle": SHUFFLE, "sizes": [200, 150, 50]}, lambda t: config)
     tiers = [p["tier"] for p in answer["placements"]]
     assert tiers == ["memory", "disk", "memory"] and answer["remote"] is False
+    # The writer settles a grant written in full only where that changes the books.
+    assert [p["settle_if_written"] for p in answer["placements"]] == [False, True, False]
     disk = tm._tier(SHUFFLE, TierName.DISK)
     target = answer["placements"][1]["target"]
     assert disk._in_flight == {(target, SHUFFLE): 150}
@@ -104,6 +106,8 @@ def test_jvm_grants_are_settled_from_what_the_writer_sends_back(tmp_path) -> Non
     assert tm.memory.used_by(SHUFFLE) == 200
     with pytest.raises(ConfigError, match="only \\['memory', 'disk'\\] grant space"):
         settle(tm, SHUFFLE, [["remote", 10, "", 10]])
+    with pytest.raises(ConfigError, match="must be \\[tier, granted bytes"):
+        settle(tm, SHUFFLE, [[7, 100]])
     with pytest.raises(ConfigError, match="negative bytes"):
         settle(tm, SHUFFLE, [["disk", -1, target, None]])
     tm.release_shuffle(SHUFFLE)

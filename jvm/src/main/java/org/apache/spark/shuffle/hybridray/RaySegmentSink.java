@@ -177,7 +177,8 @@ final class RaySegmentSink implements SegmentSink {
 
   /**
    * Queue the settlements of a batch's grants that change the tier manager's books: every
-   * disk grant (in flight until settled) and every grant not used (its space goes back).
+   * grant not used (its space goes back), and a used one only if the tier manager said so
+   * with the grant ({@code settle_if_written}: disk grants are in flight until settled).
    * A memory grant written in full changes nothing there: no settlement, and a map task
    * whose segments all went to memory makes no settle call.
    */
@@ -190,7 +191,7 @@ final class RaySegmentSink implements SegmentSink {
       }
       String tier = p.get("tier").asText();
       int granted = segments.get(i).frame().length;
-      if (used[i] && tier.equals("memory")) {
+      if (used[i] && !p.path("settle_if_written").asBoolean(true)) {
         continue;
       }
       settlements.add(new Settlement(tier, granted, p.get("target").asText(),
