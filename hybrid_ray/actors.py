@@ -202,6 +202,10 @@ class TierManagerActor:
         return json.dumps(spark_jvm.reserve(self.tm, json.loads(request),
                                             self._spark_session))
 
+    def spark_lease(self, request: str) -> str:
+        """A memory lease for a JVM map task (``spark_jvm.lease``)."""
+        return json.dumps(spark_jvm.lease(self.tm, json.loads(request), self._spark_session))
+
     def _spark_session(self, token: str) -> Any:
         """A Spark session's whole ShuffleConfig, asked of the master once per session."""
         if token not in self._spark_sessions:

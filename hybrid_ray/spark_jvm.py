@@ -313,6 +313,24 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
     return {"placements": out, "remote": tm.remote_tier(shuffle_id) is not None}
 
 
+def lease(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) -> dict[str, Any]:
+    """A memory lease for a JVM map task (``bytes``), asked for when the task starts so
+    the round trip overlaps its work: ``{"lease": {"granted", "target"}}``, or
+    ``{"lease": None}`` when the memory tier cannot take it all (the task then reserves
+    per batch, as without a lease). The writer splits the lease into its segments'
+    grants and settles the rest as an unused grant (``settle``)."""
+    shuffle_id = request["shuffle"]
+    if shuffle_id not in tm.shuffle_ids():
+        tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
+    nbytes = request.get("bytes")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise ConfigError(f"a memory lease request needs 'bytes' as an integer, got "
+                          f"{nbytes!r}")
+    grant = tm.lease_memory(shuffle_id, nbytes)
+    return {"lease": None if grant is None else {"granted": grant.nbytes,
+                                                 "target": grant.target}}
+
+
 def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> dict[str, Any]:
     """Store one JVM segment (``frame``: header and payload as the JVM encoded it) in the
     shuffle's remote tier, at the path a Python segment of the same identity would get

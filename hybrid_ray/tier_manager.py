@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleNotFoundError, UnsafePathError
+from hybrid_ray.errors import ConfigError, ShuffleNotFoundError, UnsafePathError
 from hybrid_ray.ids import check_id, is_inside
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
@@ -208,6 +208,18 @@ class TierManager:
             else:
                 placements.append(Placement(None, tuple(refusals)))
         return placements
+
+    def lease_memory(self, shuffle_id: str, nbytes: int) -> Grant | None:
+        """One memory grant of ``nbytes`` for many segments to come (a JVM map task asks
+        for one when it starts, so a task whose output fits makes no reservation call);
+        the writer splits it into segments and settles what it did not use. None when the
+        memory tier (disabled for the shuffle, or full) cannot take it all."""
+        if nbytes <= 0:
+            raise ConfigError(f"a memory lease must be positive, got {nbytes} bytes")
+        self._local_tiers(shuffle_id)  # raises for a shuffle not registered here
+        if not self._shuffles[shuffle_id]["memory"]:
+            return None
+        return self.memory.try_reserve(shuffle_id, nbytes)
 
     def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None:
         """Record what became of grants: bytes written, or None for a failed write."""

@@ -112,3 +112,36 @@ def test_jvm_grants_are_settled_from_what_the_writer_sends_back(tmp_path) -> Non
         settle(tm, SHUFFLE, [["disk", -1, target, None]])
     tm.release_shuffle(SHUFFLE)
     settle(tm, SHUFFLE, [["disk", 100, target, 100]])  # released meanwhile: nothing to do
+
+
+def test_a_jvm_memory_lease_is_split_by_the_writer_and_its_rest_settled(tmp_path) -> None:
+    """A JVM map task leases memory when it starts: the lease counts as used memory of the
+    shuffle at once, the writer places segments in it without a reservation call, and the
+    rest comes back as an unused grant. A lease the memory tier cannot take in full (or
+    that a shuffle without a memory tier asks for) is refused, never partly granted."""
+    import pytest
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.spark_jvm import lease, settle
+    from hybrid_ray.tier_manager import TierManager
+
+    tm = TierManager("n1", object_store_bytes=1000)
+    config = ShuffleConfig(memory_fraction=0.3, spill_dirs=[str(tmp_path / "spill")])
+    answer = lease(tm, {"shuffle": SHUFFLE, "bytes": 200}, lambda t: config)
+    assert answer == {"lease": {"granted": 200, "target": "plasma"}}
+    assert tm.memory.used_by(SHUFFLE) == 200
+    # Segments of 120 bytes were written in it; the 80 left go back.
+    settle(tm, SHUFFLE, [["memory", 80, "plasma", None]])
+    assert tm.memory.used_by(SHUFFLE) == 120
+    # 300 is the budget: 120 used, so a lease of 200 is refused whole.
+    assert lease(tm, {"shuffle": SHUFFLE, "bytes": 200}, lambda t: config) == {"lease": None}
+    assert tm.memory.used_by(SHUFFLE) == 120
+    with pytest.raises(ConfigError, match="'bytes' as an integer"):
+        lease(tm, {"shuffle": SHUFFLE, "bytes": "lots"}, lambda t: config)
+    with pytest.raises(ConfigError, match="must be positive"):
+        lease(tm, {"shuffle": SHUFFLE, "bytes": 0}, lambda t: config)
+    no_memory = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(tmp_path / "spill")])
+    other = SHUFFLE + "-disk-only"
+    request = {"shuffle": other, "bytes": 10, "config": {"session": "tok"}}
+    assert lease(tm, request, {"tok": no_memory}.get) == {"lease": None}

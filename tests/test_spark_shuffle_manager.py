@@ -27,6 +27,9 @@ SPARK_CONFIGS = {
     "spark.sql.adaptive.skewJoin.skewedPartitionFactor": "2",
     "spark.sql.adaptive.skewJoin.skewedPartitionThresholdInBytes": "32k",
     "spark.task.maxFailures": "4",
+    # Map tasks lease memory when they start (a 4 MiB default would never fit the tests'
+    # 1 MiB memory tier): a batch that fits goes to memory without a reservation call.
+    "spark.hybridray.leaseBytes": "96k",
 }
 
 
@@ -111,6 +114,7 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
                 out["rows"][name] = sorted(rows, key=repr)
         out["shuffle_metrics"] = _shuffle_metrics(spark)
         if hybrid:
+            out["books"] = _memory_books(config)
             out["plans"] = spark.sparkContext.getConf().get("spark.shuffle.manager")
             out["lost"] = _lost_segment_recovers(spark, config)
             out["unregistered"] = _unregistered_shuffles_are_released(spark, config)
@@ -147,6 +151,29 @@ def _shuffle_metrics(spark) -> dict:
         totals["read_bytes"] += stage.shuffleReadBytes()
         totals["read_records"] += stage.shuffleReadRecords()
     return totals
+
+
+def _memory_books(config, timeout_s: float = 10.0) -> dict:
+    """The node's memory-tier books against the memory bytes the live Spark shuffles
+    committed: equal once the writers' last settlements (sent without waiting) arrived. A
+    lease not given back, or a grant settled twice, leaves them apart."""
+    import time
+
+    from hybrid_ray.actors import get_tier_manager
+
+    tm = get_tier_manager(ray.get_runtime_context().get_node_id(), config.namespace)
+    master = ray.get_actor("hybrid_ray_shuffle_master", namespace=config.namespace)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = ray.get(tm.usage.remote())
+        books = sum(t.used_bytes for t in usage.tiers if t.tier.value == "memory")
+        stored = sum(nbytes for s in ray.get(master.spark_reports.remote("spark-"))
+                     if not s["released"]
+                     for tiers in s["per_node_tier"].values()
+                     for tier, (nbytes, _) in tiers.items() if tier == "memory")
+        if books == stored or time.monotonic() > deadline:
+            return {"books": books, "stored": stored}
+        time.sleep(0.2)
 
 
 def _lost_segment_recovers(spark, config):
@@ -268,6 +295,12 @@ def test_exchanges_went_through_hybrid_ray_memory_and_disk(runs):
     assert totals.get("remote", 0) == 0
     # Live reports (before stop) and released ones (after) name the same shuffles.
     assert {r.shuffle_id for r in hybrid["reports_live"]} <= {r.shuffle_id for r in reports}
+
+
+def test_memory_books_match_what_live_spark_shuffles_stored(runs):
+    books = runs[0]["books"]
+    assert books["stored"] > 0
+    assert books["books"] == books["stored"], books
 
 
 def test_lost_disk_segments_are_recomputed_exactly(runs):

@@ -36,6 +36,7 @@ public final class HybridRayContext {
   public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
   public static final String CONF_CALL_TIMEOUT_MS = "spark.hybridray.callTimeoutMs";
   public static final String CONF_PACK_BYTES = "spark.hybridray.packBytes";
+  public static final String CONF_LEASE_BYTES = "spark.hybridray.leaseBytes";
 
   private static HybridRayContext instance;
 
@@ -47,6 +48,10 @@ public final class HybridRayContext {
   /** Small memory-tier segments of a batch share one Ray object up to this size
    *  ({@link MemoryPacking}); 0 puts each segment alone. */
   final long packBytes;
+  /** Memory lease of a map task of a shuffle this executor has not written yet
+   *  ({@link MemoryLease}); 0 turns leases off. Later tasks lease what the last one
+   *  stored, with a quarter more, up to {@link #flushBytes}. */
+  final long leaseBytes;
   final long fetchTimeoutMs;
   /** Bound of every call to the master or a tier manager (a wedged actor fails the task). */
   final long callTimeoutMs;
@@ -60,6 +65,8 @@ public final class HybridRayContext {
   // Spark shuffle id -> map attempt id -> refs of the memory-tier segments it wrote here.
   private final Map<Integer, Map<Long, List<ObjectRef<byte[]>>>> ownedRefs =
       new ConcurrentHashMap<>();
+  // Spark shuffle id -> bytes the last map task of it stored from this executor.
+  private final Map<Integer, Long> lastMapBytes = new ConcurrentHashMap<>();
 
   HybridRayContext(SparkConf conf) {
     this.namespace = conf.get(CONF_NAMESPACE, "hybrid_ray");
@@ -67,6 +74,7 @@ public final class HybridRayContext {
     this.segmentBytes = (int) conf.getSizeAsBytes(CONF_SEGMENT_BYTES, "4m");
     this.flushBytes = conf.getSizeAsBytes(CONF_FLUSH_BYTES, "32m");
     this.packBytes = conf.getSizeAsBytes(CONF_PACK_BYTES, "512k");
+    this.leaseBytes = conf.getSizeAsBytes(CONF_LEASE_BYTES, "4m");
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.appKey = appKey(conf.getAppId());
@@ -173,6 +181,16 @@ public final class HybridRayContext {
     }
   }
 
+  /** Like {@link #await}, waiting at most {@code waitMs} (and never past the call bound). */
+  String awaitWithin(ObjectRef<String> pending, String method, long waitMs)
+      throws IOException {
+    try {
+      return pending.get(Math.min(waitMs, callTimeoutMs));
+    } catch (RuntimeException e) {
+      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
   /** Call a Python actor method taking a string and bytes, returning a string. */
   String callWithBytes(PyActorHandle actor, String method, String argument, byte[] data)
       throws IOException {
@@ -220,10 +238,34 @@ public final class HybridRayContext {
 
   void dropShuffle(int shuffleId) {
     ownedRefs.remove(shuffleId);
+    lastMapBytes.remove(shuffleId);
   }
 
   void dropAll() {
     ownedRefs.clear();
+    lastMapBytes.clear();
+  }
+
+  // ---- memory leases ----------------------------------------------------------------------
+  /** Remember what a map task of {@code shuffleId} stored, to size the next one's lease. */
+  void noteMapBytes(int shuffleId, long bytes) {
+    lastMapBytes.put(shuffleId, bytes);
+  }
+
+  /** The memory lease for the next map task of {@code shuffleId} here (0: none). */
+  long leaseBytesFor(int shuffleId) {
+    return leaseSize(leaseBytes, flushBytes, lastMapBytes.get(shuffleId));
+  }
+
+  /** {@code first} before any task of the shuffle stored here; then the last task's bytes
+   *  with a quarter more (tasks of a stage are alike), at most {@code cap}; 0 when leases
+   *  are off ({@code first} 0) or the last task stored nothing. */
+  static long leaseSize(long first, long cap, Long lastBytes) {
+    if (first <= 0) {
+      return 0;
+    }
+    long want = lastBytes == null ? first : lastBytes + lastBytes / 4;
+    return Math.min(want, cap);
   }
 
   int ownedObjects(int shuffleId) {

@@ -94,6 +94,8 @@ final class HybridRayDirectWriter<K, V> extends ShuffleWriter<K, V> {
 
   @Override
   public void write(Iterator<Product2<K, V>> records) throws IOException {
+    // Asked for now, answered while the records are computed and partitioned.
+    sink.startLease(ctx.leaseBytesFor(dependency.shuffleId()));
     SparkEnv env = SparkEnv.get();
     Partitioner partitioner = dependency.partitioner();
     SerializerInstance serializer = dependency.serializer().newInstance();

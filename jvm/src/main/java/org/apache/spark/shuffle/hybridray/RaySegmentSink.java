@@ -40,6 +40,8 @@ import java.util.List;
  */
 final class RaySegmentSink implements SegmentSink {
   static final String DATA_DIR_NAME = "hybrid_ray";
+  /** How long an aborting attempt waits for its lease's answer to give the lease back. */
+  static final long ABORT_LEASE_WAIT_MS = 1000;
 
   private final HybridRayContext ctx;
   private final int shuffleId;
@@ -51,6 +53,11 @@ final class RaySegmentSink implements SegmentSink {
   private final List<Settlement> settlements = new ArrayList<>();
   private final List<Path> uncommittedFiles = new ArrayList<>();
   private boolean committedAny;
+  // The memory lease asked for when the task started (startLease), until its answer is
+  // taken; then the lease itself (null: none asked for, refused, or closed).
+  private ObjectRef<String> pendingLease;
+  private MemoryLease lease;
+  private long bytesStored;
 
   RaySegmentSink(HybridRayContext ctx, int shuffleId, String shuffleKey, int numPartitions,
       int mapIndex, long mapId) {
@@ -62,6 +69,57 @@ final class RaySegmentSink implements SegmentSink {
     this.mapId = mapId;
   }
 
+  /**
+   * Ask the node's tier manager for a memory lease of {@code bytes} without waiting: the
+   * task's work overlaps the round trip, and a first batch that fits in the lease needs
+   * no reservation call ({@link MemoryLease}). A lease that cannot be asked for or is
+   * refused only means the batches reserve as without one.
+   */
+  void startLease(long bytes) {
+    if (bytes <= 0 || pendingLease != null || lease != null) {
+      return;
+    }
+    try {
+      ObjectNode request = ctx.json.createObjectNode();
+      request.put("shuffle", shuffleKey);
+      request.set("config", ctx.parse(ctx.configJson));
+      request.put("bytes", bytes);
+      pendingLease = ctx.callLater(ctx.tierManager(ctx.nodeId()), "spark_lease",
+          ctx.toJson(request));
+    } catch (IOException | RuntimeException e) {
+      pendingLease = null;
+    }
+  }
+
+  /** The lease's answer, waiting at most {@code waitMs} for it (null: none). */
+  private MemoryLease takeLease(long waitMs) {
+    ObjectRef<String> pending = pendingLease;
+    if (pending == null) {
+      return lease;
+    }
+    pendingLease = null;
+    try {
+      JsonNode granted = ctx.parse(ctx.awaitWithin(pending, "spark_lease", waitMs)).get("lease");
+      if (granted != null && !granted.isNull()) {
+        lease = new MemoryLease(granted.get("granted").asLong(), granted.get("target").asText());
+      }
+    } catch (IOException | RuntimeException e) {
+      // No lease (the reservation that follows reports a real problem with its own error).
+    }
+    return lease;
+  }
+
+  /** Close the lease: what it did not place goes back with the next settlements. */
+  private void closeLease() {
+    if (lease != null) {
+      Settlement rest = lease.leftover();
+      if (rest != null) {
+        settlements.add(rest);
+      }
+      lease = null;
+    }
+  }
+
   @Override
   public void store(List<PartitionSegmenter.Segment> segments, boolean last) throws IOException {
     if (segments.isEmpty() && !last) {
@@ -71,19 +129,40 @@ final class RaySegmentSink implements SegmentSink {
     PyActorHandle tierManager = ctx.tierManager(node);
     ArrayNode stored = ctx.json.createArrayNode();
     if (!segments.isEmpty()) {
-      ObjectNode request = ctx.json.createObjectNode();
-      request.put("shuffle", shuffleKey);
-      request.set("config", ctx.parse(ctx.configJson));
-      ArrayNode sizes = request.putArray("sizes");
-      for (PartitionSegmenter.Segment s : segments) {
-        sizes.add(s.frame().length);
-      }
-      request.set("settle", settlementsJson());
-      settlements.clear();
-      JsonNode answer = ctx.parse(ctx.call(tierManager, "spark_reserve", ctx.toJson(request)));
-      JsonNode placements = answer.get("placements");
-      boolean hasRemote = answer.path("remote").asBoolean(false);
       int n = segments.size();
+      int[] frameSizes = new int[n];
+      for (int i = 0; i < n; i++) {
+        frameSizes[i] = segments.get(i).frame().length;
+        bytesStored += frameSizes[i];
+      }
+      MemoryLease leased = takeLease(ctx.callTimeoutMs);
+      JsonNode placements;
+      boolean hasRemote;
+      if (leased != null && leased.take(frameSizes)) {
+        // The whole batch goes to memory within the lease: no reservation call.
+        ArrayNode local = ctx.json.createArrayNode();
+        for (int i = 0; i < n; i++) {
+          local.addObject().put("tier", "memory").put("target", leased.target())
+              .put("settle_if_written", false);
+        }
+        placements = local;
+        hasRemote = false;
+      } else {
+        closeLease();  // what is left of it goes back with this reservation
+        ObjectNode request = ctx.json.createObjectNode();
+        request.put("shuffle", shuffleKey);
+        request.set("config", ctx.parse(ctx.configJson));
+        ArrayNode sizes = request.putArray("sizes");
+        for (int size : frameSizes) {
+          sizes.add(size);
+        }
+        request.set("settle", settlementsJson());
+        settlements.clear();
+        JsonNode answer = ctx.parse(ctx.call(tierManager, "spark_reserve",
+            ctx.toJson(request)));
+        placements = answer.get("placements");
+        hasRemote = answer.path("remote").asBoolean(false);
+      }
       String[] tiers = new String[n];
       String[] locations = new String[n];
       // Whether segment i's grant was used (its bytes are written): settled with its size.
@@ -136,8 +215,13 @@ final class RaySegmentSink implements SegmentSink {
     ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
     committedAny = true;
     uncommittedFiles.clear();
-    if (last && !settlements.isEmpty()) {
-      sendSettlements(tierManager);
+    if (last) {
+      takeLease(ctx.callTimeoutMs);  // (a task with no segments never took its answer)
+      closeLease();
+      ctx.noteMapBytes(shuffleId, bytesStored);
+      if (!settlements.isEmpty()) {
+        sendSettlements(tierManager);
+      }
     }
   }
 
@@ -215,6 +299,10 @@ final class RaySegmentSink implements SegmentSink {
     }
     uncommittedFiles.clear();
     ctx.dropAttempt(shuffleId, mapId);
+    // A lease still in flight is waited for briefly, to give it back; one that answers
+    // later stays counted until the shuffle's release.
+    takeLease(ABORT_LEASE_WAIT_MS);
+    closeLease();
     try {
       if (!settlements.isEmpty()) {
         sendSettlements(ctx.tierManager(ctx.nodeId()));
