@@ -573,7 +573,9 @@ class ShuffleMasterActor:
         return "ok"
 
     def spark_commit(self, request: str) -> str:
-        with self._lock:
+        # Wakes readers waiting for this attempt (``spark_await_blocks``): a map task sends
+        # its last commit without waiting for it.
+        with self._changing():
             spark_jvm.commit(self.registry, json.loads(request), self._spark_sessions.get)
         self._queued()
         return "ok"
@@ -598,6 +600,25 @@ class ShuffleMasterActor:
     def spark_locate(self, request: str) -> str:
         with self._lock:
             return json.dumps(spark_jvm.locate(self.registry, json.loads(request)))
+
+    @ray.method(concurrency_group="poll")
+    def spark_await_blocks(self, request: str) -> str:
+        """``spark_locate``'s per-block form, waiting up to ``wait_s`` (at most
+        ``MAX_POLL_WAIT_S``) while some block is not complete: a JVM map task sends its last
+        commit without waiting, so a reader can ask for an attempt Spark already accepted
+        before that commit is in. ``awaited`` in the answer: some missing block may still come
+        (``spark_jvm.awaited``); the JVM reader asks again until its own bound."""
+        parsed = json.loads(request)
+        deadline = time.monotonic() + max(0.0, min(float(parsed.get("wait_s", 0.0)),
+                                                   MAX_POLL_WAIT_S))
+        with self._lock:
+            while True:
+                answer = spark_jvm.locate(self.registry, parsed)
+                answer["awaited"] = spark_jvm.awaited(self.registry, parsed, answer)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not answer["awaited"]:
+                    return json.dumps(answer)
+                self._changed.wait(remaining)
 
     def spark_heartbeat(self, request: str) -> str:
         with self._lock:

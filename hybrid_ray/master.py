@@ -71,6 +71,9 @@ class ShuffleState:
     # Spark shuffles written by the JVM shuffle manager (``hybrid_ray.spark_jvm``): Spark's
     # map attempt id (task attempt id) -> (map index, this registry's attempt number).
     spark_attempts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # Spark map attempts whose last commit arrived (even if their output was lost since):
+    # a reader waits only for the others (``spark_jvm.awaited``).
+    spark_finished: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def all_maps_finished(self) -> bool:

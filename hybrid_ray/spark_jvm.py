@@ -143,6 +143,7 @@ def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     registry.commit(shuffle_id, map_index, attempt, metas)
     if request.get("final"):
         registry.finish_map(shuffle_id, map_index, attempt, None)
+        state.spark_finished.add(map_id)
 
 
 def abort(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
@@ -213,6 +214,18 @@ def locate(registry: ShuffleRegistry, request: Mapping[str, Any]) -> dict[str, A
         done = _finished(state, int(map_id))
         out.append(None if done is None else _block_segments(*done, int(partition)))
     return {"blocks": out}
+
+
+def awaited(registry: ShuffleRegistry, request: Mapping[str, Any],
+            answer: Mapping[str, Any]) -> bool:
+    """Whether a per-block ``locate`` answer lacks a block whose attempt's last commit has
+    not arrived yet (a JVM map task sends it without waiting), so the reader's ask may
+    wait for it. A block of an attempt that finished and was lost since is not waited
+    for: its reader raises FetchFailedException at once."""
+    state = registry.state(request["shuffle"])
+    return any(segments is None and int(map_id) not in state.spark_finished
+               for (map_id, _), segments in zip(request.get("blocks", ()),
+                                                answer.get("blocks", ())))
 
 
 def matching(registry: ShuffleRegistry, request: Mapping[str, Any]) -> list[str]:

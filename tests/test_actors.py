@@ -377,3 +377,49 @@ def test_a_map_writes_its_next_chunk_while_its_commit_is_answered(ray_local, tmp
     assert sum(m.num_rows for m in metas) == 3000
     assert ray.get(master.progress.remote(shuffle_id))["maps"][0]["finished"] == 0
     ray.get(master.release.remote(shuffle_id))
+
+
+def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(ray_local):
+    """A JVM map task sends its last commit without waiting, so a reader can ask for an
+    attempt Spark accepted before the commit is in: the master holds that ask and answers
+    it when the commit arrives. An attempt whose output was committed and lost since is
+    answered at once (no wait: the reader raises FetchFailedException), and one that never
+    commits is answered at the ask's bound, still marked as awaited."""
+    import json
+
+    from hybrid_ray.actors import MAX_POLL_WAIT_S
+
+    namespace = f"jvmwait-{uuid.uuid4().hex[:6]}"
+    master = get_master(namespace)
+    shuffle = "spark-app-waits-0"
+
+    def commit(map_index: int, map_id: int) -> str:
+        return master.spark_commit.remote(json.dumps({
+            "shuffle": shuffle, "num_partitions": 2, "map_index": map_index, "map_id": map_id,
+            "node": "n1", "final": True, "segments": [[0, 0, "memory", 10, f"ref{map_id}"]]}))
+
+    def ask(map_id: int, wait_s: float):
+        return master.spark_await_blocks.remote(json.dumps({
+            "shuffle": shuffle, "wait_s": wait_s, "blocks": [[map_id, 0]]}))
+
+    ray.get(commit(0, 100))  # registers the shuffle
+    start = time.monotonic()
+    held = ask(101, MAX_POLL_WAIT_S)
+    time.sleep(0.3)
+    ray.get(commit(1, 101))
+    answer = json.loads(ray.get(held))
+    assert answer["blocks"] == [[["memory", 10, "n1", "ref101"]]]
+    assert answer["awaited"] is False
+    assert 0.25 < time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the commit
+
+    start = time.monotonic()
+    never = json.loads(ray.get(ask(999, 0.4)))
+    assert never == {"blocks": [None], "awaited": True}
+    assert time.monotonic() - start >= 0.4
+
+    ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 100})))
+    start = time.monotonic()
+    lost = json.loads(ray.get(ask(100, MAX_POLL_WAIT_S)))
+    assert lost == {"blocks": [None], "awaited": False}
+    assert time.monotonic() - start < MAX_POLL_WAIT_S / 2
+    ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))

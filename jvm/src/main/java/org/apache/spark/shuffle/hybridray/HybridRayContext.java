@@ -12,7 +12,10 @@ import java.util.List;
 import java.util.Map;
 import java.util.Optional;
 import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.ConcurrentLinkedQueue;
 import org.apache.spark.SparkConf;
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
 
 /**
  * One JVM's link to hybrid_ray (the driver's or an executor's): its settings, the handles of
@@ -37,6 +40,11 @@ public final class HybridRayContext {
   public static final String CONF_CALL_TIMEOUT_MS = "spark.hybridray.callTimeoutMs";
   public static final String CONF_PACK_BYTES = "spark.hybridray.packBytes";
   public static final String CONF_LEASE_BYTES = "spark.hybridray.leaseBytes";
+  public static final String CONF_COMMIT_WAIT_MS = "spark.hybridray.commitWaitMs";
+
+  private static final Logger LOG = LoggerFactory.getLogger(HybridRayContext.class);
+  /** Sent commits kept to be checked (the oldest unanswered beyond this are not). */
+  static final int MAX_SENT_COMMITS = 10_000;
 
   private static HybridRayContext instance;
 
@@ -55,6 +63,9 @@ public final class HybridRayContext {
   final long fetchTimeoutMs;
   /** Bound of every call to the master or a tier manager (a wedged actor fails the task). */
   final long callTimeoutMs;
+  /** How long a reader waits for the last commit of a map attempt Spark accepted (sent by
+   *  its task without waiting) before it takes the attempt's output as lost. */
+  final long commitWaitMs;
   final String appKey;
   final ObjectMapper json = new ObjectMapper();
 
@@ -65,6 +76,9 @@ public final class HybridRayContext {
   // Spark shuffle id -> map attempt id -> refs of the memory-tier segments it wrote here.
   private final Map<Integer, Map<Long, List<ObjectRef<byte[]>>>> ownedRefs =
       new ConcurrentHashMap<>();
+  // Last commits of map attempts, sent without waiting: a failed one is logged when
+  // seen (its readers find the attempt missing and Spark recomputes it).
+  private final ConcurrentLinkedQueue<SentCall> sentCommits = new ConcurrentLinkedQueue<>();
   // Spark shuffle id -> bytes the last map task of it stored from this executor.
   private final Map<Integer, Long> lastMapBytes = new ConcurrentHashMap<>();
 
@@ -77,6 +91,7 @@ public final class HybridRayContext {
     this.leaseBytes = conf.getSizeAsBytes(CONF_LEASE_BYTES, "4m");
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
+    this.commitWaitMs = conf.getTimeAsMs(CONF_COMMIT_WAIT_MS, "30s");
     this.appKey = appKey(conf.getAppId());
   }
 
@@ -198,6 +213,42 @@ public final class HybridRayContext {
       return actor.task(PyActorMethod.of(method, String.class), argument, data).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
       throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+    }
+  }
+
+  /** A call sent without waiting for its answer, and what it was for (for the log). */
+  record SentCall(ObjectRef<String> answer, String what) {}
+
+  /** Send a map attempt's last commit without waiting; its failure is logged when seen
+   *  ({@link #reportSentCommits}). */
+  void commitLater(PyActorHandle master, String request, String what) {
+    sentCommits.add(new SentCall(callLater(master, "spark_commit", request), what));
+    reportSentCommits();
+  }
+
+  /**
+   * Log the sent commits that failed, among those answered by now (never waits). A failed
+   * last commit loses nothing: the attempt's readers find it missing, raise
+   * FetchFailedException, and Spark runs the map again.
+   */
+  void reportSentCommits() {
+    for (int checked = sentCommits.size(); checked > 0; checked--) {
+      SentCall sent = sentCommits.poll();
+      if (sent == null) {
+        return;
+      }
+      if (Ray.wait(List.of(sent.answer()), 1, 0).getReady().isEmpty()) {
+        if (sentCommits.size() < MAX_SENT_COMMITS) {
+          sentCommits.add(sent);  // not answered yet: look again later
+        }
+        continue;
+      }
+      try {
+        sent.answer().get(0);
+      } catch (RuntimeException e) {
+        LOG.warn("hybrid_ray: the last commit of {} failed; readers will take its output "
+            + "as lost and Spark will run it again: {}", sent.what(), e.getMessage());
+      }
     }
   }
 

@@ -190,19 +190,32 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         }
         out.add(segments);
       }
-      if (!missing.isEmpty()) {
-        // Not finished when the master answered (an attempt Spark accepted since, or one
-        // lost): ask again for exactly these blocks; a null answer means lost.
+      // Not finished when the master answered: an attempt whose last commit (sent by
+      // its task without waiting) is not in yet, or one lost. Ask again for exactly those
+      // blocks, letting the master wait for them, up to commitWaitMs; still null: lost.
+      long deadline = System.nanoTime() + ctx.commitWaitMs * 1_000_000L;
+      while (!missing.isEmpty()) {
+        long leftMs = (deadline - System.nanoTime()) / 1_000_000L;
         ObjectNode request = ctx.json.createObjectNode();
         request.put("shuffle", shuffleKey);
+        request.put("wait_s", Math.max(0, Math.min(leftMs, 1000)) / 1000.0);
         ArrayNode list = request.putArray("blocks");
         for (int i : missing) {
           list.addArray().add(blocks.get(i).mapId).add(blocks.get(i).reduceId);
         }
-        JsonNode again = ctx.parse(ctx.call(ctx.master(), "spark_locate", ctx.toJson(request)))
-            .get("blocks");
+        JsonNode reply = ctx.parse(ctx.call(ctx.master(), "spark_await_blocks",
+            ctx.toJson(request)));
+        JsonNode again = reply.get("blocks");
+        List<Integer> still = new ArrayList<>();
         for (int k = 0; k < missing.size(); k++) {
           out.set(missing.get(k), again.get(k));
+          if (again.get(k) == null || again.get(k).isNull()) {
+            still.add(missing.get(k));
+          }
+        }
+        missing = still;
+        if (leftMs <= 0 || !reply.path("awaited").asBoolean(false)) {
+          break;
         }
       }
       return out;

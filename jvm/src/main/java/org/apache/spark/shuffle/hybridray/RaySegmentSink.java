@@ -212,7 +212,17 @@ final class RaySegmentSink implements SegmentSink {
     commit.put("node", node);
     commit.put("final", last);
     commit.set("segments", stored);
-    ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
+    if (last) {
+      // Not waited for: the task's MapStatus reaches a reader long after this commit
+      // reaches the master (which holds a reader asking too early until it is in:
+      // spark_await_blocks); one that fails is logged and leaves the attempt missing, so
+      // its readers raise FetchFailedException and Spark recomputes it. Earlier commits
+      // of a map are waited for: the master is threaded, and the last must come last.
+      ctx.commitLater(ctx.master(), ctx.toJson(commit),
+          "map attempt " + mapId + " (map " + mapIndex + ") of Spark shuffle " + shuffleKey);
+    } else {
+      ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
+    }
     committedAny = true;
     uncommittedFiles.clear();
     if (last) {
