@@ -412,7 +412,7 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     request.put("shuffle", shuffleKey);
     request.put("location", location);
     request.put("nbytes", nbytes);
-    request.set("config", ctx.parse(ctx.configJson));
+    request.set("config", ctx.configNode());
     try {
       return ctx.callBytes(ctx.tierManager(ctx.nodeId()), "spark_read_remote",
           ctx.toJson(request));

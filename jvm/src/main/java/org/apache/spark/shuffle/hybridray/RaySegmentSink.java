@@ -82,7 +82,7 @@ final class RaySegmentSink implements SegmentSink {
     try {
       ObjectNode request = ctx.json.createObjectNode();
       request.put("shuffle", shuffleKey);
-      request.set("config", ctx.parse(ctx.configJson));
+      request.set("config", ctx.configNode());
       request.put("bytes", bytes);
       pendingLease = ctx.callLater(ctx.tierManager(ctx.nodeId()), "spark_lease",
           ctx.toJson(request));
@@ -151,7 +151,7 @@ final class RaySegmentSink implements SegmentSink {
         closeLease();  // what is left of it goes back with this reservation
         ObjectNode request = ctx.json.createObjectNode();
         request.put("shuffle", shuffleKey);
-        request.set("config", ctx.parse(ctx.configJson));
+        request.set("config", ctx.configNode());
         ArrayNode sizes = request.putArray("sizes");
         for (int size : frameSizes) {
           sizes.add(size);
@@ -205,7 +205,7 @@ final class RaySegmentSink implements SegmentSink {
     }
     ObjectNode commit = ctx.json.createObjectNode();
     commit.put("shuffle", shuffleKey);
-    commit.set("config", ctx.parse(ctx.configJson));
+    commit.set("config", ctx.configNode());
     commit.put("num_partitions", numPartitions);
     commit.put("map_index", mapIndex);
     commit.put("map_id", mapId);
