@@ -10,10 +10,15 @@ Queries: nine TPC-H-like queries (``QUERIES``: pricing summary, shipping priorit
 supplier volume, returned items, ship modes, customer distribution, large-volume customers,
 a window, a distinct count) with broadcast joins off, so every join shuffles both sides.
 
-Each mode runs in a fresh Python process with a fresh local Ray, so neither inherits the
-other's warm JVM: the first round of each query is its first call (JIT, executors' first
-tasks), later rounds are warm. Both modes must return the same rows for every query (a
-row-multiset fingerprint), or the run fails. The capped-disk case puts Spark's local dir
+Each mode runs in a Python process of its own with its own local Ray, so neither inherits
+the other's warm JVM: the first round of each query is its first call (JIT, executors'
+first tasks), later rounds are warm. The two processes stay up side by side and take turns
+query by query (which mode goes first alternates), so both modes' runs of a query meet the
+same moment of a shared, noisy machine; the mode not running is stopped (SIGSTOP of its
+whole process tree: no JIT, GC or heartbeats of its own meanwhile). Warm times are the
+median of the warm rounds.
+Both modes must return the same rows for every query (a row-multiset fingerprint), or the
+run fails. The capped-disk case puts Spark's local dir
 and hybrid_ray's spill dir on one small tmpfs (root only): a wide repartition fails there
 with Spark's own shuffle and finishes through hybrid_ray with its remote tier (an S3 API
 over HTTP: ``--remote`` or a moto server started here).
@@ -27,6 +32,8 @@ import argparse
 import hashlib
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +50,9 @@ SPARK_CONFIGS = {
     "spark.sql.autoBroadcastJoinThreshold": "-1",   # every join shuffles both sides
     "spark.sql.adaptive.enabled": "true",
 }
+MODES = ("spark", "hybrid_ray")
+# Each mode's local Ray gets this much object store (two run side by side).
+OBJECT_STORE_BYTES = 3 << 30
 EPOCH_1992 = 8035  # days from 1970-01-01 to 1992-01-01
 
 
@@ -202,54 +212,95 @@ def fingerprint(rows: list[Any]) -> str:
 
 
 # ---- one mode, in its own process ---------------------------------------------------------
-def run_mode(mode: str, paths: dict[str, str], rounds: int, extra: dict[str, str],
-             shuffle_config: Any = None, queries: dict[str, str] | None = None) -> dict:
-    """Start Spark (``mode``: "hybrid_ray" or "spark"), run every query ``rounds`` times;
-    per query: seconds per round, row count and fingerprint (or the error)."""
+def start_mode(mode: str, paths: dict[str, str], extra: dict[str, str],
+               shuffle_config: Any = None) -> tuple[Any, float]:
+    """A local Ray and Spark (``mode``: "hybrid_ray" or "spark") with the tables as views;
+    returns the session and its start-up seconds."""
     import ray
 
     import spark_bridge
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             object_store_memory=OBJECT_STORE_BYTES)
     started = time.perf_counter()
     spark = spark_bridge.init_spark(f"sql-bench-{mode}", num_executors=2, executor_cores=1,
                                     executor_memory="2GB", configs={**SPARK_CONFIGS, **extra},
                                     shuffle_config=shuffle_config,
                                     hybrid_shuffle=(mode == "hybrid_ray"))
     spark.sparkContext.setLogLevel("ERROR")
-    out: dict[str, Any] = {"mode": mode, "startup_s": time.perf_counter() - started,
-                           "queries": {}}
+    startup = time.perf_counter() - started
+    for name, path in paths.items():
+        spark.read.parquet(path).createOrReplaceTempView(name)
+    return spark, startup
+
+
+def run_query(spark: Any, sql: str, entry: dict[str, Any]) -> bool:
+    """Run ``sql`` once, adding its seconds, row count and fingerprint to ``entry`` (or
+    its error); returns whether it ran."""
+    t = time.perf_counter()
     try:
-        for name, path in paths.items():
-            spark.read.parquet(path).createOrReplaceTempView(name)
+        rows = spark.sql(sql).collect()
+    except Exception as exc:  # noqa: BLE001 - recorded, compared, reported
+        text = str(exc)
+        entry["error"] = text.strip().splitlines()[0][:300] + (
+            " (No space left on device)" if "No space left on device" in text else "")
+        return False
+    entry.setdefault("seconds", []).append(time.perf_counter() - t)
+    entry["rows"], entry["fingerprint"] = len(rows), fingerprint(rows)
+    if len(rows) <= 30:  # small results kept whole, to diff a mismatch
+        entry["result"] = sorted(repr(tuple(_canonical(v) for v in r)) for r in rows)
+    return True
+
+
+def stop_mode(mode: str, out: dict[str, Any]) -> None:
+    """Stop Spark; hybrid_ray's bytes per tier and any stop error go into ``out``."""
+    import spark_bridge
+
+    try:
+        spark_bridge.stop_spark()
+    except Exception as exc:  # noqa: BLE001 - the measurements stand; say what failed
+        out["stop_error"] = str(exc).strip().splitlines()[0][:300]
+    if mode == "hybrid_ray":
+        out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
+
+
+def run_mode(mode: str, paths: dict[str, str], rounds: int, extra: dict[str, str],
+             shuffle_config: Any = None, queries: dict[str, str] | None = None) -> dict:
+    """Start Spark (``mode``), run every query ``rounds`` times in a row; per query:
+    seconds per round, row count and fingerprint (or the error)."""
+    spark, startup = start_mode(mode, paths, extra, shuffle_config)
+    out: dict[str, Any] = {"mode": mode, "startup_s": startup, "queries": {}}
+    try:
         for name, sql in (queries or QUERIES).items():
             entry: dict[str, Any] = {"seconds": []}
             for _ in range(rounds):
-                t = time.perf_counter()
-                try:
-                    rows = spark.sql(sql).collect()
-                except Exception as exc:  # noqa: BLE001 - recorded, compared, reported
-                    text = str(exc)
-                    entry["error"] = text.strip().splitlines()[0][:300] + (
-                        " (No space left on device)" if "No space left on device" in text
-                        else "")
+                if not run_query(spark, sql, entry):
                     break
-                entry["seconds"].append(time.perf_counter() - t)
-                entry["rows"], entry["fingerprint"] = len(rows), fingerprint(rows)
-                if len(rows) <= 30:  # small results kept whole, to diff a mismatch
-                    entry["result"] = sorted(repr(tuple(_canonical(v) for v in r))
-                                             for r in rows)
             out["queries"][name] = entry
-        if mode == "hybrid_ray":
-            out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
     finally:
-        try:
-            spark_bridge.stop_spark()
-        except Exception as exc:  # noqa: BLE001 - the measurements stand; say what failed
-            out["stop_error"] = str(exc).strip().splitlines()[0][:300]
-    if mode == "hybrid_ray":
-        out["tier_bytes"] = _tier_bytes(spark_bridge.spark_shuffle_reports())
+        stop_mode(mode, out)
     return out
+
+
+def serve_mode(mode: str, paths: dict[str, str], answers: Any) -> None:
+    """A mode's process for the interleaved run: start Spark, then run the query named by
+    each line on stdin, answering one JSON line each on ``answers``; "stop" ends it."""
+    def answer(value: dict[str, Any]) -> None:
+        answers.write(json.dumps(value) + "\n")
+        answers.flush()
+
+    spark, startup = start_mode(mode, paths, {})
+    answer({"startup_s": startup})
+    out: dict[str, Any] = {}
+    for line in sys.stdin:
+        name = line.strip()
+        if name == "stop":
+            break
+        entry: dict[str, Any] = {}
+        run_query(spark, QUERIES[name], entry)
+        answer(entry)
+    stop_mode(mode, out)
+    answer(out)
 
 
 def _tier_bytes(reports: list[Any]) -> dict[str, int]:
@@ -283,6 +334,10 @@ def run_capped(mode: str, paths: dict[str, str], disk: str, remote: str,
 
 def _child(args: argparse.Namespace) -> int:
     paths = json.loads(args.paths)
+    if args.serve:
+        with os.fdopen(args.answer_fd, "w") as answers:
+            serve_mode(args.child, paths, answers)
+        return 0
     if args.capped_disk:
         result = run_capped(args.child, paths, args.capped_disk, args.remote,
                             json.loads(args.storage_options or "{}"))
@@ -291,6 +346,111 @@ def _child(args: argparse.Namespace) -> int:
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
+
+
+class _ServedMode:
+    """The parent's handle on a ``serve_mode`` process: one query at a time, each answer
+    waited for at most ``timeout`` seconds."""
+
+    def __init__(self, mode: str, paths: dict[str, str], timeout: float) -> None:
+        self.mode, self.timeout = mode, timeout
+        read_fd, write_fd = os.pipe()
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.spark_sql", "--child", mode, "--serve",
+             "--answer-fd", str(write_fd), "--paths", json.dumps(paths)],
+            stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            pass_fds=(write_fd,))
+        os.close(write_fd)
+        self.answers = os.fdopen(read_fd)
+
+    def _answer(self) -> dict[str, Any]:
+        import select
+
+        ready, _, _ = select.select([self.answers], [], [], self.timeout)
+        line = self.answers.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            self.log.seek(0)
+            tail = self.log.read().decode(errors="replace").strip()[-1500:]
+            raise RuntimeError(f"{self.mode}: no answer within {self.timeout:.0f} s "
+                               f"(exit code {self.proc.poll()}): {tail}")
+        return json.loads(line)
+
+    def started(self) -> dict[str, Any]:
+        return self._answer()
+
+    def _signal_tree(self, signum: int) -> None:
+        from benchmarks.cpu_by_process import process_tree
+
+        for pid in process_tree(self.proc.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+
+    def pause(self) -> None:
+        """Stop the mode's whole process tree (its driver, local Ray and Spark JVMs), so
+        it uses no CPU (JIT, GC, heartbeats) while the other mode runs."""
+        self._signal_tree(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_tree(signal.SIGCONT)
+
+    def run(self, name: str) -> dict[str, Any]:
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def stop(self) -> dict[str, Any]:
+        self.resume()
+        try:
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.close()
+            return self._answer()
+        finally:
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.answers.close()
+            self.log.close()
+
+
+def run_interleaved(paths: dict[str, str], rounds: int, timeout: float) -> dict[str, dict]:
+    """Both modes side by side, taking turns query by query (the first to go alternates;
+    the other one paused); results per mode as ``run_mode`` gives them."""
+    served: dict[str, _ServedMode] = {}
+    results: dict[str, dict] = {}
+    try:
+        for mode in MODES:  # one at a time: start-ups are not measured against each other
+            served[mode] = _ServedMode(mode, paths, timeout)
+            results[mode] = {"mode": mode, "queries": {},
+                             "startup_s": served[mode].started()["startup_s"]}
+            served[mode].pause()
+        for r in range(rounds):
+            print(f"round {r + 1} of {rounds} ...", flush=True)
+            for i, name in enumerate(QUERIES):
+                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    entry = results[mode]["queries"].setdefault(name, {"seconds": []})
+                    if "error" in entry:
+                        continue
+                    served[mode].resume()
+                    try:
+                        answer = served[mode].run(name)
+                    finally:
+                        served[mode].pause()
+                    seconds = answer.pop("seconds", [])
+                    entry["seconds"] += seconds
+                    entry.update(answer)
+    finally:
+        for mode, handle in served.items():
+            try:
+                results[mode].update(handle.stop())
+            except (OSError, RuntimeError, ValueError) as exc:
+                results.setdefault(mode, {})["stop_error"] = str(exc)[:300]
+    return results
 
 
 def _spawn(mode: str, args: argparse.Namespace, paths: dict[str, str], **capped: str) -> dict:
@@ -313,8 +473,9 @@ def _spawn(mode: str, args: argparse.Namespace, paths: dict[str, str], **capped:
 
 # ---- report ---------------------------------------------------------------------------------
 def summarize(own: dict, ours: dict) -> dict[str, Any]:
-    """Per query: first-call and best warm seconds of both modes, speed-up (Spark's time /
-    hybrid_ray's), and whether the rows agree; totals; the issue's goals."""
+    """Per query: first-call and warm seconds (the median of the warm rounds) of both
+    modes, speed-up (Spark's time / hybrid_ray's), and whether the rows agree; totals; the
+    issue's goals."""
     rows, mismatches = [], []
     totals = {"spark_first": 0.0, "ours_first": 0.0, "spark_warm": 0.0, "ours_warm": 0.0}
     for name in QUERIES:
@@ -327,8 +488,8 @@ def summarize(own: dict, ours: dict) -> dict[str, Any]:
         if not same:
             mismatches.append(name)
         first_a, first_b = a["seconds"][0], b["seconds"][0]
-        warm_a = min(a["seconds"][1:] or a["seconds"])
-        warm_b = min(b["seconds"][1:] or b["seconds"])
+        warm_a = statistics.median(a["seconds"][1:] or a["seconds"])
+        warm_b = statistics.median(b["seconds"][1:] or b["seconds"])
         for key, value in (("spark_first", first_a), ("ours_first", first_b),
                            ("spark_warm", warm_a), ("ours_warm", warm_b)):
             totals[key] += value
@@ -354,7 +515,8 @@ def markdown(summary: dict, meta: dict, capped: dict | None) -> str:
     lines = ["# Spark SQL workload: hybrid_ray's shuffle manager vs Spark's own shuffle",
              "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: "
              f"{meta['cpus']} cores; scale {meta['scale']} ({meta['lineitems']:,} lineitems); "
-             f"{meta['rounds']} rounds per query (first call, then best warm).", "",
+             f"{meta['rounds']} rounds per query (the first call, then the median of the warm "
+             "rounds); both modes side by side, taking turns query by query.", "",
              "| query | rows | same rows | Spark first s | hybrid_ray first s | speed-up first "
              "| Spark warm s | hybrid_ray warm s | speed-up warm |",
              "|---|---:|:-:|---:|---:|---:|---:|---:|---:|"]
@@ -401,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the capped-disk contrast on a tmpfs of this size (root)")
     p.add_argument("--remote", default=None, help="remote tier URL for the capped run "
                    "(default: a moto S3 server started here)")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per mode")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="seconds a mode may take to start, or to run one query")
     p.add_argument("--out", default=RESULTS_DIR)
     # Internal: one mode in a child process.
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -409,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--capped-disk", default="", help=argparse.SUPPRESS)
     p.add_argument("--storage-options", default="", help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--answer-fd", type=int, default=-1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return _child(args)
@@ -418,13 +583,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generating TPC-H-like data at scale {args.scale} ...", flush=True)
         paths = generate(data_dir, args.scale, args.seed)
         lineitems = pq.ParquetFile(paths["lineitem"]).metadata.num_rows
-        results = {}
-        for mode in ("spark", "hybrid_ray"):
-            print(f"running {len(QUERIES)} queries x {args.rounds} with {mode} ...", flush=True)
-            results[mode] = _spawn(mode, args, paths)
-            if "error" in results[mode]:
-                print(f"{mode} failed: {results[mode]['error']}", file=sys.stderr)
-                return 1
+        print(f"running {len(QUERIES)} queries x {args.rounds}, Spark's shuffle and "
+              "hybrid_ray's taking turns ...", flush=True)
+        # A TERM (a timeout's kill) unwinds through run_interleaved's cleanup, which
+        # resumes and stops the paused modes instead of leaving them stopped for good.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            results = run_interleaved(paths, args.rounds, args.timeout)
+        except RuntimeError as exc:
+            print(f"failed: {exc}", file=sys.stderr)
+            return 1
         capped = _run_capped_contrast(args, paths) if args.capped_disk_mib else None
     summary = summarize(results["spark"], results["hybrid_ray"])
     meta = {"command": "python -m benchmarks.spark_sql " + " ".join(argv or sys.argv[1:]),
