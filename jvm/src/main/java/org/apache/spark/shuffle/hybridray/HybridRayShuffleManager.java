@@ -58,7 +58,39 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     this.isDriver = "driver".equals(conf.get("spark.executor.id", "driver"));
     if (isDriver) {
       driverManager = this;
+    } else {
+      warmUpExecutor();
     }
+  }
+
+  /**
+   * Executors: look up the shuffle master and this node's tier manager (starting it if
+   * needed) and make one cross-language call, in the background when the executor starts,
+   * so the first map task of the first query does not pay for the lookups, the first
+   * call's set-up and the loading of the writer's and reader's classes.
+   */
+  private void warmUpExecutor() {
+    Thread t = new Thread(() -> {
+      try {
+        if (!Ray.isInitialized()) {
+          return;
+        }
+        HybridRayContext ctx = ctx();
+        ctx.configNode();
+        ctx.tierManager(ctx.nodeId());
+        ctx.call(ctx.master(), "spark_tier_manager", ctx.nodeId());
+        for (Class<?> c : new Class<?>[] {HybridRayDirectWriter.class, RaySegmentSink.class,
+            MemoryLease.class, PartitionSegmenter.class, SegmentCodec.class,
+            MemoryPacking.class, HybridRayShuffleReader.class, LocalSegmentFiles.class}) {
+          Class.forName(c.getName(), true, c.getClassLoader());
+        }
+      } catch (Exception | LinkageError e) {
+        // Only a head start: the first task looks everything up itself (and reports).
+        LOG.debug("hybrid_ray executor warm-up failed: {}", e.toString());
+      }
+    }, "hybrid-ray-warm-up");
+    t.setDaemon(true);
+    t.start();
   }
 
   /**
