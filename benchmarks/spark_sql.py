@@ -370,7 +370,7 @@ class _ServedMode:
         ready, _, _ = select.select([self.answers], [], [], self.timeout)
         line = self.answers.readline() if ready else ""
         if not line:
-            self.proc.kill()
+            self.kill()
             self.log.seek(0)
             tail = self.log.read().decode(errors="replace").strip()[-1500:]
             raise RuntimeError(f"{self.mode}: no answer within {self.timeout:.0f} s "
@@ -389,9 +389,19 @@ class _ServedMode:
             except ProcessLookupError:  # ended meanwhile
                 pass
 
+    def kill(self) -> None:
+        """Kill the mode's whole process tree (its local Ray and JVMs too: killed alone,
+        the driver's children would be re-parented out of reach), paused or not."""
+        import signal
+
+        self._signal_tree(signal.SIGCONT)
+        self._signal_tree(signal.SIGKILL)
+
     def pause(self) -> None:
         """Stop the mode's whole process tree (its driver, local Ray and Spark JVMs), so
-        it uses no CPU (JIT, GC, heartbeats) while the other mode runs."""
+        it uses no CPU (JIT, GC, heartbeats) while the other mode runs. A pause lasts one
+        query of the other mode: far below Spark's executor heartbeat timeout
+        (``spark.network.timeout``, 120 s), which a longer one could trip on resume."""
         self._signal_tree(signal.SIGSTOP)
 
     def resume(self) -> None:
@@ -412,7 +422,7 @@ class _ServedMode:
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self.kill()
             self.answers.close()
             self.log.close()
 
@@ -446,10 +456,11 @@ def run_interleaved(paths: dict[str, str], rounds: int, timeout: float) -> dict[
                     entry.update(answer)
     finally:
         for mode, handle in served.items():
+            entry = results.setdefault(mode, {"mode": mode, "queries": {}})
             try:
-                results[mode].update(handle.stop())
+                entry.update(handle.stop())
             except (OSError, RuntimeError, ValueError) as exc:
-                results.setdefault(mode, {})["stop_error"] = str(exc)[:300]
+                entry["stop_error"] = str(exc)[:300]
     return results
 
 

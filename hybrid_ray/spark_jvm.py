@@ -220,12 +220,13 @@ def awaited(registry: ShuffleRegistry, request: Mapping[str, Any],
             answer: Mapping[str, Any]) -> bool:
     """Whether a per-block ``locate`` answer lacks a block whose attempt's last commit has
     not arrived yet (a JVM map task sends it without waiting), so the reader's ask may
-    wait for it. A block of an attempt that finished and was lost since is not waited
-    for: its reader raises FetchFailedException at once."""
+    wait for it. Not when some block's attempt finished and was lost since: its reader
+    raises FetchFailedException at once, whatever else is still to come."""
     state = registry.state(request["shuffle"])
-    return any(segments is None and int(map_id) not in state.spark_finished
-               for (map_id, _), segments in zip(request.get("blocks", ()),
-                                                answer.get("blocks", ())))
+    missing = [int(map_id) for (map_id, _), segments
+               in zip(request.get("blocks", ()), answer.get("blocks", ()))
+               if segments is None]
+    return bool(missing) and not any(m in state.spark_finished for m in missing)
 
 
 def matching(registry: ShuffleRegistry, request: Mapping[str, Any]) -> list[str]:
@@ -332,13 +333,13 @@ def lease(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) 
     ``{"lease": None}`` when the memory tier cannot take it all (the task then reserves
     per batch, as without a lease). The writer splits the lease into its segments'
     grants and settles the rest as an unused grant (``settle``)."""
-    shuffle_id = request["shuffle"]
-    if shuffle_id not in tm.shuffle_ids():
-        tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
     nbytes = request.get("bytes")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool):
         raise ConfigError(f"a memory lease request needs 'bytes' as an integer, got "
                           f"{nbytes!r}")
+    shuffle_id = request["shuffle"]
+    if shuffle_id not in tm.shuffle_ids():
+        tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
     grant = tm.lease_memory(shuffle_id, nbytes)
     return {"lease": None if grant is None else {"granted": grant.nbytes,
                                                  "target": grant.target}}

@@ -145,3 +145,24 @@ def test_a_jvm_memory_lease_is_split_by_the_writer_and_its_rest_settled(tmp_path
     other = SHUFFLE + "-disk-only"
     request = {"shuffle": other, "bytes": 10, "config": {"session": "tok"}}
     assert lease(tm, request, {"tok": no_memory}.get) == {"lease": None}
+
+
+def test_a_reader_waits_only_for_last_commits_still_to_come() -> None:
+    """``awaited``: a block missing because its attempt's last commit has not arrived is
+    worth waiting for; one whose attempt finished and was lost since is not, and then the
+    reader must not wait for anything else either (it fails the fetch at once)."""
+    from hybrid_ray.spark_jvm import awaited
+
+    registry = _registry()
+    _commit(registry, 0, 100, [_seg(0, 0, "a")])
+    _commit(registry, 1, 101, [_seg(0, 0, "b")])
+    abort(registry, {"shuffle": SHUFFLE, "map_id": 101})  # finished, then lost
+
+    def ask(*map_ids: int) -> bool:
+        request = {"shuffle": SHUFFLE, "blocks": [[m, 0] for m in map_ids]}
+        return awaited(registry, request, locate(registry, request))
+
+    assert ask(100) is False          # all there
+    assert ask(100, 102) is True      # 102's last commit may still come
+    assert ask(101) is False          # lost: no wait
+    assert ask(101, 102) is False     # lost among them: the fetch fails anyway

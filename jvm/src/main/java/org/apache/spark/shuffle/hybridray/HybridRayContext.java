@@ -8,13 +8,17 @@ import io.ray.api.Ray;
 import io.ray.api.function.PyActorMethod;
 import java.io.IOException;
 import java.util.ArrayList;
+import java.util.Collections;
+import java.util.IdentityHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Optional;
+import java.util.Set;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.ConcurrentLinkedQueue;
-import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
+import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.TimeUnit;
 import java.util.concurrent.RejectedExecutionException;
 import org.apache.spark.SparkConf;
 import org.slf4j.Logger;
@@ -48,6 +52,8 @@ public final class HybridRayContext {
   private static final Logger LOG = LoggerFactory.getLogger(HybridRayContext.class);
   /** Sent commits kept to be checked (the oldest unanswered beyond this are not). */
   static final int MAX_SENT_COMMITS = 10_000;
+  /** How often the sender looks at the answers of the commits it sent. */
+  static final long SENT_COMMITS_CHECK_MS = 1000;
 
   private static HybridRayContext instance;
 
@@ -84,11 +90,13 @@ public final class HybridRayContext {
   // checks the sent commits' answers, off the task's thread: profiled on a small SQL
   // exchange, a cross-language submission took 0.6-3 ms and a Ray.wait up to 2.7 ms of a
   // map task's write. One thread: submissions leave in the order the tasks made them.
-  private final ExecutorService sender = Executors.newSingleThreadExecutor(runnable -> {
-    Thread thread = new Thread(runnable, "hybrid-ray-sender");
-    thread.setDaemon(true);
-    return thread;
-  });
+  // Every second it also looks at the answers of the commits it sent.
+  private final ScheduledExecutorService sender =
+      Executors.newSingleThreadScheduledExecutor(runnable -> {
+        Thread thread = new Thread(runnable, "hybrid-ray-sender");
+        thread.setDaemon(true);
+        return thread;
+      });
   // Last commits of map attempts, sent without waiting: a failed one is logged when
   // seen (its readers find the attempt missing and Spark recomputes it).
   private final ConcurrentLinkedQueue<SentCall> sentCommits = new ConcurrentLinkedQueue<>();
@@ -106,6 +114,13 @@ public final class HybridRayContext {
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.commitWaitMs = conf.getTimeAsMs(CONF_COMMIT_WAIT_MS, "30s");
     this.appKey = appKey(conf.getAppId());
+    sender.scheduleWithFixedDelay(() -> {
+      try {
+        reportSentCommits();
+      } catch (RuntimeException e) {  // (thrown, it would end the schedule)
+        LOG.debug("hybrid_ray: checking sent commits failed: {}", e.toString());
+      }
+    }, SENT_COMMITS_CHECK_MS, SENT_COMMITS_CHECK_MS, TimeUnit.MILLISECONDS);
   }
 
   /** This JVM's context (created from its SparkConf on first use). */
@@ -239,10 +254,8 @@ public final class HybridRayContext {
   /** Send a map attempt's last commit without waiting (from {@link #sender}); its failure
    *  is logged when seen ({@link #reportSentCommits}). */
   void commitLater(PyActorHandle master, String request, String what) {
-    send(() -> {
-      sentCommits.add(new SentCall(callLater(master, "spark_commit", request), what));
-      reportSentCommits();
-    }, what);
+    send(() -> sentCommits.add(
+        new SentCall(callLater(master, "spark_commit", request), what)), what);
   }
 
   /** Run {@code submission} on {@link #sender}; a failure is logged as about {@code what}. */
@@ -266,12 +279,22 @@ public final class HybridRayContext {
    * FetchFailedException, and Spark runs the map again.
    */
   private void reportSentCommits() {
-    for (int checked = sentCommits.size(); checked > 0; checked--) {
-      SentCall sent = sentCommits.poll();
-      if (sent == null) {
-        return;
-      }
-      if (Ray.wait(List.of(sent.answer()), 1, 0).getReady().isEmpty()) {
+    List<SentCall> pending = new ArrayList<>();
+    for (SentCall sent = sentCommits.poll(); sent != null; sent = sentCommits.poll()) {
+      pending.add(sent);
+    }
+    if (pending.isEmpty()) {
+      return;
+    }
+    List<ObjectRef<String>> answers = new ArrayList<>(pending.size());
+    for (SentCall sent : pending) {
+      answers.add(sent.answer());
+    }
+    // One look at all of them (Ray.wait hands back the refs it was given).
+    Set<ObjectRef<String>> ready = Collections.newSetFromMap(new IdentityHashMap<>());
+    ready.addAll(Ray.wait(answers, answers.size(), 0).getReady());
+    for (SentCall sent : pending) {
+      if (!ready.contains(sent.answer())) {
         if (sentCommits.size() < MAX_SENT_COMMITS) {
           sentCommits.add(sent);  // not answered yet: look again later
         }

@@ -213,9 +213,10 @@ final class RaySegmentSink implements SegmentSink {
     commit.put("final", last);
     commit.set("segments", stored);
     if (last) {
-      // Not waited for: the task's MapStatus reaches a reader long after this commit
-      // reaches the master (which holds a reader asking too early until it is in:
-      // spark_await_blocks); one that fails is logged and leaves the attempt missing, so
+      // Not waited for: the task's MapStatus usually reaches a reader long after this
+      // commit reaches the master, which holds a reader asking earlier until it is in
+      // (spark_await_blocks, up to commitWaitMs); one that fails is logged and leaves
+      // the attempt missing, so
       // its readers raise FetchFailedException and Spark recomputes it. Earlier commits
       // of a map are waited for: the master is threaded, and the last must come last.
       ctx.commitLater(ctx.master(), ctx.toJson(commit),
@@ -321,7 +322,10 @@ final class RaySegmentSink implements SegmentSink {
         ObjectNode request = ctx.json.createObjectNode();
         request.put("shuffle", shuffleKey);
         request.put("map_id", mapId);
-        ctx.call(ctx.master(), "spark_abort", ctx.toJson(request));
+        // From the sender, after this attempt's last commit if that is still queued
+        // there (sent directly, the abort could pass it, leaving a finished attempt
+        // nobody reads holding its data until the shuffle's release).
+        ctx.callAsync(ctx.master(), "spark_abort", ctx.toJson(request));
       }
     } catch (IOException | RuntimeException ignored) {
       // Best effort: a failed attempt's data goes with its shuffle's release at the latest.
