@@ -302,6 +302,16 @@ def settle(tm: TierManager, shuffle_id: str, settlements: Any) -> None:
         tm.settle(check_id("shuffle", shuffle_id), settled)
 
 
+def _registered_here(tm: TierManager, request: Mapping[str, Any],
+                     sessions: SessionLookup) -> str:
+    """The request's shuffle id, registered on ``tm`` with the request's config first if
+    this is the node's first JVM call for it."""
+    shuffle_id = request["shuffle"]
+    if shuffle_id not in tm.shuffle_ids():
+        tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
+    return shuffle_id
+
+
 def reserve(tm: TierManager, request: Mapping[str, Any],
             sessions: SessionLookup) -> dict[str, Any]:
     """Room for a batch of segments (``sizes``), after settling earlier grants
@@ -310,9 +320,7 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
     ``settle_if_written``: whether the grant must be settled even when written in full
     (``Tier.settle_changes_books``; a grant not used always is). ``remote`` says whether
     the shuffle has a remote tier for those (``write_remote``)."""
-    shuffle_id = request["shuffle"]
-    if shuffle_id not in tm.shuffle_ids():
-        tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
+    shuffle_id = _registered_here(tm, request, sessions)
     settle(tm, shuffle_id, request.get("settle"))
     out = []
     for placement in tm.reserve(shuffle_id, [int(n) for n in request["sizes"]]):
@@ -337,9 +345,7 @@ def lease(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) 
     if not isinstance(nbytes, int) or isinstance(nbytes, bool):
         raise ConfigError(f"a memory lease request needs 'bytes' as an integer, got "
                           f"{nbytes!r}")
-    shuffle_id = request["shuffle"]
-    if shuffle_id not in tm.shuffle_ids():
-        tm.register_shuffle(shuffle_id, resolve_config(request.get("config"), sessions))
+    shuffle_id = _registered_here(tm, request, sessions)
     grant = tm.lease_memory(shuffle_id, nbytes)
     return {"lease": None if grant is None else {"granted": grant.nbytes,
                                                  "target": grant.target}}

@@ -221,11 +221,7 @@ public final class HybridRayContext {
 
   /** The answer of a call started with {@link #callLater}; errors become IOException. */
   String await(ObjectRef<String> pending, String method) throws IOException {
-    try {
-      return pending.get(callTimeoutMs);
-    } catch (RuntimeException e) {
-      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
-    }
+    return awaitWithin(pending, method, callTimeoutMs);
   }
 
   /** Like {@link #await}, waiting at most {@code waitMs} (and never past the call bound). */
