@@ -21,7 +21,6 @@ import os
 import posixpath
 import re
 import shutil
-import stat
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -30,14 +29,12 @@ from typing import Any
 import fsspec
 
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
-from hybrid_ray.tiers.disk import DATA_DIR_NAME
+from hybrid_ray.tiers.disk import DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker
 
 # Names of job and shuffle directories cleanup may remove: hybrid_ray's ids (``shf-...``,
 # ``spk-...``, ``job-...``) and any id of the same plain character set. No dots, so never
 # ``.`` or ``..``, no separators, bounded length.
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
-# Marker files larger than this are not ours (a marker is ~150 bytes): not read further.
-MAX_MARKER_BYTES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,18 +109,6 @@ def _newest_mtime(path: str) -> float:
     return newest
 
 
-def _read_local_marker(shuffle_dir: str) -> dict[str, Any] | None:
-    marker = os.path.join(shuffle_dir, SHUFFLE_MARKER_NAME)
-    try:
-        st = os.lstat(marker)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARKER_BYTES:
-            return None
-        with open(marker, "rb") as f:
-            return parse_shuffle_marker(f.read())
-    except OSError:
-        return None
-
-
 def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> Plan:
     """Marked shuffle directories under ``<spill dir>/hybrid_ray`` of every spill dir
     (``{node_id}`` patterns expanded)."""
@@ -141,7 +126,7 @@ def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> P
         for entry in entries:
             if not _is_id(entry.name) or not entry.is_dir(follow_symlinks=False):
                 continue
-            marker = _read_local_marker(entry.path)
+            marker = read_shuffle_marker(entry.path)
             if marker is None or marker["shuffle_id"] != entry.name:
                 continue
             path = os.path.join(root, entry.name)

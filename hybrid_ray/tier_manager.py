@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,9 @@ from hybrid_ray.errors import ConfigError, ShuffleNotFoundError, UnsafePathError
 from hybrid_ray.ids import check_id, is_inside
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
-from hybrid_ray.tiers.disk import read_segment_file, require_segment_file, unlink_quietly
+from hybrid_ray.tiers.disk import (
+    read_segment_file, read_shuffle_marker, require_segment_file, unlink_quietly,
+)
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
 # Released shuffle ids a tier manager remembers (see TierManager.register_shuffle).
@@ -237,15 +240,23 @@ class TierManager:
     # ---- deletion ----------------------------------------------------------------------------
     def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
         """Delete segments stored on this node (abandoned attempts, consumed data). Data is
-        deleted even if the shuffle was already released here (a late writer's files)."""
+        deleted even if the shuffle was already released here (a late writer's files).
+        A disk segment whose file this node may not delete (``_deletable_segment_file``)
+        is left alone and, once the others are gone, raises ``UnsafePathError``."""
         registered = shuffle_id in self._shuffles
         freed = self._freed.setdefault(shuffle_id, set()) if registered else set()
+        refused = []
         for meta in metas:
             if meta.tier == TierName.REMOTE or meta.id in freed:
                 continue
-            freed.add(meta.id)
             if meta.tier == TierName.DISK:
-                unlink_quietly(require_segment_file(meta.location, "delete"))
+                try:
+                    location = self._deletable_segment_file(shuffle_id, meta)
+                except UnsafePathError as exc:
+                    refused.append(str(exc))
+                    continue
+                unlink_quietly(location)
+            freed.add(meta.id)
             if registered:
                 tier = self._tier(shuffle_id, meta.tier)
                 tier.delete(meta)
@@ -255,6 +266,38 @@ class TierManager:
             # shuffle's directories (and marker) again: they go with its files.
             for disk in self._disks.values():
                 disk.remove_shuffle_data(shuffle_id)
+        if refused:
+            raise UnsafePathError(f"refused to delete {len(refused)} of the {len(metas)} "
+                                  f"segments of shuffle {shuffle_id} given to node "
+                                  f"{self.node_id} (the others are gone): {refused[0]}")
+
+    def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta) -> str:
+        """The file of disk segment ``meta`` if this node may delete it for ``shuffle_id``,
+        else ``UnsafePathError``. A location comes from another process (the master's books,
+        a JVM's commit), so it must be a segment file of that very shuffle (segment id and
+        path both name it) and lie inside the data dir of one of this node's disk tiers, or,
+        for a data dir this tier manager does not know (it was started again since), in a
+        directory that carries hybrid_ray's marker for that shuffle, with no symlink on the
+        way. Never a file hybrid_ray did not write."""
+        location = require_segment_file(meta.location, "delete")
+        shuffle_directory = os.path.dirname(os.path.dirname(location))
+        if meta.id.shuffle_id != shuffle_id or os.path.basename(shuffle_directory) != shuffle_id:
+            raise UnsafePathError(
+                f"refusing to delete {location!r} for shuffle {shuffle_id}: the segment "
+                f"({meta.id}) or its path names another shuffle. This is a bug in the "
+                "caller; please report it")
+        roots = {d for disk in self._disks.values() for d in disk.data_dirs()}
+        if any(is_inside(root, location) for root in roots):
+            return location
+        marker = read_shuffle_marker(shuffle_directory)
+        if os.path.realpath(location) == location and marker is not None \
+                and marker.get("shuffle_id") == shuffle_id:
+            return location
+        raise UnsafePathError(
+            f"refusing to delete {location!r}: it is neither inside the data dir of a spill "
+            f"dir this node's disk tier uses ({', '.join(sorted(roots)) or 'none yet'}) nor in "
+            f"a shuffle directory marked as hybrid_ray's for shuffle {shuffle_id}. If it is "
+            "a leftover of ours, `hybrid-ray cleanup` removes it")
 
     def release_shuffle(self, shuffle_id: str) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node."""

@@ -143,3 +143,54 @@ def test_files_a_killed_late_writer_left_go_with_the_next_sweep(tmp_path, monkey
     clock = [tier_manager.time.monotonic() + tier_manager.LATE_FILES_WINDOW_S + 1]
     monkeypatch.setattr(tier_manager.time, "monotonic", lambda: clock[0])
     assert tm.remove_late_files() == []
+
+
+def test_a_delete_never_reaches_a_file_outside_the_shuffle_s_own_directories(tmp_path):
+    """A segment location comes from another process (the master's books, a JVM commit).
+    One shaped like ours but elsewhere on the node, or one of another shuffle, is refused
+    and its file stays; the shuffle's own segments in the same call are deleted."""
+    from hybrid_ray.errors import UnsafePathError
+    from hybrid_ray.tiers.disk import DiskTier
+
+    spill = tmp_path / "spill"
+    tm = TierManager("n1", object_store_bytes=1000)
+    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(spill)])
+    grants = [p.grant for p in tm.reserve("s", [100, 100], register=cfg)]
+    tm.reserve("t", [100], register=cfg)
+    writer = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
+    own = writer.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100, grants[0])
+    other_shuffle = writer.write(SegmentId("t", 0, 0, 0, 0), b"y" * 100, grants[1])
+    # Shaped like a segment file of "s", but not in any spill dir of this node.
+    stranger = tmp_path / "user" / "hybrid_ray" / "s" / "sub-00000" / "m000000-a000-s000001.seg"
+    stranger.parent.mkdir(parents=True)
+    stranger.write_bytes(b"a user's file")
+    metas = [own,
+             SegmentMeta(SegmentId("s", 0, 0, 1, 0), TierName.DISK, 100, 1, "n1", str(stranger)),
+             SegmentMeta(SegmentId("s", 0, 1, 0, 0), TierName.DISK, 100, 1, "n1",
+                         other_shuffle.location)]
+    with pytest.raises(UnsafePathError, match="refused to delete 2 of the 3 segments"):
+        tm.free_segments("s", metas)
+    assert not os.path.exists(own.location)
+    assert stranger.read_bytes() == b"a user's file"
+    assert os.path.exists(other_shuffle.location)
+
+
+def test_a_restarted_tier_manager_deletes_only_files_in_marked_shuffle_directories(tmp_path):
+    """A tier manager started again knows no spill dir yet: it deletes a segment whose
+    shuffle directory carries hybrid_ray's marker for that shuffle, nothing else."""
+    from hybrid_ray.errors import UnsafePathError
+    from hybrid_ray.tiers.disk import DiskTier
+
+    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(tmp_path / "spill")])
+    writer = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
+    meta = writer.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100)
+    unmarked = tmp_path / "elsewhere" / "hybrid_ray" / "s" / "sub-00000" / meta.id.file_name
+    unmarked.parent.mkdir(parents=True)
+    unmarked.write_bytes(b"not ours")
+    restarted = TierManager("n1", object_store_bytes=1000)
+    restarted.free_segments("s", [meta])
+    assert not os.path.exists(meta.location)
+    with pytest.raises(UnsafePathError, match="neither inside the data dir"):
+        restarted.free_segments("s", [SegmentMeta(meta.id, TierName.DISK, 100, 1, "n1",
+                                                  str(unmarked))])
+    assert unmarked.read_bytes() == b"not ours"

@@ -23,6 +23,7 @@ import re
 import shutil
 import stat
 from collections.abc import Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -32,11 +33,15 @@ from hybrid_ray.errors import (
 )
 from hybrid_ray.ids import check_id, require_inside
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
-from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
+from hybrid_ray.tiers.base import (
+    SHUFFLE_MARKER_NAME, Grant, Tier, parse_shuffle_marker, shuffle_marker,
+)
 
 # All of hybrid_ray's files live under this subdirectory of a spill dir, so cleanup never
 # touches anything else a user keeps there.
 DATA_DIR_NAME = "hybrid_ray"
+# A shuffle marker is a small JSON document; anything larger by that name is not ours.
+MAX_MARKER_BYTES = 4096
 # The shape of every segment file's path: .../hybrid_ray/<shuffle id>/sub-<n>/<file>.
 # Deleting or serving a file by a location received from another process requires it.
 _SEGMENT_FILE = re.compile(
@@ -346,6 +351,20 @@ def write_shuffle_marker(directory: str, shuffle_id: str) -> None:
     marker = os.path.join(directory, SHUFFLE_MARKER_NAME)
     if not os.path.exists(marker):
         write_private_file(marker, shuffle_marker(shuffle_id))
+
+
+def read_shuffle_marker(directory: str) -> dict[str, Any] | None:
+    """The parsed marker of a local shuffle directory (``write_shuffle_marker``); None if
+    it has none, or something else by that name (a symlink, a large file, garbage)."""
+    marker = os.path.join(directory, SHUFFLE_MARKER_NAME)
+    try:
+        st = os.lstat(marker)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARKER_BYTES:
+            return None
+        with open(marker, "rb") as f:
+            return parse_shuffle_marker(f.read())
+    except OSError:
+        return None
 
 
 def make_private_dir(path: str) -> None:
