@@ -572,6 +572,13 @@ class ShuffleMasterActor:
         get_tier_manager(node_id, self.namespace)
         return "ok"
 
+    def spark_register(self, request: str) -> str:
+        """A Spark shuffle the driver registered (``spark_jvm.register``)."""
+        with self._changing():
+            spark_jvm.register(self.registry, json.loads(request), self._spark_sessions.get)
+        self._queued()
+        return "ok"
+
     def spark_commit(self, request: str) -> str:
         # Wakes readers waiting for this attempt (``spark_await_blocks``): a map task sends
         # its last commit without waiting for it.
@@ -635,9 +642,10 @@ class ShuffleMasterActor:
             if parsed.get("close_session"):
                 self._spark_sessions.close(str(parsed["close_session"]))
             for shuffle_id in ids:
-                done = spark_jvm.summary(self.registry, shuffle_id)
-                done["released"] = True
-                self._spark_history.append(done)
+                if spark_jvm.has_started(self.registry, shuffle_id):
+                    done = spark_jvm.summary(self.registry, shuffle_id)
+                    done["released"] = True
+                    self._spark_history.append(done)
                 self.registry.release(shuffle_id)
         self._run_deletions()
         return json.dumps({"released": ids})
@@ -655,7 +663,7 @@ class ShuffleMasterActor:
         with self._lock:
             out = [s for s in self._spark_history if s["shuffle_id"].startswith(prefix)]
             out += [spark_jvm.summary(self.registry, s) for s in self.registry.shuffle_ids()
-                    if s.startswith(prefix)]
+                    if s.startswith(prefix) and spark_jvm.has_started(self.registry, s)]
         return out
 
     def status(self) -> dict[str, Any]:

@@ -74,6 +74,10 @@ class ShuffleState:
     # Spark map attempts whose last commit arrived (even if their output was lost since):
     # a reader waits only for the others (``spark_jvm.awaited``).
     spark_finished: set[int] = dataclasses.field(default_factory=set)
+    # Spark map attempts aborted after committing: a commit of theirs arriving later (the
+    # master is threaded, so a last commit and the abort sent after it can run in either
+    # order) is deleted instead of published (``spark_jvm.commit``).
+    spark_aborted: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def all_maps_finished(self) -> bool:

@@ -123,6 +123,23 @@ def _ensure_registered(registry: ShuffleRegistry, request: Mapping[str, Any],
     return registry.state(shuffle_id)
 
 
+def register(registry: ShuffleRegistry, request: Mapping[str, Any],
+             sessions: SessionLookup) -> None:
+    """Register a Spark shuffle when the driver's shuffle manager registers it, before any
+    of its map tasks runs (``{shuffle, num_partitions, config}``; registering again is a
+    no-op). A task's first call (its memory lease) registers the shuffle on its node's tier
+    manager, and a tier manager releases a shuffle the master does not know for two sweeps
+    (``actors.ORPHAN_SWEEP_GRACE``): registered only at its first commit, a shuffle whose
+    map tasks ran longer than a minute before committing was released under them."""
+    registry.heartbeat(_ensure_registered(registry, request, sessions).shuffle_id)
+
+
+def has_started(registry: ShuffleRegistry, shuffle_id: str) -> bool:
+    """Whether a map task of the Spark shuffle committed (a shuffle is registered when
+    Spark plans it; one whose stage never ran, e.g. reused under AQE, has no report)."""
+    return bool(registry.state(shuffle_id).maps)
+
+
 def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
            sessions: SessionLookup) -> None:
     """Publish a batch of a map attempt's segments; ``final`` marks its output complete.
@@ -134,24 +151,32 @@ def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     entry = state.spark_attempts.get(map_id)
     if entry is None:
         attempt = registry.begin_map(shuffle_id, map_index, node, 0)
-        entry = state.spark_attempts[map_id] = (map_index, attempt)
+        entry = (map_index, attempt)
+        if map_id not in state.spark_aborted:
+            state.spark_attempts[map_id] = entry
     map_index, attempt = entry
     metas = [SegmentMeta(SegmentId(shuffle_id, map_index, int(sub), int(index), attempt,
                                    state.config.job_id),
                          TierName(tier), int(nbytes), 0, node_id=node, location=location)
              for sub, index, tier, nbytes, location in request["segments"]]
     registry.commit(shuffle_id, map_index, attempt, metas)
+    if map_id in state.spark_aborted:
+        # Its abort ran first: these segments go the way the abort sent the rest.
+        registry.drop_attempt(shuffle_id, map_index, attempt)
+        return
     if request.get("final"):
         registry.finish_map(shuffle_id, map_index, attempt, None)
         state.spark_finished.add(map_id)
 
 
 def abort(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
-    """A map attempt failed after committing some segments: delete them."""
+    """A map attempt failed after committing some segments: delete them, and any commit of
+    it that arrives later (``ShuffleState.spark_aborted``)."""
     shuffle_id = request["shuffle"]
     if shuffle_id not in registry.shuffle_ids():
         return
     state = registry.state(shuffle_id)
+    state.spark_aborted.add(int(request["map_id"]))
     entry = state.spark_attempts.pop(int(request["map_id"]), None)
     if entry is not None:
         registry.drop_attempt(shuffle_id, *entry)

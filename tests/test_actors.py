@@ -423,3 +423,70 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
     assert lost == {"blocks": [None], "awaited": False}
     assert time.monotonic() - start < MAX_POLL_WAIT_S  # not held for its bound
     ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))
+
+
+def test_a_spark_shuffle_its_driver_registered_outlives_the_tier_manager_s_sweeps(ray_local,
+                                                                                  tmp_path):
+    """The JVM driver registers a shuffle with the master when Spark plans it. A map task's
+    memory lease registers it on its node's tier manager at once, and a tier manager
+    releases a shuffle its master does not know for two sweeps: registered only at its
+    first commit, a shuffle whose tasks computed for a minute before committing was
+    released under them (their next reservation failed, their files went)."""
+    import json
+
+    namespace = f"spkreg-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace)
+    master = get_master(namespace)
+    tm = get_tier_manager(ray.get_runtime_context().get_node_id(), namespace)
+    ray.get(master.spark_open_session.remote("tok", cfg))
+    config = {"session": "tok"}
+
+    def lease(shuffle):
+        return json.loads(ray.get(tm.spark_lease.remote(json.dumps(
+            {"shuffle": shuffle, "bytes": 1000, "config": config}))))["lease"]
+
+    planned = json.dumps({"shuffle": "spk-app-reg-1", "num_partitions": 4, "config": config})
+    ray.get(master.spark_register.remote(planned))
+    ray.get(master.spark_register.remote(planned))  # again: a no-op
+    assert lease("spk-app-reg-1")["granted"] == 1000
+    assert lease("spk-app-reg-2")["granted"] == 1000  # one the master never heard of
+    assert ray.get(tm.sweep_orphans.remote()) == []
+    assert ray.get(tm.sweep_orphans.remote()) == ["spk-app-reg-2"]
+    assert ray.get(tm.usage.remote()).shuffles == ("spk-app-reg-1",)
+    # Planned but with no map output yet: no report (a stage AQE never ran has none).
+    assert ray.get(master.spark_reports.remote("spk-app-reg")) == []
+    ray.get(master.spark_release.remote(json.dumps({"prefix": "spk-app-reg"})))
+    assert ray.get(master.spark_reports.remote("spk-app-reg")) == []
+
+
+def test_a_jvm_last_commit_arriving_after_its_attempt_s_abort_is_dropped_not_published(
+        ray_local):
+    """A JVM task's sender submits its last commit and then its abort without waiting, and
+    the master runs calls on several threads: the abort can run first. The late commit's
+    segments must then be deleted, not published as a finished attempt holding its data
+    until the shuffle's release."""
+    import json
+
+    namespace = f"jvmlate-{uuid.uuid4().hex[:6]}"
+    master = get_master(namespace)
+    shuffle = "spark-app-late-0"
+
+    def commit(map_index: int, map_id: int) -> None:
+        ray.get(master.spark_commit.remote(json.dumps({
+            "shuffle": shuffle, "num_partitions": 2, "map_index": map_index,
+            "map_id": map_id, "node": "n1", "final": True,
+            "segments": [[0, 0, "memory", 10, f"ref{map_id}"]]})))
+
+    commit(1, 299)  # another map: the shuffle is known
+    ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 300})))
+    commit(0, 300)  # the aborted attempt's last commit, late
+    commit(0, 301)  # Spark's retry of the same map
+    [report] = ray.get(master.spark_reports.remote(shuffle))
+    assert report["num_maps"] == 2 and report["superseded_attempts"] == 1
+    assert [pair[1] for tiers in report["per_node_tier"].values()
+            for pair in tiers.values()] == [2]  # maps 1 and 0 (the retry's) only
+    answer = json.loads(ray.get(master.spark_await_blocks.remote(json.dumps(
+        {"shuffle": shuffle, "wait_s": 0.0, "blocks": [[300, 0], [301, 0]]}))))
+    assert answer["blocks"] == [None, [["memory", 10, "n1", "ref301"]]]
+    ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))

@@ -118,6 +118,7 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
             out["plans"] = spark.sparkContext.getConf().get("spark.shuffle.manager")
             out["lost"] = _lost_segment_recovers(spark, config)
             out["unregistered"] = _unregistered_shuffles_are_released(spark, config)
+            out["known_early"] = _shuffle_known_before_its_maps_commit(spark, config)
             out["barrier"] = _barrier_stage_falls_back(spark)  # needs both executors
             out["killed"] = _killed_executor_recovers(spark)
             out["reports_live"] = spark_bridge.spark_shuffle_reports()
@@ -208,6 +209,32 @@ def _unregistered_shuffles_are_released(spark, config):
     live_after = _live_spark_shuffles(config)
     files = [f for d in config.spill_dirs for f in files_under(d) if "/spark-" in f]
     return {"before": live_before, "after": live_after, "files": files}
+
+
+def _shuffle_known_before_its_maps_commit(spark, config):
+    """While a stage's map tasks still compute (nothing committed), the master already
+    holds their shuffle: the driver's shuffle manager registered it when Spark planned it.
+    Registered only at its first commit, a shuffle whose tasks computed for longer than two
+    tier-manager sweeps was released on their nodes under them."""
+    import threading
+    import time
+
+    before = set(_live_spark_shuffles(config))
+    pairs = spark.sparkContext.parallelize(range(2), 2).map(
+        lambda x: (time.sleep(8), (x, x))[1])
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(
+        rows=sorted(pairs.groupByKey().mapValues(len).collect())))
+    job.start()
+    seen, reported = [], None
+    deadline = time.monotonic() + 6  # the map tasks sleep 8 s before writing anything
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen = sorted(set(_live_spark_shuffles(config)) - before)
+        reported = {r.shuffle_id for r in spark_bridge.spark_shuffle_reports()}
+    job.join(timeout=120)
+    return {"seen": seen, "reported": sorted(reported & set(seen)) if reported else [],
+            "rows": result.get("rows")}
 
 
 def _killed_executor_recovers(spark):
@@ -322,6 +349,13 @@ def test_unregistered_shuffle_is_released_with_its_files(runs):
     assert unregistered["before"], "the session had no live Spark shuffle to unregister"
     assert unregistered["after"] == []
     assert unregistered["files"] == []
+
+
+def test_a_shuffle_is_known_to_the_master_while_its_first_map_tasks_compute(runs):
+    early = runs[0]["known_early"]
+    assert len(early["seen"]) == 1, early  # registered before any task committed...
+    assert early["reported"] == []  # ...with nothing committed yet (no report)
+    assert early["rows"] == [(0, 1), (1, 1)]
 
 
 def test_killed_executor_gives_exact_rows(runs):

@@ -152,6 +152,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     String key = ctx().shuffleKey(shuffleId);
     hybridShuffles.add(shuffleId);
     startHeartbeat();
+    registerAtMaster(shuffleId, dependency, key);
     // The same writer path as Spark's would take (see HybridRayShuffleHandle).
     if (spark instanceof BypassMergeSortShuffleHandle) {
       return new HybridRayShuffleHandle.Bypass<>(shuffleId,
@@ -230,6 +231,30 @@ public class HybridRayShuffleManager extends SortShuffleManager {
         }
       }
       HybridRayContext.reset();
+    }
+  }
+
+  /** Register a hybrid_ray shuffle with the master before any of its map tasks runs. A
+   *  task's first call (its memory lease) registers the shuffle on its node's tier manager,
+   *  and a tier manager releases a shuffle the master has not known for two of its sweeps
+   *  (30-60 s): registered only at its first commit, a shuffle whose map tasks computed for
+   *  longer than that before committing was released under them. Best effort: if this
+   *  call fails, the first commit registers the shuffle as before (and the log says so). */
+  private void registerAtMaster(int shuffleId, ShuffleDependency<?, ?, ?> dependency,
+      String key) {
+    if (!isDriver || !rayUsable()) {
+      return;
+    }
+    try {
+      HybridRayContext ctx = ctx();
+      ObjectNode request = ctx.json.createObjectNode();
+      request.put("shuffle", key);
+      request.put("num_partitions", dependency.partitioner().numPartitions());
+      request.set("config", ctx.configNode());
+      ctx.call(ctx.master(), "spark_register", ctx.toJson(request));
+    } catch (Exception e) {
+      LOG.warn("hybrid_ray: could not register shuffle {} with the master before its map "
+          + "tasks ({}); its first commit registers it", shuffleId, e.toString());
     }
   }
 
