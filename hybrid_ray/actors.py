@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.master import (
-    PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
+    PendingDeletion, PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
 )
 from hybrid_ray.nodes import node_alive
 from hybrid_ray.report import Stopwatch
@@ -298,6 +298,9 @@ TIER_MANAGER_HANDLES_KEPT = 4096
 # registrations still find a thread. Beyond this many waiting polls, further ones queue for
 # at most MAX_POLL_WAIT_S (a waiting poll returns by then).
 POLL_THREADS = 64
+# How long a release waits for its data's deletion before it answers (see
+# ShuffleMasterActor._await_deletions): well inside the callers' MASTER_CALL_TIMEOUT_S.
+RELEASE_WAIT_S = 20.0
 MAX_POLL_WAIT_S = 1.0
 
 
@@ -316,8 +319,9 @@ class ShuffleMasterActor:
     backoff sleep waited for the sleep to end.
     """
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, release_wait_s: float = RELEASE_WAIT_S) -> None:
         self.namespace = namespace
+        self._release_wait_s = release_wait_s
         self._lock = threading.RLock()
         # Notified (under _lock, by _changing) by every call that may give a reader news.
         self._changed = threading.Condition(self._lock)
@@ -523,8 +527,29 @@ class ShuffleMasterActor:
         gone (``status()['pending_deletions']``), so a caller's own error is not masked."""
         with self._changing():
             released = self.registry.release(shuffle_id, reason, failed)
-        self._run_deletions()
+            queued = self._queued_releases([shuffle_id])
+        self._await_deletions(queued)
         return released
+
+    def _queued_releases(self, shuffle_ids: Sequence[str]) -> list[PendingDeletion]:
+        """The queued deletions of all the data of ``shuffle_ids`` (under the lock)."""
+        ids = set(shuffle_ids)
+        return [d for d in self.registry.pending
+                if d.metas is None and d.state.shuffle_id in ids]
+
+    def _await_deletions(self, deletions: Sequence[PendingDeletion]) -> None:
+        """Have the background thread run ``deletions`` now, and wait until each was tried
+        once, at most ``release_wait_s`` in all: the data is normally gone when a release
+        answers, and a store or tier manager that hangs never holds the caller past its
+        call bound (it once timed out a driver whose shuffle had succeeded) nor one of
+        the master's threads for long. A deletion not done goes on, retried, meanwhile."""
+        if not deletions:
+            return
+        self._wake.set()
+        deadline = time.monotonic() + self._release_wait_s
+        for deletion in deletions:
+            if not deletion.tried.wait(max(0.0, deadline - time.monotonic())):
+                return
 
     def node_id(self) -> str:
         """The node the master runs on (the head node)."""
@@ -647,7 +672,8 @@ class ShuffleMasterActor:
                     done["released"] = True
                     self._spark_history.append(done)
                 self.registry.release(shuffle_id)
-        self._run_deletions()
+            queued = self._queued_releases(ids)
+        self._await_deletions(queued)
         return json.dumps({"released": ids})
 
     def spark_fallback(self, request: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -127,6 +128,9 @@ class PendingDeletion:
     attempts: int = 0
     last_error: str = ""
     not_before: float = 0.0
+    # Set when its first attempt ran, whatever came of it (a release waits for it, bounded).
+    tried: threading.Event = dataclasses.field(default_factory=threading.Event,
+                                               compare=False, repr=False)
 
     @property
     def what(self) -> str:
@@ -511,6 +515,7 @@ class ShuffleRegistry:
 
     def deletion_done(self, deletion: PendingDeletion, error: Exception | None) -> None:
         """Record a deletion's outcome: on ``error`` it is queued again with backoff."""
+        deletion.tried.set()
         if error is None:
             return
         deletion.attempts += 1

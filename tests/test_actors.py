@@ -490,3 +490,35 @@ def test_a_jvm_last_commit_arriving_after_its_attempt_s_abort_is_dropped_not_pub
         {"shuffle": shuffle, "wait_s": 0.0, "blocks": [[300, 0], [301, 0]]}))))
     assert answer["blocks"] == [None, [["memory", 10, "n1", "ref301"]]]
     ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))
+
+
+def test_a_release_whose_store_hangs_answers_within_its_bound(ray_local, tmp_path):
+    """A release waits for its data's deletion only so long (``release_wait_s``; the
+    default stays inside the callers' call bound): a store that accepts connections and
+    never answers once held a driver's release past its 30 s bound, failing a shuffle
+    whose every output was stored. The deletion goes on in the background."""
+    import socket
+
+    from hybrid_ray.actors import MASTER_NAME, ShuffleMasterActor
+
+    silent = socket.socket()  # accepts (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    namespace = f"hang-{uuid.uuid4().hex[:6]}"
+    master = ShuffleMasterActor.options(name=MASTER_NAME, namespace=namespace).remote(
+        namespace, release_wait_s=1.0)
+    cfg = base_config(tmp_path, namespace=namespace, remote_path="s3://hr-hang/shuffle",
+                      storage_options={
+                          "endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}",
+                          "key": S3_KEY, "secret": S3_SECRET,
+                          "config_kwargs": {"connect_timeout": 2, "read_timeout": 60,
+                                            "retries": {"max_attempts": 1}}})
+    try:
+        ray.get(master.register.remote("shf-hangs", 1, 1, cfg))
+        start = time.monotonic()
+        assert ray.get(master.release.remote("shf-hangs"), timeout=30) is True
+        assert time.monotonic() - start < 10
+        assert "shf-hangs" not in ray.get(master.live_shuffles.remote())  # forgotten
+    finally:
+        ray.kill(master)
+        silent.close()
