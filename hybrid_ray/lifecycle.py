@@ -471,6 +471,9 @@ class MapRunner:
         while not self.done:
             self.poll()
             self.check_stalled()
+            # A held shuffle's re-run runs here for as long as its maps take: the master
+            # must not expire it meanwhile (rate-limited: one beat per HEARTBEAT_S).
+            self._lifecycle.heartbeat()
             running = self.running_refs()
             if running:
                 ray.wait(running, num_returns=1, timeout=wait_s, fetch_local=False)
@@ -565,6 +568,10 @@ class _HeldShuffles:
         self._held: dict[str, tuple[ShuffleLifecycle, Callable[[list[int]], Any] | None]] = {}
         self._thread: threading.Thread | None = None
         self.errors: collections.deque[str] = collections.deque(maxlen=HELD_ERRORS_KEPT)
+        # Held shuffles whose lost maps are being re-run, each on a thread of its own: a
+        # re-run on the holder's thread stopped every held shuffle's heartbeats while it
+        # ran, and the master expired them all after orphan_ttl_s.
+        self._rerunning: set[str] = set()
 
     def hold(self, lifecycle: ShuffleLifecycle,
              rerun: Callable[[list[int]], Any] | None) -> None:
@@ -599,9 +606,12 @@ class _HeldShuffles:
 
     def _tend(self, lifecycle: ShuffleLifecycle,
               rerun: Callable[[list[int]], Any] | None) -> None:
+        with self._lock:
+            rerunning = lifecycle.shuffle_id in self._rerunning
         try:
             lifecycle.heartbeat()
-            lost = lifecycle.take_lost() if rerun is not None else []
+            # Maps lost meanwhile wait for the re-run running now to end.
+            lost = lifecycle.take_lost() if rerun is not None and not rerunning else []
         except (ShuffleNotFoundError, ShuffleFailedError) as exc:  # released, expired
             if self.unhold(lifecycle.shuffle_id) is not None:
                 self._note(lifecycle, f"the master no longer knows it: {exc}")
@@ -611,6 +621,15 @@ class _HeldShuffles:
             return
         if not lost:
             return
+        with self._lock:
+            self._rerunning.add(lifecycle.shuffle_id)
+        threading.Thread(target=self._rerun, args=(lifecycle, rerun, lost), daemon=True,
+                         name=f"hybrid_ray-rerun-{lifecycle.shuffle_id}").start()
+
+    def _rerun(self, lifecycle: ShuffleLifecycle, rerun: Callable[[list[int]], Any],
+               lost: list[int]) -> None:
+        """Re-run a held shuffle's ``lost`` maps; a failure releases the shuffle, telling
+        its readers why, and is kept in ``errors``."""
         try:
             rerun(lost)
         except Exception as exc:  # noqa: BLE001 - told to the readers and kept
@@ -621,6 +640,9 @@ class _HeldShuffles:
                 lifecycle.release(why, failed=True)  # readers wait for those maps: tell them
             except Exception as release_exc:  # noqa: BLE001 - the orphan TTL removes it
                 self._note(lifecycle, f"releasing it failed: {describe_cause(release_exc)}")
+        finally:
+            with self._lock:
+                self._rerunning.discard(lifecycle.shuffle_id)
 
     def _note(self, lifecycle: ShuffleLifecycle, what: str) -> None:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {lifecycle.shuffle_id}: {what}")

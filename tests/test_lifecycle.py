@@ -161,6 +161,39 @@ def test_a_held_shuffle_outlives_the_orphan_ttl(config):
     held.release()
 
 
+def test_held_shuffles_keep_their_heartbeats_while_lost_maps_are_re_run(config):
+    """A re-run of lost maps takes as long as the maps do. It ran on the holder's thread,
+    which then heartbeat no held shuffle: past the orphan TTL the master expired them all,
+    the one being re-run included, and deleted their data under their readers."""
+    import dataclasses
+
+    cfg = dataclasses.replace(config, orphan_ttl_s=MIN_ORPHAN_TTL_S)
+    rerun_shuffle = ShuffleLifecycle(cfg, 1, "rerun")
+    rerun_shuffle.register(1)
+    attempt = _finish_map_with_a_segment(rerun_shuffle, 0)
+    bystander = ShuffleLifecycle(cfg, 1, "bystander")
+    bystander.register(1)
+    bystander.hold()
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_rerun(maps):
+        started.set()
+        finish.wait(MIN_ORPHAN_TTL_S + 30)
+
+    rerun_shuffle.hold(slow_rerun)
+    ray.get(rerun_shuffle.master.report_lost.remote(rerun_shuffle.shuffle_id, 0, attempt))
+    try:
+        assert started.wait(30), "the holder never re-ran the lost map"
+        time.sleep(MIN_ORPHAN_TTL_S + 3)
+        expired = ray.get(rerun_shuffle.master.expire.remote())
+        assert rerun_shuffle.shuffle_id not in expired and bystander.shuffle_id not in expired
+        assert _known(rerun_shuffle) and _known(bystander)
+    finally:
+        finish.set()
+        rerun_shuffle.release()
+        bystander.release()
+
+
 class _Boom(Exception):
     pass
 
