@@ -2,6 +2,7 @@ package org.apache.spark.shuffle.hybridray;
 
 import com.fasterxml.jackson.databind.JsonNode;
 import com.fasterxml.jackson.databind.ObjectMapper;
+import com.fasterxml.jackson.databind.node.ObjectNode;
 import io.ray.api.ObjectRef;
 import io.ray.api.PyActorHandle;
 import io.ray.api.Ray;
@@ -83,9 +84,10 @@ public final class HybridRayContext {
   private volatile String nodeId;
   private volatile List<String> spillDirs;
   private final Map<String, PyActorHandle> tierManagers = new ConcurrentHashMap<>();
-  // Spark shuffle id -> map attempt id -> refs of the memory-tier segments it wrote here.
-  private final Map<Integer, Map<Long, List<ObjectRef<byte[]>>>> ownedRefs =
-      new ConcurrentHashMap<>();
+  private final OwnedObjects owned = new OwnedObjects();
+  // Memory leases whose answer came after their task stopped waiting: given back when it
+  // comes (else the grant stayed counted against its shuffle until the release).
+  private final ConcurrentLinkedQueue<LateLease> lateLeases = new ConcurrentLinkedQueue<>();
   // Submits what a map task sends without waiting (its last commit, its settlements) and
   // checks the sent commits' answers, off the task's thread: profiled on a small SQL
   // exchange, a cross-language submission took 0.6-3 ms and a Ray.wait up to 2.7 ms of a
@@ -117,8 +119,9 @@ public final class HybridRayContext {
     sender.scheduleWithFixedDelay(() -> {
       try {
         reportSentCommits();
-      } catch (RuntimeException e) {  // (thrown, it would end the schedule)
-        LOG.debug("hybrid_ray: checking sent commits failed: {}", e.toString());
+        giveBackLateLeases();
+      } catch (Throwable e) {  // (thrown, anything would end the schedule silently)
+        LOG.warn("hybrid_ray: checking sent calls failed: {}", e.toString());
       }
     }, SENT_COMMITS_CHECK_MS, SENT_COMMITS_CHECK_MS, TimeUnit.MILLISECONDS);
   }
@@ -135,9 +138,14 @@ public final class HybridRayContext {
    *  What its sender holds is still sent. */
   static synchronized void reset() {
     if (instance != null) {
-      instance.sender.shutdown();
+      instance.stopSender();
     }
     instance = null;
+  }
+
+  /** Stop taking work on the sender; what it holds is still sent. */
+  void stopSender() {
+    sender.shutdown();
   }
 
   /** The application part of shuffle ids: only characters hybrid_ray accepts in ids. */
@@ -244,14 +252,83 @@ public final class HybridRayContext {
     }
   }
 
-  /** A call sent without waiting for its answer, and what it was for (for the log). */
-  record SentCall(ObjectRef<String> answer, String what) {}
+  /** A map attempt's last commit sent without waiting for its answer, and what it was
+   *  for (for the log). */
+  record SentCall(ObjectRef<String> answer, String what, int shuffleId, long mapId) {}
+
+  /** A memory lease whose answer its task stopped waiting for. */
+  record LateLease(ObjectRef<String> answer, PyActorHandle tierManager, String shuffleKey) {}
 
   /** Send a map attempt's last commit without waiting (from {@link #sender}); its failure
-   *  is logged when seen ({@link #reportSentCommits}). */
-  void commitLater(PyActorHandle master, String request, String what) {
-    send(() -> sentCommits.add(
-        new SentCall(callLater(master, "spark_commit", request), what)), what);
+   *  is logged, and the attempt's objects here dropped, when seen
+   *  ({@link #reportSentCommits}). */
+  void commitLater(PyActorHandle master, String request, String what, int shuffleId,
+      long mapId) {
+    send(() -> sentCommits.add(new SentCall(callLater(master, "spark_commit", request), what,
+        shuffleId, mapId)), what);
+  }
+
+  /** Give back the grant of a memory lease whose answer has not come yet, when it comes
+   *  ({@link #giveBackLateLeases}), as a settlement of nothing written. */
+  void giveBackWhenAnswered(ObjectRef<String> answer, PyActorHandle tierManager,
+      String shuffleKey) {
+    if (lateLeases.size() < MAX_SENT_COMMITS) {
+      lateLeases.add(new LateLease(answer, tierManager, shuffleKey));
+    } else {
+      LOG.warn("hybrid_ray: too many late memory leases; the grant of one of shuffle {} "
+          + "stays counted until the shuffle's release", shuffleKey);
+    }
+  }
+
+  /** The {@code spark_settle} request giving back the whole grant of a lease answer
+   *  ({@code {"lease": {"granted", "target"}}}) with nothing written; null for a refused
+   *  lease (nothing granted, nothing to give back). */
+  static ObjectNode lateLeaseSettlement(ObjectMapper json, JsonNode answer, String shuffleKey) {
+    JsonNode granted = answer.get("lease");
+    if (granted == null || granted.isNull()) {
+      return null;
+    }
+    ObjectNode request = json.createObjectNode();
+    request.put("shuffle", shuffleKey);
+    request.putArray("settle").addArray().add("memory").add(granted.get("granted").asLong())
+        .add(granted.get("target").asText()).addNull();
+    return request;
+  }
+
+  /** Settle the late leases answered by now as unused (never waits). */
+  private void giveBackLateLeases() {
+    List<LateLease> pending = new ArrayList<>();
+    for (LateLease late = lateLeases.poll(); late != null; late = lateLeases.poll()) {
+      pending.add(late);
+    }
+    if (pending.isEmpty()) {
+      return;
+    }
+    List<ObjectRef<String>> answers = new ArrayList<>(pending.size());
+    for (LateLease late : pending) {
+      answers.add(late.answer());
+    }
+    Set<ObjectRef<String>> ready = Collections.newSetFromMap(new IdentityHashMap<>());
+    ready.addAll(Ray.wait(answers, answers.size(), 0).getReady());
+    for (LateLease late : pending) {
+      if (!ready.contains(late.answer())) {
+        lateLeases.add(late);  // not answered yet: look again later
+        continue;
+      }
+      try {
+        ObjectNode request = lateLeaseSettlement(json, parse(late.answer().get(0)),
+            late.shuffleKey());
+        if (request != null) {
+          late.tierManager().task(PyActorMethod.of("spark_settle", String.class),
+              toJson(request)).remote();
+        }
+      } catch (IOException | RuntimeException e) {
+        // The lease call failed (nothing granted), or the settlement could not be sent:
+        // the grant then goes with the shuffle's release.
+        LOG.debug("hybrid_ray: a late lease of shuffle {} not given back: {}",
+            late.shuffleKey(), e.toString());
+      }
+    }
   }
 
   /** Run {@code submission} on {@link #sender}; a failure is logged as about {@code what}. */
@@ -301,6 +378,7 @@ public final class HybridRayContext {
       } catch (RuntimeException e) {
         LOG.warn("hybrid_ray: the last commit of {} failed; readers will take its output "
             + "as lost and Spark will run it again: {}", sent.what(), e.getMessage());
+        dropAttempt(sent.shuffleId(), sent.mapId());  // nobody will read its objects
       }
     }
   }
@@ -338,26 +416,22 @@ public final class HybridRayContext {
   }
 
   // ---- memory-tier objects owned by this JVM ----------------------------------------------
+  // (see OwnedObjects)
   void own(int shuffleId, long mapId, ObjectRef<byte[]> ref) {
-    ownedRefs.computeIfAbsent(shuffleId, k -> new ConcurrentHashMap<>())
-        .computeIfAbsent(mapId, k -> java.util.Collections.synchronizedList(new ArrayList<>()))
-        .add(ref);
+    owned.own(shuffleId, mapId, ref);
   }
 
   void dropAttempt(int shuffleId, long mapId) {
-    Map<Long, List<ObjectRef<byte[]>>> maps = ownedRefs.get(shuffleId);
-    if (maps != null) {
-      maps.remove(mapId);
-    }
+    owned.dropAttempt(shuffleId, mapId);
   }
 
   void dropShuffle(int shuffleId) {
-    ownedRefs.remove(shuffleId);
+    owned.dropShuffle(shuffleId);
     lastMapBytes.remove(shuffleId);
   }
 
   void dropAll() {
-    ownedRefs.clear();
+    owned.dropAll();
     lastMapBytes.clear();
   }
 
@@ -384,7 +458,6 @@ public final class HybridRayContext {
   }
 
   int ownedObjects(int shuffleId) {
-    Map<Long, List<ObjectRef<byte[]>>> maps = ownedRefs.get(shuffleId);
-    return maps == null ? 0 : maps.values().stream().mapToInt(List::size).sum();
+    return owned.count(shuffleId);
   }
 }

@@ -105,6 +105,14 @@ final class RaySegmentSink implements SegmentSink {
       }
     } catch (IOException | RuntimeException e) {
       // No lease (the reservation that follows reports a real problem with its own error).
+      // One not answered yet is given back when it is, from the sender.
+      try {
+        if (Ray.wait(List.of(pending), 1, 0).getReady().isEmpty()) {
+          ctx.giveBackWhenAnswered(pending, ctx.tierManager(ctx.nodeId()), shuffleKey);
+        }
+      } catch (IOException | RuntimeException ignored) {
+        // Ray is going down with this executor: the grant goes with the shuffle's release.
+      }
     }
     return lease;
   }
@@ -220,7 +228,8 @@ final class RaySegmentSink implements SegmentSink {
       // its readers raise FetchFailedException and Spark recomputes it. Earlier commits
       // of a map are waited for: the master is threaded, and the last must come last.
       ctx.commitLater(ctx.master(), ctx.toJson(commit),
-          "map attempt " + mapId + " (map " + mapIndex + ") of Spark shuffle " + shuffleKey);
+          "map attempt " + mapId + " (map " + mapIndex + ") of Spark shuffle " + shuffleKey,
+          shuffleId, mapId);
     } else {
       ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
     }
@@ -310,8 +319,8 @@ final class RaySegmentSink implements SegmentSink {
     }
     uncommittedFiles.clear();
     ctx.dropAttempt(shuffleId, mapId);
-    // A lease still in flight is waited for briefly, to give it back; one that answers
-    // later stays counted until the shuffle's release.
+    // A lease still in flight is waited for briefly, to give it back now; one that answers
+    // later is given back from the sender when it does (HybridRayContext.lateLeases).
     takeLease(ABORT_LEASE_WAIT_MS);
     closeLease();
     try {

@@ -1,0 +1,39 @@
+package org.apache.spark.shuffle.hybridray;
+
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertNull;
+
+import com.fasterxml.jackson.databind.ObjectMapper;
+import com.fasterxml.jackson.databind.node.ObjectNode;
+import org.junit.jupiter.api.Test;
+
+class OwnedObjectsAndLeasesTest {
+  private final ObjectMapper json = new ObjectMapper();
+
+  @Test
+  void aShuffleDroppedHereKeepsNoObjectsALateTaskPutsForIt() {
+    // A task of a cancelled job still running after its shuffle was unregistered here:
+    // what it puts must not stay pinned until the executor exits (nobody reads it).
+    OwnedObjects owned = new OwnedObjects();
+    owned.own(1, 10L, null);
+    owned.own(2, 20L, null);
+    assertEquals(1, owned.count(1));
+    owned.dropShuffle(1);
+    assertEquals(0, owned.count(1));
+    owned.own(1, 11L, null);
+    assertEquals(0, owned.count(1));
+    assertEquals(1, owned.count(2));  // other shuffles keep theirs
+    owned.dropAttempt(2, 20L);
+    assertEquals(0, owned.count(2));
+  }
+
+  @Test
+  void aLateLeaseIsGivenBackWholeAsNothingWrittenAndARefusedOneNotAtAll() throws Exception {
+    ObjectNode granted = (ObjectNode) json.readTree(
+        "{\"lease\": {\"granted\": 4194304, \"target\": \"plasma\"}}");
+    assertEquals("{\"shuffle\":\"spark-a-0\",\"settle\":[[\"memory\",4194304,\"plasma\",null]]}",
+        json.writeValueAsString(HybridRayContext.lateLeaseSettlement(json, granted, "spark-a-0")));
+    assertNull(HybridRayContext.lateLeaseSettlement(json, json.readTree("{\"lease\": null}"),
+        "spark-a-0"));
+  }
+}
