@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ from hybrid_ray.tiers import Grant, RemoteTier
 from hybrid_ray.tiers.cache import LruCache
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
+_LOG = logging.getLogger(__name__)
 MASTER_NAME = "hybrid_ray_shuffle_master"
 # A custom resource only the head node has (Ray 2.x): actors that ask for a sliver of it run
 # there.
@@ -181,7 +183,8 @@ class TierManagerActor:
         self.tm.settle(shuffle_id, settled)
 
     def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
-        self.tm.free_segments(shuffle_id, metas)
+        for refusal in self.tm.free_segments(shuffle_id, metas):  # counted in usage too
+            _LOG.warning("hybrid_ray tier manager: %s", refusal)
 
     def release_shuffle(self, shuffle_id: str) -> None:
         self.tm.release_shuffle(shuffle_id)
@@ -325,7 +328,7 @@ class ShuffleMasterActor:
         self._lock = threading.RLock()
         # Notified (under _lock, by _changing) by every call that may give a reader news.
         self._changed = threading.Condition(self._lock)
-        # One deletion runner at a time (the background thread, or a release call).
+        # One deletion runner at a time (the background thread, or ``run_deletions``).
         self._deletion_lock = threading.Lock()
         self._wake = threading.Event()
         self.registry = ShuffleRegistry(self._delete_segments, self._release_data,
@@ -522,9 +525,11 @@ class ShuffleMasterActor:
         return result
 
     def release(self, shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
-        """Forget the shuffle and delete its data before returning; a deletion that fails
-        (storage down) never raises here: it stays queued and is retried until the data is
-        gone (``status()['pending_deletions']``), so a caller's own error is not masked."""
+        """Forget the shuffle and have its data deleted: normally gone when this returns,
+        which is after at most ``release_wait_s`` (``_await_deletions``). A deletion that
+        fails (storage down) or is not done by then never raises here: it stays queued and
+        is retried until the data is gone (``status()['pending_deletions']``), so a
+        caller's own error is not masked."""
         with self._changing():
             released = self.registry.release(shuffle_id, reason, failed)
             queued = self._queued_releases([shuffle_id])

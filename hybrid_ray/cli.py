@@ -204,6 +204,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {t.tier.value:<7} used {t.used_bytes / 1e6:10.1f} MB of {cap}")
         if getattr(node, "sweep_errors", 0):
             print(f"  orphan sweeps failed: {node.sweep_errors} (last: {node.last_sweep_error})")
+        if getattr(node, "refused_deletions", 0):
+            print(f"  segment files refused for deletion (not provably hybrid_ray's): "
+                  f"{node.refused_deletions} (last: {node.last_refused_deletion})")
     pending = status.get("pending_deletions", [])
     if pending:
         print(f"{len(pending)} deletion(s) pending (retried until the data is gone):")

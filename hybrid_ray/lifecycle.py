@@ -471,9 +471,11 @@ class MapRunner:
         while not self.done:
             self.poll()
             self.check_stalled()
-            # A held shuffle's re-run runs here for as long as its maps take: the master
-            # must not expire it meanwhile (rate-limited: one beat per HEARTBEAT_S).
-            self._lifecycle.heartbeat()
+            # Maps may run for longer than the orphan TTL: the master must not expire the
+            # shuffle meanwhile. A held one is heartbeat by its holder's thread (one thread
+            # per lifecycle: its call timer is not reentrant); others here, rate-limited.
+            if held_shuffle(self._lifecycle.shuffle_id) is None:
+                self._lifecycle.heartbeat()
             running = self.running_refs()
             if running:
                 ray.wait(running, num_returns=1, timeout=wait_s, fetch_local=False)

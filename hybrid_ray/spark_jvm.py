@@ -353,6 +353,8 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
             out.append({"tier": None, "target": "", "refusals": list(placement.refusals)})
             continue
         grant = placement.grant
+        if grant.tier == TierName.DISK:
+            tm.mark_disk_target(shuffle_id, grant.target)
         out.append({"tier": grant.tier.value, "target": grant.target,
                     "settle_if_written": tm.settle_changes_books(shuffle_id, grant,
                                                                  grant.nbytes),

@@ -50,6 +50,10 @@ class NodeUsage:
     # Failed background orphan sweeps of the node's tier manager, and the last one's error.
     sweep_errors: int = 0
     last_sweep_error: str = ""
+    # Segment files this node refused to delete (not provably hybrid_ray's: see
+    # TierManager._deletable_segment_file), and the last refusal.
+    refused_deletions: int = 0
+    last_refused_deletion: str = ""
 
 
 def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,
@@ -94,6 +98,12 @@ class TierManager:
         # (its space would stay counted, its quota taken, for good), and the recent ones are
         # looked at for late writers' files (``remove_late_files``).
         self._released: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # (shuffle, spill dir) pairs whose shuffle directory carries our marker, made for
+        # JVM disk grants (``mark_disk_target``); a shuffle's go with its release.
+        self._marked: set[tuple[str, str]] = set()
+        # Segment files refused for deletion (see _deletable_segment_file), for ``usage``.
+        self.refused_deletions = 0
+        self.last_refused_deletion = ""
 
     # ---- registration and quotas -----------------------------------------------------------
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
@@ -238,11 +248,13 @@ class TierManager:
         return self._tier(shuffle_id, grant.tier).settle_changes_books(grant, written_bytes)
 
     # ---- deletion ----------------------------------------------------------------------------
-    def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> None:
+    def free_segments(self, shuffle_id: str, metas: Sequence[SegmentMeta]) -> list[str]:
         """Delete segments stored on this node (abandoned attempts, consumed data). Data is
         deleted even if the shuffle was already released here (a late writer's files).
         A disk segment whose file this node may not delete (``_deletable_segment_file``)
-        is left alone and, once the others are gone, raises ``UnsafePathError``."""
+        is left alone, counted (``usage``) and returned as the refusal's message: retrying
+        would never make it ours, so it does not fail the deletion (whose other segments
+        are gone) nor come back to it."""
         registered = shuffle_id in self._shuffles
         freed = self._freed.setdefault(shuffle_id, set()) if registered else set()
         refused = []
@@ -267,9 +279,9 @@ class TierManager:
             for disk in self._disks.values():
                 disk.remove_shuffle_data(shuffle_id)
         if refused:
-            raise UnsafePathError(f"refused to delete {len(refused)} of the {len(metas)} "
-                                  f"segments of shuffle {shuffle_id} given to node "
-                                  f"{self.node_id} (the others are gone): {refused[0]}")
+            self.refused_deletions += len(refused)
+            self.last_refused_deletion = refused[-1][:500]
+        return refused
 
     def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta) -> str:
         """The file of disk segment ``meta`` if this node may delete it for ``shuffle_id``,
@@ -277,8 +289,9 @@ class TierManager:
         a JVM's commit), so it must be a segment file of that very shuffle (segment id and
         path both name it) and lie inside the data dir of one of this node's disk tiers, or,
         for a data dir this tier manager does not know (it was started again since), in a
-        directory that carries hybrid_ray's marker for that shuffle, with no symlink on the
-        way. Never a file hybrid_ray did not write."""
+        directory that carries hybrid_ray's marker for that shuffle (Python writers and
+        the grants of JVM disk reservations write it) and that the file does not lead out
+        of through a symlink. Never a file hybrid_ray did not write."""
         location = require_segment_file(meta.location, "delete")
         shuffle_directory = os.path.dirname(os.path.dirname(location))
         if meta.id.shuffle_id != shuffle_id or os.path.basename(shuffle_directory) != shuffle_id:
@@ -290,8 +303,8 @@ class TierManager:
         if any(is_inside(root, location) for root in roots):
             return location
         marker = read_shuffle_marker(shuffle_directory)
-        if os.path.realpath(location) == location and marker is not None \
-                and marker.get("shuffle_id") == shuffle_id:
+        if marker is not None and marker.get("shuffle_id") == shuffle_id \
+                and is_inside(shuffle_directory, location):
             return location
         raise UnsafePathError(
             f"refusing to delete {location!r}: it is neither inside the data dir of a spill "
@@ -299,10 +312,21 @@ class TierManager:
             f"a shuffle directory marked as hybrid_ray's for shuffle {shuffle_id}. If it is "
             "a leftover of ours, `hybrid-ray cleanup` removes it")
 
+    def mark_disk_target(self, shuffle_id: str, spill_dir: str) -> None:
+        """Give the shuffle's directory in ``spill_dir`` (a disk grant's target) hybrid_ray's
+        marker, once: JVM writers write none, and without it ``hybrid-ray cleanup`` and a
+        tier manager started again would leave their files (``DiskTier.mark_shuffle``)."""
+        if (shuffle_id, spill_dir) not in self._marked:
+            disk = self._tier(shuffle_id, TierName.DISK)
+            assert isinstance(disk, DiskTier)
+            disk.mark_shuffle(shuffle_id, spill_dir)
+            self._marked.add((shuffle_id, spill_dir))
+
     def release_shuffle(self, shuffle_id: str) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node."""
         check_id("shuffle_id", shuffle_id)
         info = self._shuffles.pop(shuffle_id, None)
+        self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)
         self._released[shuffle_id] = time.monotonic()
         self._released.move_to_end(shuffle_id)
@@ -360,4 +384,6 @@ class TierManager:
     def usage(self) -> NodeUsage:
         tiers = [self.memory.usage()] + [d.usage() for d in self._disks.values()]
         return NodeUsage(self.node_id, tuple(tiers), tuple(self._shuffles),
-                         {s: self.memory.quota(s) for s, i in self._shuffles.items() if i["memory"]})
+                         {s: self.memory.quota(s) for s, i in self._shuffles.items() if i["memory"]},
+                         refused_deletions=self.refused_deletions,
+                         last_refused_deletion=self.last_refused_deletion)

@@ -148,8 +148,8 @@ def test_files_a_killed_late_writer_left_go_with_the_next_sweep(tmp_path, monkey
 def test_a_delete_never_reaches_a_file_outside_the_shuffle_s_own_directories(tmp_path):
     """A segment location comes from another process (the master's books, a JVM commit).
     One shaped like ours but elsewhere on the node, or one of another shuffle, is refused
-    and its file stays; the shuffle's own segments in the same call are deleted."""
-    from hybrid_ray.errors import UnsafePathError
+    (counted, shown by ``hybrid-ray status``) and its file stays; the shuffle's own
+    segments in the same call are deleted."""
     from hybrid_ray.tiers.disk import DiskTier
 
     spill = tmp_path / "spill"
@@ -168,8 +168,10 @@ def test_a_delete_never_reaches_a_file_outside_the_shuffle_s_own_directories(tmp
              SegmentMeta(SegmentId("s", 0, 0, 1, 0), TierName.DISK, 100, 1, "n1", str(stranger)),
              SegmentMeta(SegmentId("s", 0, 1, 0, 0), TierName.DISK, 100, 1, "n1",
                          other_shuffle.location)]
-    with pytest.raises(UnsafePathError, match="refused to delete 2 of the 3 segments"):
-        tm.free_segments("s", metas)
+    refused = tm.free_segments("s", metas)
+    assert len(refused) == 2 and "neither inside the data dir" in refused[0]
+    assert "names another shuffle" in refused[1]
+    assert (tm.usage().refused_deletions, tm.usage().last_refused_deletion) == (2, refused[1])
     assert not os.path.exists(own.location)
     assert stranger.read_bytes() == b"a user's file"
     assert os.path.exists(other_shuffle.location)
@@ -177,20 +179,38 @@ def test_a_delete_never_reaches_a_file_outside_the_shuffle_s_own_directories(tmp
 
 def test_a_restarted_tier_manager_deletes_only_files_in_marked_shuffle_directories(tmp_path):
     """A tier manager started again knows no spill dir yet: it deletes a segment whose
-    shuffle directory carries hybrid_ray's marker for that shuffle, nothing else."""
-    from hybrid_ray.errors import UnsafePathError
+    shuffle directory carries hybrid_ray's marker for that shuffle (a Python writer's, or
+    a JVM writer's, marked when its disk reservation was granted), also through a
+    symlinked spill dir; nothing else."""
+    from hybrid_ray.spark_jvm import reserve
     from hybrid_ray.tiers.disk import DiskTier
 
-    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(tmp_path / "spill")])
+    real = tmp_path / "real-spill"
+    real.mkdir()
+    linked = tmp_path / "spill"
+    linked.symlink_to(real)  # spill dirs may be symlinks (check_spill_dir allows them)
+    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(linked)])
     writer = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
     meta = writer.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100)
+    # A JVM writer's file: the tier manager granting its reservation marked the directory.
+    granting = TierManager("n1", object_store_bytes=1000)
+    [placement] = reserve(granting, {"shuffle": "j", "sizes": [100], "config": {"session": "t"}},
+                          {"t": cfg}.get)["placements"]
+    assert placement["tier"] == "disk"
+    jvm_file = linked / "hybrid_ray" / "j" / "sub-00000" / "m000000-a000-s000000.seg"
+    jvm_file.parent.mkdir()
+    jvm_file.write_bytes(b"y" * 100)
     unmarked = tmp_path / "elsewhere" / "hybrid_ray" / "s" / "sub-00000" / meta.id.file_name
     unmarked.parent.mkdir(parents=True)
     unmarked.write_bytes(b"not ours")
     restarted = TierManager("n1", object_store_bytes=1000)
-    restarted.free_segments("s", [meta])
+    assert restarted.free_segments("s", [meta]) == []
     assert not os.path.exists(meta.location)
-    with pytest.raises(UnsafePathError, match="neither inside the data dir"):
-        restarted.free_segments("s", [SegmentMeta(meta.id, TierName.DISK, 100, 1, "n1",
-                                                  str(unmarked))])
+    assert restarted.free_segments("j", [SegmentMeta(SegmentId("j", 0, 0, 0, 0),
+                                                     TierName.DISK, 100, 1, "n1",
+                                                     str(jvm_file))]) == []
+    assert not jvm_file.exists()
+    [refusal] = restarted.free_segments("s", [SegmentMeta(meta.id, TierName.DISK, 100, 1,
+                                                          "n1", str(unmarked))])
+    assert "neither inside the data dir" in refusal
     assert unmarked.read_bytes() == b"not ours"

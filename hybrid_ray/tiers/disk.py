@@ -179,6 +179,18 @@ class DiskTier(Tier):
     def capacity_bytes(self) -> int | None:
         return self._capacity
 
+    def mark_shuffle(self, shuffle_id: str, spill_dir: str) -> None:
+        """Create the shuffle's directory in ``spill_dir`` (0700) with hybrid_ray's marker,
+        for a writer in another process that writes no marker itself (the JVM's): cleanup
+        and a restarted tier manager delete only marked directories."""
+        if spill_dir not in self._data_dirs:
+            raise UnsafePathError(f"refusing to mark {spill_dir} for shuffle {shuffle_id}: "
+                                  f"not one of this disk tier's spill dirs "
+                                  f"{list(self.spill_dirs)}")
+        directory = shuffle_dir(spill_dir, shuffle_id)  # the shuffle id is checked here
+        make_private_dir(directory)
+        write_shuffle_marker(directory, shuffle_id)
+
     def data_dirs(self) -> list[str]:
         """hybrid_ray's data dir in each spill dir: every segment file of this tier is in
         one of them."""

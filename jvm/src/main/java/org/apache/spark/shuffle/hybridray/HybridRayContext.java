@@ -120,7 +120,9 @@ public final class HybridRayContext {
       try {
         reportSentCommits();
         giveBackLateLeases();
-      } catch (Throwable e) {  // (thrown, anything would end the schedule silently)
+      } catch (RuntimeException e) {  // (thrown, anything would end the schedule silently)
+        LOG.debug("hybrid_ray: checking sent calls failed: {}", e.toString());
+      } catch (Error e) {
         LOG.warn("hybrid_ray: checking sent calls failed: {}", e.toString());
       }
     }, SENT_COMMITS_CHECK_MS, SENT_COMMITS_CHECK_MS, TimeUnit.MILLISECONDS);

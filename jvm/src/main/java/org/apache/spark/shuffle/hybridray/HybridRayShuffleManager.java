@@ -238,8 +238,9 @@ public class HybridRayShuffleManager extends SortShuffleManager {
    *  task's first call (its memory lease) registers the shuffle on its node's tier manager,
    *  and a tier manager releases a shuffle the master has not known for two of its sweeps
    *  (30-60 s): registered only at its first commit, a shuffle whose map tasks computed for
-   *  longer than that before committing was released under them. Best effort: if this
-   *  call fails, the first commit registers the shuffle as before (and the log says so). */
+   *  longer than that before committing was released under them. Sent without waiting
+   *  (planning a query registers several shuffles; none of it may wait on the master) and
+   *  best effort: the first commit registers a shuffle whose registration did not arrive. */
   private void registerAtMaster(int shuffleId, ShuffleDependency<?, ?, ?> dependency,
       String key) {
     if (!isDriver || !rayUsable()) {
@@ -251,7 +252,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
       request.put("shuffle", key);
       request.put("num_partitions", dependency.partitioner().numPartitions());
       request.set("config", ctx.configNode());
-      ctx.call(ctx.master(), "spark_register", ctx.toJson(request));
+      ctx.callAsync(ctx.master(), "spark_register", ctx.toJson(request));
     } catch (Exception e) {
       LOG.warn("hybrid_ray: could not register shuffle {} with the master before its map "
           + "tasks ({}); its first commit registers it", shuffleId, e.toString());

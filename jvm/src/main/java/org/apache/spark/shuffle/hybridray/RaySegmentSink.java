@@ -105,11 +105,11 @@ final class RaySegmentSink implements SegmentSink {
       }
     } catch (IOException | RuntimeException e) {
       // No lease (the reservation that follows reports a real problem with its own error).
-      // One not answered yet is given back when it is, from the sender.
+      // One not answered in time is given back when it is, from the sender (one that
+      // failed or answered just now is looked at there too: a grant is settled, an error
+      // gives back nothing).
       try {
-        if (Ray.wait(List.of(pending), 1, 0).getReady().isEmpty()) {
-          ctx.giveBackWhenAnswered(pending, ctx.tierManager(ctx.nodeId()), shuffleKey);
-        }
+        ctx.giveBackWhenAnswered(pending, ctx.tierManager(ctx.nodeId()), shuffleKey);
       } catch (IOException | RuntimeException ignored) {
         // Ray is going down with this executor: the grant goes with the shuffle's release.
       }
