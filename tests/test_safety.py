@@ -135,8 +135,11 @@ def test_disk_deletes_and_writes_stay_in_the_data_dir(tmp_path):
     with pytest.raises(UnsafePathError, match="not a hybrid_ray segment file"):
         tier.delete(forged)
     tm = TierManager("node-a", 0)
-    with pytest.raises(UnsafePathError, match="refusing to delete"):
-        tm.free_segments("shf-1", [forged])
+    # Refused, not raised: the deletion's other segments go, and retrying it would never
+    # make the file ours. The refusal is counted (``hybrid-ray status``).
+    [refusal] = tm.free_segments("shf-1", [forged])
+    assert "refusing to delete" in refusal and "not a hybrid_ray segment file" in refusal
+    assert tm.usage().refused_deletions == 1
     with pytest.raises(UnsafePathError, match="refusing to serve"):
         tm.read_disk_segment(forged)
     # A segment-shaped path in someone else's directory is not this tier's either.
