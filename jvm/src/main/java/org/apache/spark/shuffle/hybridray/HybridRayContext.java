@@ -20,6 +20,7 @@ import java.util.concurrent.ConcurrentLinkedQueue;
 import java.util.concurrent.Executors;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.TimeUnit;
+import java.util.function.Function;
 import java.util.concurrent.RejectedExecutionException;
 import org.apache.spark.SparkConf;
 import org.slf4j.Logger;
@@ -297,26 +298,38 @@ public final class HybridRayContext {
     return request;
   }
 
-  /** Settle the late leases answered by now as unused (never waits). */
-  private void giveBackLateLeases() {
-    List<LateLease> pending = new ArrayList<>();
-    for (LateLease late = lateLeases.poll(); late != null; late = lateLeases.poll()) {
-      pending.add(late);
+  /** The calls of {@code queue} answered by now, taken off it; the others stay (at most
+   *  {@link #MAX_SENT_COMMITS}) to be looked at again. One Ray.wait for all, never waiting
+   *  (it hands back the very refs it was given). */
+  private static <T> List<T> takeAnswered(ConcurrentLinkedQueue<T> queue,
+      Function<T, ObjectRef<String>> answer) {
+    List<T> pending = new ArrayList<>();
+    for (T call = queue.poll(); call != null; call = queue.poll()) {
+      pending.add(call);
     }
     if (pending.isEmpty()) {
-      return;
+      return pending;
     }
     List<ObjectRef<String>> answers = new ArrayList<>(pending.size());
-    for (LateLease late : pending) {
-      answers.add(late.answer());
+    for (T call : pending) {
+      answers.add(answer.apply(call));
     }
     Set<ObjectRef<String>> ready = Collections.newSetFromMap(new IdentityHashMap<>());
     ready.addAll(Ray.wait(answers, answers.size(), 0).getReady());
-    for (LateLease late : pending) {
-      if (!ready.contains(late.answer())) {
-        lateLeases.add(late);  // not answered yet: look again later
-        continue;
+    List<T> answered = new ArrayList<>();
+    for (T call : pending) {
+      if (ready.contains(answer.apply(call))) {
+        answered.add(call);
+      } else if (queue.size() < MAX_SENT_COMMITS) {
+        queue.add(call);  // not answered yet: look again later
       }
+    }
+    return answered;
+  }
+
+  /** Settle the late leases answered by now as unused (never waits). */
+  private void giveBackLateLeases() {
+    for (LateLease late : takeAnswered(lateLeases, LateLease::answer)) {
       try {
         ObjectNode request = lateLeaseSettlement(json, parse(late.answer().get(0)),
             late.shuffleKey());
@@ -354,27 +367,7 @@ public final class HybridRayContext {
    * FetchFailedException, and Spark runs the map again.
    */
   private void reportSentCommits() {
-    List<SentCall> pending = new ArrayList<>();
-    for (SentCall sent = sentCommits.poll(); sent != null; sent = sentCommits.poll()) {
-      pending.add(sent);
-    }
-    if (pending.isEmpty()) {
-      return;
-    }
-    List<ObjectRef<String>> answers = new ArrayList<>(pending.size());
-    for (SentCall sent : pending) {
-      answers.add(sent.answer());
-    }
-    // One look at all of them (Ray.wait hands back the refs it was given).
-    Set<ObjectRef<String>> ready = Collections.newSetFromMap(new IdentityHashMap<>());
-    ready.addAll(Ray.wait(answers, answers.size(), 0).getReady());
-    for (SentCall sent : pending) {
-      if (!ready.contains(sent.answer())) {
-        if (sentCommits.size() < MAX_SENT_COMMITS) {
-          sentCommits.add(sent);  // not answered yet: look again later
-        }
-        continue;
-      }
+    for (SentCall sent : takeAnswered(sentCommits, SentCall::answer)) {
       try {
         sent.answer().get(0);
       } catch (RuntimeException e) {
