@@ -299,18 +299,18 @@ class TierManager:
                 f"refusing to delete {location!r} for shuffle {shuffle_id}: the segment "
                 f"({meta.id}) or its path names another shuffle. This is a bug in the "
                 "caller; please report it")
-        roots = {d for disk in self._disks.values() for d in disk.data_dirs()}
-        if any(is_inside(root, location) for root in roots):
-            return location
-        marker = read_shuffle_marker(shuffle_directory)
-        if marker is not None and marker.get("shuffle_id") == shuffle_id \
-                and is_inside(shuffle_directory, location):
-            return location
-        raise UnsafePathError(
-            f"refusing to delete {location!r}: it is neither inside the data dir of a spill "
-            f"dir this node's disk tier uses ({', '.join(sorted(roots)) or 'none yet'}) nor in "
-            f"a shuffle directory marked as hybrid_ray's for shuffle {shuffle_id}. If it is "
-            "a leftover of ours, `hybrid-ray cleanup` removes it")
+        try:
+            return self.require_own_segment_file(location, "delete")
+        except UnsafePathError as not_in_our_dirs:
+            marker = read_shuffle_marker(shuffle_directory)
+            if marker is not None and marker.get("shuffle_id") == shuffle_id \
+                    and is_inside(shuffle_directory, location):
+                return location
+            raise UnsafePathError(
+                f"refusing to delete {location!r}: it is neither inside the data dir of a "
+                f"spill dir this node's disk tier uses nor in a shuffle directory marked as "
+                f"hybrid_ray's for shuffle {shuffle_id}. If it is a leftover of ours, "
+                f"`hybrid-ray cleanup` removes it ({not_in_our_dirs})") from None
 
     def mark_disk_target(self, shuffle_id: str, spill_dir: str) -> None:
         """Give the shuffle's directory in ``spill_dir`` (a disk grant's target) hybrid_ray's
