@@ -737,10 +737,13 @@ class ShuffleWorkerActor:
     """
 
     def __init__(self) -> None:
-        global _RESTARTED_WORKER
         # Asked once per process (a GCS lookup), for map_task's retry check: Ray runs a
-        # task again in the restarted process of an actor that died running it.
-        _RESTARTED_WORKER = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        # task again in the restarted process of an actor that died running it. Set
+        # through a module function, not a ``global`` statement here: Ray ships actor
+        # classes pickled by value, so this method's globals are a copy of the module's,
+        # and a flag set in them was never seen by ``restarted_worker`` (a map retried
+        # after its writer died wrote as its dead run's attempt: rows came out twice).
+        _set_restarted_worker(bool(ray.get_runtime_context().was_current_actor_reconstructed))
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
@@ -749,6 +752,11 @@ class ShuffleWorkerActor:
 # Whether this process is a worker actor started again after its predecessor died
 # (None: not a worker actor). See ``ShuffleWorkerActor.__init__``.
 _RESTARTED_WORKER: bool | None = None
+
+
+def _set_restarted_worker(restarted: bool) -> None:
+    global _RESTARTED_WORKER
+    _RESTARTED_WORKER = restarted
 
 
 def restarted_worker() -> bool:

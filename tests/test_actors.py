@@ -522,3 +522,26 @@ def test_a_release_whose_store_hangs_answers_within_its_bound(ray_local, tmp_pat
     finally:
         ray.kill(master)
         silent.close()
+
+
+def test_a_worker_actor_started_again_after_its_process_died_knows_it(ray_local):
+    """Was: the flag was set with a ``global`` statement in ``__init__``, which Ray runs
+    from a by-value copy of the class with its own globals, so ``restarted_worker`` said
+    False in every process. A map that Ray retried after its writer was killed then wrote
+    as the dead run's attempt, next to that run's segments: one segment's rows came out
+    twice (``test_shuffle.py::test_killed_worker_mid_shuffle_output_still_exact[map]``
+    failed about one run in three)."""
+    import signal
+
+    from hybrid_ray.actors import ShuffleWorkerActor, restarted_worker
+
+    worker = ShuffleWorkerActor.options(name=f"restart-probe-{uuid.uuid4().hex[:6]}").remote()
+    try:
+        assert ray.get(worker.run.remote(restarted_worker), timeout=60) is False
+        pid = ray.get(worker.run.remote(os.getpid), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        # The call is retried (max_task_retries) in the process Ray starts again.
+        assert ray.get(worker.run.remote(restarted_worker), timeout=120) is True
+        assert ray.get(worker.run.remote(os.getpid), timeout=60) != pid
+    finally:
+        ray.kill(worker, no_restart=True)
