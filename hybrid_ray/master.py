@@ -31,7 +31,8 @@ class MapState:
     node_id: str = ""
     started: float = 0.0
     finished: float = 0.0
-    # attempt -> subpartition -> segments ordered by index
+    # attempt -> subpartition -> segments in commit order: index order, except where a
+    # remote upload committed after a later local segment (readers restore the order)
     segments: dict[int, dict[int, list[SegmentMeta]]] = dataclasses.field(default_factory=dict)
     stats: Any = None
     # Open shuffles (Spark's executors): attempts that finished writing, awaiting the

@@ -54,7 +54,8 @@ class _Missing:
 def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                       master: Any, missing_wait_s: float = MISSING_SEGMENT_WAIT_S,
                       times: ReduceTimes | None = None) -> list[pa.Table]:
-    """All rows of one subpartition, in map order, once every map has finished.
+    """All rows of one subpartition, in map order (and within a map in the order its
+    segments were written), once every map has finished.
 
     Follows the maps while they write (hybrid): polls the master for new segments and reads
     each from whichever tier holds it. If a map attempt is superseded, what was read of it is
@@ -89,7 +90,12 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
 
     reader = ReadClient(io_tiers_for(config, node_id), node_id, fetch_from_node)
     cursors: dict[int, tuple[int, int]] = {}
-    per_map: dict[int, list[pa.Table]] = collections.defaultdict(list)
+    # Per map, (segment index, rows): the master lists a map's segments in commit order,
+    # which is not their index order when some went to the remote tier (an upload is
+    # committed when it finishes, a local segment written after it at once). Rows are put
+    # back in index order at the end, so a map's rows keep their order (a seeded
+    # random_shuffle gives the same result every run).
+    per_map: dict[int, list[tuple[int, pa.Table]]] = collections.defaultdict(list)
 
     def read_updates(updates: list[MapUpdate]) -> _Missing | None:
         """Read the poll's new segments in order; the segment found gone whose map runs
@@ -104,7 +110,7 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         tables = reader.read_in_order([meta for _, _, meta in todo], config.remote_transfers)
         for map_index, attempt, meta in todo:
             try:
-                per_map[map_index].append(next(tables))
+                per_map[map_index].append((meta.id.index, next(tables)))
             except SegmentNotFoundError as exc:
                 # Memory segments die with their owner, any local segment with its node:
                 # the master has such a map run again (if anyone can). A disk or remote
@@ -159,7 +165,8 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
             break
     times.waiting += waiting.seconds
     times.control_plane += control.seconds
-    return [t for m in sorted(per_map) for t in per_map[m]]
+    return [table for m in sorted(per_map)
+            for _, table in sorted(per_map[m], key=lambda indexed: indexed[0])]
 
 
 def _finished_attempt(master: Any, shuffle_id: str, map_index: int) -> int | None:
