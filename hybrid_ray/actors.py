@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.errors import ShuffleStalledError
 from hybrid_ray.master import (
     PendingDeletion, PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
 )
@@ -64,12 +65,32 @@ EXPIRY_CHECK_INTERVAL_S = 5.0
 # Tier managers release shuffles the master no longer holds (see sweep_orphans).
 ORPHAN_SWEEP_INTERVAL_S = 30.0
 ORPHAN_SWEEP_GRACE = 2
-# Bound on one control call to the shuffle master from a tier manager or the CLI.
+# Bound on one control call to the shuffle master or a tier manager (from a driver, a
+# map or reduce task, a tier manager or the CLI; see ``answer_of``).
 MASTER_CALL_TIMEOUT_S = 30.0
+# Bound on a call that carries a segment's bytes (a disk segment read from another node's
+# tier manager): megabytes, so far more than a control call's, but not forever.
+DATA_CALL_TIMEOUT_S = 300.0
 # How often the master retries deletions that failed (each has its own backoff).
 DELETION_CHECK_INTERVAL_S = 1.0
 # Bound on waiting for a node's tier manager to delete a shuffle's data.
 NODE_DELETE_TIMEOUT_S = 60.0
+
+
+def answer_of(ref: ray.ObjectRef, what: str, timeout_s: float | None = None) -> Any:
+    """The answer of an actor call, waited for at most ``timeout_s`` (default
+    ``MASTER_CALL_TIMEOUT_S``). A master or tier manager that never answers (hung, or its
+    node paused) fails the task waiting on it with ``ShuffleStalledError`` naming the
+    call, instead of holding it forever: Spark's executors have no stall bound of ours."""
+    bound = MASTER_CALL_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return ray.get(ref, timeout=bound)
+    except ray.exceptions.GetTimeoutError:
+        raise ShuffleStalledError(
+            f"{what} got no answer within {bound:.0f} s: the actor is hung or its node is "
+            "overloaded (`hybrid-ray status` shows the master's and tier managers' state). "
+            "The task failed instead of waiting forever; run the job again once the "
+            "cluster is healthy") from None
 
 
 def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str,
@@ -258,16 +279,19 @@ class ActorNodeStorage:
     def reserve(self, shuffle_id, sizes, settled=()):
         register, self._register = self._register, None
         with self.stopwatch:
-            return ray.get(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled),
-                                                     register))
+            return answer_of(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled),
+                                                       register),
+                             f"the tier manager's reserve for shuffle {shuffle_id}")
 
     def settle(self, shuffle_id, settled):
         with self.stopwatch:
-            ray.get(self.actor.settle.remote(shuffle_id, list(settled)))
+            answer_of(self.actor.settle.remote(shuffle_id, list(settled)),
+                      f"the tier manager's settle for shuffle {shuffle_id}")
 
     def free_segments(self, shuffle_id, metas):
         with self.stopwatch:
-            ray.get(self.actor.free_segments.remote(shuffle_id, list(metas)))
+            answer_of(self.actor.free_segments.remote(shuffle_id, list(metas)),
+                      f"the tier manager's free_segments for shuffle {shuffle_id}")
 
 
 def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,

@@ -74,7 +74,8 @@ class ShuffleStalledError(ShuffleFailedError):
     """No map and no reducer of a shuffle finished for ``ShuffleConfig.stall_timeout_s``
     (a hung or paused worker process, a store that stopped answering): the shuffle was
     failed and its data removed instead of waiting forever. The message names what still
-    ran, where."""
+    ran, where. Also raised in a map or reduce task whose call to the shuffle master or a
+    tier manager went unanswered for its bound (``actors.answer_of``), naming the call."""
 
 
 class ShuffleMasterLostError(ShuffleFailedError):

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from hybrid_ray.actors import ActorNodeStorage, get_tier_manager, restarted_worker
+from hybrid_ray.actors import ActorNodeStorage, answer_of, get_tier_manager, restarted_worker
 from hybrid_ray.clients import WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ConfigError, ShuffleFailedError
@@ -59,7 +59,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     pid = os.getpid()
     if attempt is None or not _first_run_of(shuffle_id, map_index, attempt):
         with control:
-            attempt = ray.get(master.begin_map.remote(shuffle_id, map_index, node_id, pid))
+            attempt = answer_of(master.begin_map.remote(shuffle_id, map_index, node_id, pid),
+                                f"the shuffle master's begin_map for map {map_index}")
     if attempt is None:
         return None
     if on_attempt is not None:
@@ -81,7 +82,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         sent before the previous one ran (segments are kept in the order of their index)."""
         if sent:
             with control:
-                live = ray.get(sent.pop())
+                live = answer_of(sent.pop(),
+                                 f"the shuffle master's commit for map {map_index}")
             if not live:
                 superseded.append(True)
 
@@ -143,8 +145,9 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     # Refused (another attempt finished first, or this one was superseded meanwhile): the
     # master deletes the last segments as it does a refused commit's.
     try:
-        finished = ray.get(master.finish_map.remote(shuffle_id, map_index, attempt,
-                                                    client.stats, last_segments, pid))
+        finished = answer_of(master.finish_map.remote(shuffle_id, map_index, attempt,
+                                                      client.stats, last_segments, pid),
+                             f"the shuffle master's finish_map for map {map_index}")
     except BaseException:
         # No answer, or the shuffle is gone (failed and released while this map wrote):
         # the master never took the last segments, and a release that came after this

@@ -19,7 +19,9 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, existing_tier_manager
+from hybrid_ray.actors import (
+    DATA_CALL_TIMEOUT_S, MASTER_CALL_TIMEOUT_S, answer_of, existing_tier_manager,
+)
 from hybrid_ray.clients import ReadClient
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import SegmentLostWithNodeError, SegmentNotFoundError
@@ -80,7 +82,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         try:
             if tm is None:
                 raise ray.exceptions.ActorDiedError()
-            return ray.get(tm.read_disk_segment.remote(meta))
+            return answer_of(tm.read_disk_segment.remote(meta),
+                             f"node {meta.node_id}'s tier manager reading {meta.id}",
+                             DATA_CALL_TIMEOUT_S)
         except WORKER_LOST_ERRORS as exc:
             if not lost_with_node(meta.node_id, exc):
                 raise
@@ -117,8 +121,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
                 # segment of a finished map on a live node is lost for good.
                 if meta.tier == TierName.MEMORY or isinstance(exc, SegmentLostWithNodeError):
                     with control:
-                        rerun = ray.get(master.report_lost.remote(
-                            shuffle_id, map_index, attempt))
+                        rerun = answer_of(master.report_lost.remote(
+                            shuffle_id, map_index, attempt),
+                            f"the shuffle master's report_lost for map {map_index}")
                     if not rerun:
                         raise
                 else:
@@ -139,9 +144,10 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         # A long poll: the master answers at once if something is new, else holds the
         # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
         with control:
-            result = ray.get(master.poll.remote(shuffle_id, subpartition, cursors,
-                                                os.getpid(), POLL_WAIT_S),
-                             timeout=POLL_WAIT_S + MASTER_CALL_TIMEOUT_S)
+            result = answer_of(master.poll.remote(shuffle_id, subpartition, cursors,
+                                                  os.getpid(), POLL_WAIT_S),
+                               f"the shuffle master's poll for subpartition {subpartition}",
+                               POLL_WAIT_S + MASTER_CALL_TIMEOUT_S)
         control.seconds -= result.waited_s
         waiting.seconds += result.waited_s
         missing = read_updates(result.updates)
@@ -172,7 +178,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
 def _finished_attempt(master: Any, shuffle_id: str, map_index: int) -> int | None:
     """The attempt of a map the master counts as finished (None: no attempt finished, so
     one is still running or will be retried)."""
-    return ray.get(master.progress.remote(shuffle_id))["maps"][map_index]["finished"]
+    progress = answer_of(master.progress.remote(shuffle_id),
+                         f"the shuffle master's progress of {shuffle_id}")
+    return progress["maps"][map_index]["finished"]
 
 
 def _segment_lost(meta: Any, cause: Exception, subpartition: int) -> SegmentNotFoundError:

@@ -91,9 +91,10 @@ def reports(namespace: str, prefix: str) -> list[ShuffleReport]:
     """One ``ShuffleReport`` per Spark shuffle whose id starts with ``prefix``."""
     import ray
 
-    from hybrid_ray.actors import master_handle
+    from hybrid_ray.actors import answer_of, master_handle
 
-    summaries = ray.get(master_handle(namespace).spark_reports.remote(prefix))
+    summaries = answer_of(master_handle(namespace).spark_reports.remote(prefix),
+                          "the shuffle master's spark_reports")
     return [_report(s) for s in summaries]
 
 

@@ -169,3 +169,61 @@ def test_a_shuffle_whose_writers_hang_fails_within_its_stall_bound_and_the_next_
         hybrid_ray.repartition(ds, 4, keys=["key"], config=config).to_arrow_refs()))
     assert sorted(out["id"].to_pylist()) == list(range(200_000))
     assert_no_leftovers(config, ray)
+
+
+def _in_thread(fn, *args):
+    """Run ``fn`` in a daemon thread; (thread, outcome dict with "error" or "result")."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_map_and_reduce_tasks_give_up_on_a_master_that_never_answers(ray_local, tmp_path,
+                                                                       monkeypatch):
+    """Was: a map or reduce task waited on the shuffle master without a bound, so a hung
+    master held Spark's executors forever (the Ray driver's stall bound ends its own
+    shuffles only after ``stall_timeout_s``, 15 minutes by default)."""
+    import ray
+
+    from hybrid_ray import actors
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.partitioning import HashPartitioner
+    from hybrid_ray.shuffle import read_subpartition, write_map_partition
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class SilentMaster:
+        def begin_map(self, *args):
+            time.sleep(600)
+
+        def poll(self, *args):
+            time.sleep(600)
+
+    from hybrid_ray import reduce_task
+
+    monkeypatch.setattr(actors, "MASTER_CALL_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(reduce_task, "MASTER_CALL_TIMEOUT_S", 2.0)  # the poll's bound
+    silent = SilentMaster.remote()
+    config = base_config(tmp_path, namespace=f"hr-silent-{uuid.uuid4().hex[:6]}")
+    table = pa.table({"key": np.arange(1_000) % 7})
+    try:
+        writer, wrote = _in_thread(write_map_partition, "shf-000000silent", 0, [table], 2,
+                                   HashPartitioner(["key"]), config, silent)
+        reader, read = _in_thread(read_subpartition, "shf-000000silent", 0, config, silent)
+        writer.join(60)
+        reader.join(60)
+        assert not writer.is_alive() and not reader.is_alive(), "still waiting on the master"
+        for outcome, call in ((wrote, "begin_map for map 0"),
+                              (read, "poll for subpartition 0")):
+            error = outcome.get("error")
+            assert isinstance(error, ShuffleStalledError), outcome
+            assert f"the shuffle master's {call} got no answer within" in str(error)
+    finally:
+        ray.kill(silent)
