@@ -174,10 +174,17 @@ def _first_run_of(shuffle_id: str, map_index: int, attempt: int) -> bool:
     Ray runs an actor task again after its process died (``max_task_retries``), with the
     same arguments, and may run it again in the same process if the call's reply was lost.
     A second run writing as the first one's attempt would add its segments to the first
-    one's: duplicate rows. So a restarted writer (``was_current_actor_reconstructed``) or a
-    process that already started this attempt asks the master for a new attempt instead,
-    which supersedes the first run's (its segments are deleted, its readers reset)."""
-    if restarted_worker():
+    one's: duplicate rows. So a run Ray retried (its task attempt number is above 0; where
+    this Ray cannot say, any run in a restarted writer) or a process that already started
+    this attempt asks the master for a new attempt instead, which supersedes the first
+    run's (its segments are deleted, its readers reset). Only retried runs: a restarted
+    writer's later maps use their registered attempts, so its later shuffles report no
+    retried attempts that never happened."""
+    task_attempt = _ray_task_attempt()
+    if task_attempt is None:
+        if restarted_worker():
+            return False
+    elif task_attempt > 0:
         return False
     key = (shuffle_id, map_index, attempt)
     if key in _STARTED_ATTEMPTS:
@@ -186,6 +193,17 @@ def _first_run_of(shuffle_id: str, map_index: int, attempt: int) -> bool:
     while len(_STARTED_ATTEMPTS) > _STARTED_ATTEMPTS_KEPT:
         _STARTED_ATTEMPTS.popitem(last=False)
     return True
+
+
+def _ray_task_attempt() -> int | None:
+    """Ray's attempt number of the task running in this thread: 0 for its first run, 1 or
+    more when Ray runs it again (after its actor's process died). None where this Ray
+    version does not expose it (the call is Ray-internal)."""
+    try:
+        worker = ray._private.worker.global_worker  # noqa: SLF001 - no public API for it
+        return int(worker.core_worker.get_current_task_attempt_number())
+    except Exception:  # noqa: BLE001 - fall back to restarted_worker()
+        return None
 
 
 def _abort_keeping_the_cause(client: WriteClient) -> None:

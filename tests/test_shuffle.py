@@ -297,6 +297,12 @@ def test_killed_worker_mid_shuffle_output_still_exact(ray_local, tmp_path, role)
     assert row_fingerprint(result["parts"]) == row_fingerprint([table])
     if role == "map":
         assert result["report"].superseded_attempts >= 1
+        # The restarted writer's later maps use their registered attempts: a shuffle
+        # without faults reports no retried attempts (was: one per map it ran).
+        again = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 4, hybrid_ray.HashPartitioner(
+            ["key"]), table.schema, cfg)
+        assert row_fingerprint(ray_local.get(again.refs)) == row_fingerprint([table])
+        assert again.report.superseded_attempts == 0, again.report.table()
     assert_no_leftovers(cfg, ray_local)
 
 
