@@ -380,14 +380,23 @@ def test_a_writers_last_rows_take_one_reservation_and_settle_only_what_changes_b
 
 def test_a_map_s_registered_attempt_is_used_by_its_first_run_only(monkeypatch):
     """A second run of the same call in one process (Ray retrying a call whose reply was
-    lost), or any run in a restarted worker process (Ray retrying a call that died with
-    its process), must not write as the attempt begun at registration: its segments
-    would join the first run's (duplicate rows). They ask the master for a new attempt."""
+    lost), or a run Ray retried after its process died (task attempt number above 0; in
+    a restarted worker process where Ray cannot say), must not write as the attempt begun
+    at registration: its segments would join the first run's (duplicate rows). They ask
+    the master for a new attempt. A first run in a restarted writer still uses its own:
+    its later shuffles must not report retries that never happened."""
     from hybrid_ray import actors, map_task
 
     monkeypatch.setattr(map_task, "_STARTED_ATTEMPTS", map_task.collections.OrderedDict())
     assert map_task._first_run_of("shf-a", 3, 0)
     assert not map_task._first_run_of("shf-a", 3, 0)
     assert map_task._first_run_of("shf-a", 4, 0)
-    monkeypatch.setattr(actors, "_RESTARTED_WORKER", True)
+    monkeypatch.setattr(map_task, "_ray_task_attempt", lambda: 1)  # Ray retried the task
     assert not map_task._first_run_of("shf-a", 5, 0)
+    monkeypatch.setattr(actors, "_RESTARTED_WORKER", True)
+    monkeypatch.setattr(map_task, "_ray_task_attempt", lambda: 0)  # a first run there
+    assert map_task._first_run_of("shf-a", 6, 0)
+    monkeypatch.setattr(map_task, "_ray_task_attempt", lambda: None)  # Ray cannot say
+    assert not map_task._first_run_of("shf-a", 7, 0)
+    monkeypatch.setattr(actors, "_RESTARTED_WORKER", False)
+    assert map_task._first_run_of("shf-a", 8, 0)
