@@ -71,26 +71,36 @@ MASTER_CALL_TIMEOUT_S = 30.0
 # Bound on a call that carries a segment's bytes (a disk segment read from another node's
 # tier manager): megabytes, so far more than a control call's, but not forever.
 DATA_CALL_TIMEOUT_S = 300.0
+# Bound on a writer's control call to its node's tier manager (reserve, settle,
+# free_segments). The tier manager runs one call at a time, so these queue behind its
+# slow ones (storing segments for a process that cannot own them while the object store
+# spills, serving a disk segment to another node, deleting a released shuffle's files:
+# each bounded at up to DATA_CALL_TIMEOUT_S), and a node's first reservation may start
+# the tier manager's process: a control call's 30 s would fail healthy, busy nodes.
+TIER_MANAGER_CALL_TIMEOUT_S = DATA_CALL_TIMEOUT_S
 # How often the master retries deletions that failed (each has its own backoff).
 DELETION_CHECK_INTERVAL_S = 1.0
 # Bound on waiting for a node's tier manager to delete a shuffle's data.
 NODE_DELETE_TIMEOUT_S = 60.0
 
 
-def answer_of(ref: ray.ObjectRef, what: str, timeout_s: float | None = None) -> Any:
+def answer_of(ref: ray.ObjectRef, what: str, timeout_s: float | None = None,
+              error: type[Exception] = ShuffleStalledError) -> Any:
     """The answer of an actor call, waited for at most ``timeout_s`` (default
     ``MASTER_CALL_TIMEOUT_S``). A master or tier manager that never answers (hung, or its
-    node paused) fails the task waiting on it with ``ShuffleStalledError`` naming the
-    call, instead of holding it forever: Spark's executors have no stall bound of ours."""
+    node paused) fails the task waiting on it with ``error`` (``ShuffleStalledError``)
+    naming the call, instead of holding it forever: Spark's executors have no stall bound
+    of ours. The call itself is not cancelled (Ray cannot cancel an actor's running call):
+    what it does when it runs late is undone with the failed task's attempt."""
     bound = MASTER_CALL_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         return ray.get(ref, timeout=bound)
     except ray.exceptions.GetTimeoutError:
-        raise ShuffleStalledError(
+        raise error(
             f"{what} got no answer within {bound:.0f} s: the actor is hung or its node is "
             "overloaded (`hybrid-ray status` shows the master's and tier managers' state). "
-            "The task failed instead of waiting forever; run the job again once the "
-            "cluster is healthy") from None
+            "Gave up instead of waiting forever; run the job again once the cluster is "
+            "healthy") from None
 
 
 def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str,
@@ -281,17 +291,20 @@ class ActorNodeStorage:
         with self.stopwatch:
             return answer_of(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled),
                                                        register),
-                             f"the tier manager's reserve for shuffle {shuffle_id}")
+                             f"the tier manager's reserve for shuffle {shuffle_id}",
+                             TIER_MANAGER_CALL_TIMEOUT_S)
 
     def settle(self, shuffle_id, settled):
         with self.stopwatch:
             answer_of(self.actor.settle.remote(shuffle_id, list(settled)),
-                      f"the tier manager's settle for shuffle {shuffle_id}")
+                      f"the tier manager's settle for shuffle {shuffle_id}",
+                      TIER_MANAGER_CALL_TIMEOUT_S)
 
     def free_segments(self, shuffle_id, metas):
         with self.stopwatch:
             answer_of(self.actor.free_segments.remote(shuffle_id, list(metas)),
-                      f"the tier manager's free_segments for shuffle {shuffle_id}")
+                      f"the tier manager's free_segments for shuffle {shuffle_id}",
+                      TIER_MANAGER_CALL_TIMEOUT_S)
 
 
 def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,

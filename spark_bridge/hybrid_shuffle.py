@@ -94,7 +94,7 @@ def reports(namespace: str, prefix: str) -> list[ShuffleReport]:
     from hybrid_ray.actors import answer_of, master_handle
 
     summaries = answer_of(master_handle(namespace).spark_reports.remote(prefix),
-                          "the shuffle master's spark_reports")
+                          "the shuffle master's spark_reports", error=HybridRayError)
     return [_report(s) for s in summaries]
 
 

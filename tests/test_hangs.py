@@ -227,3 +227,33 @@ def test_map_and_reduce_tasks_give_up_on_a_master_that_never_answers(ray_local, 
             assert f"the shuffle master's {call} got no answer within" in str(error)
     finally:
         ray.kill(silent)
+
+
+def test_a_writer_waits_for_a_busy_tier_manager_longer_than_for_the_master(ray_local,
+                                                                           monkeypatch):
+    """A tier manager runs one call at a time: a writer's reserve queues behind its slow
+    calls (segments stored for other processes, disk segments served to other nodes,
+    a released shuffle's files deleted), so it gets ``TIER_MANAGER_CALL_TIMEOUT_S``, not
+    the master's 30 s (was, in review: a busy, healthy node failed the task)."""
+    import ray
+
+    from hybrid_ray import actors
+    from hybrid_ray.errors import ShuffleStalledError
+
+    @ray.remote(num_cpus=0)
+    class BusyTierManager:
+        def reserve(self, *args):
+            time.sleep(3)
+            return ["placed"]
+
+    monkeypatch.setattr(actors, "MASTER_CALL_TIMEOUT_S", 1.0)
+    busy = BusyTierManager.remote()
+    try:
+        storage = actors.ActorNodeStorage(busy)
+        assert storage.reserve("shf-00000000busy", [10]) == ["placed"]
+        monkeypatch.setattr(actors, "TIER_MANAGER_CALL_TIMEOUT_S", 1.0)
+        with pytest.raises(ShuffleStalledError, match="the tier manager's reserve for shuffle "
+                                                      "shf-00000000busy got no answer within 1 s"):
+            storage.reserve("shf-00000000busy", [10])
+    finally:
+        ray.kill(busy)

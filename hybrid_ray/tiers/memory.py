@@ -123,6 +123,7 @@ def put_many_owned_by(owner: Any, values: Sequence[Any]) -> list[ray.ObjectRef]:
         raise ShuffleStalledError(
             f"the tier manager did not store {len(values)} memory-tier segment(s) within "
             f"{OWNER_PUT_TIMEOUT_S:.0f} s: the node's object store is full and Ray cannot "
-            "spill fast enough, or the tier manager is hung. Lower "
+            "spill fast enough, the tier manager is busy with other processes' calls, or "
+            "it is hung. Lower "
             "ShuffleConfig.memory_fraction (or memory_capacity_bytes) to leave the object "
             "store room, and check `hybrid-ray status`") from None
