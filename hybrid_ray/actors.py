@@ -65,11 +65,13 @@ EXPIRY_CHECK_INTERVAL_S = 5.0
 # Tier managers release shuffles the master no longer holds (see sweep_orphans).
 ORPHAN_SWEEP_INTERVAL_S = 30.0
 ORPHAN_SWEEP_GRACE = 2
-# Bound on one control call to the shuffle master or a tier manager (from a driver, a
-# map or reduce task, a tier manager or the CLI; see ``answer_of``).
+# Bound on one control call to the shuffle master (from a driver, a map or reduce task, a
+# tier manager or the CLI; see ``answer_of``) or to a tier manager from the master.
 MASTER_CALL_TIMEOUT_S = 30.0
-# Bound on a call that carries a segment's bytes (a disk segment read from another node's
-# tier manager): megabytes, so far more than a control call's, but not forever.
+# Bound on a call that carries segments' bytes (a disk segment read from another node's
+# tier manager; a tier manager storing memory-tier segments for a process that cannot own
+# them, while the object store may have to spill others' objects first): megabytes, so
+# far more than a control call's, but not forever.
 DATA_CALL_TIMEOUT_S = 300.0
 # Bound on a writer's control call to its node's tier manager (reserve, settle,
 # free_segments). The tier manager runs one call at a time, so these queue behind its
@@ -85,13 +87,14 @@ NODE_DELETE_TIMEOUT_S = 60.0
 
 
 def answer_of(ref: ray.ObjectRef, what: str, timeout_s: float | None = None,
-              error: type[Exception] = ShuffleStalledError) -> Any:
+              error: type[Exception] = ShuffleStalledError, hint: str = "") -> Any:
     """The answer of an actor call, waited for at most ``timeout_s`` (default
     ``MASTER_CALL_TIMEOUT_S``). A master or tier manager that never answers (hung, or its
     node paused) fails the task waiting on it with ``error`` (``ShuffleStalledError``)
-    naming the call, instead of holding it forever: Spark's executors have no stall bound
-    of ours. The call itself is not cancelled (Ray cannot cancel an actor's running call):
-    what it does when it runs late is undone with the failed task's attempt."""
+    naming the call, and ``hint`` (what else to check for this call), instead of holding
+    it forever: Spark's executors have no stall bound of ours. The call itself is not
+    cancelled (Ray cannot cancel an actor's running call): what it does when it runs late
+    is undone with the failed task's attempt."""
     bound = MASTER_CALL_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         return ray.get(ref, timeout=bound)
@@ -100,7 +103,7 @@ def answer_of(ref: ray.ObjectRef, what: str, timeout_s: float | None = None,
             f"{what} got no answer within {bound:.0f} s: the actor is hung or its node is "
             "overloaded (`hybrid-ray status` shows the master's and tier managers' state). "
             "Gave up instead of waiting forever; run the job again once the cluster is "
-            "healthy") from None
+            "healthy" + (f". {hint}" if hint else "")) from None
 
 
 def _wait_for_nodes(waits: Sequence[tuple[str, ray.ObjectRef]], what: str,

@@ -257,3 +257,33 @@ def test_a_writer_waits_for_a_busy_tier_manager_longer_than_for_the_master(ray_l
             storage.reserve("shf-00000000busy", [10])
     finally:
         ray.kill(busy)
+
+
+def test_a_tier_manager_storing_segments_for_another_process_is_waited_for_within_a_bound(
+        ray_local, monkeypatch):
+    """A process that cannot own memory-tier objects (a Spark executor's Python worker)
+    has its node's tier manager store them; that wait is bounded too and names the call
+    and what to change."""
+    import ray
+
+    from hybrid_ray import actors
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.tiers.memory import put_many_owned_by
+
+    @ray.remote(num_cpus=0)
+    class SlowOwner:
+        def put_objects(self, values):
+            time.sleep(3)
+            return [ray.put(v) for v in values]
+
+    owner = SlowOwner.remote()
+    try:
+        refs = put_many_owned_by(owner, [b"segment"])
+        assert ray.get(refs) == [b"segment"]
+        monkeypatch.setattr(actors, "DATA_CALL_TIMEOUT_S", 1.0)
+        with pytest.raises(ShuffleStalledError, match=r"the tier manager storing 1 memory-tier "
+                                                      r"segment\(s\) got no answer within 1 s.*"
+                                                      r"ShuffleConfig.memory_fraction"):
+            put_many_owned_by(owner, [b"segment"])
+    finally:
+        ray.kill(owner)

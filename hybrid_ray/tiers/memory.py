@@ -14,14 +14,9 @@ import numpy as np
 import ray
 
 from hybrid_ray.config import TierName
-from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError
+from hybrid_ray.errors import SegmentNotFoundError
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
-
-# Bound on a tier manager storing a batch of memory-tier segments for a process that
-# cannot own them (``put_many_owned_by``): megabytes into the object store, which may
-# have to spill others' objects first, so minutes rather than a control call's seconds.
-OWNER_PUT_TIMEOUT_S = 300.0
 
 
 class MemoryTier(Tier):
@@ -117,13 +112,12 @@ def put_many_owned_by(owner: Any, values: Sequence[Any]) -> list[ray.ObjectRef]:
     """
     if owner is None:
         return [ray.put(v) for v in values]
-    try:
-        return ray.get(owner.put_objects.remote(list(values)), timeout=OWNER_PUT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise ShuffleStalledError(
-            f"the tier manager did not store {len(values)} memory-tier segment(s) within "
-            f"{OWNER_PUT_TIMEOUT_S:.0f} s: the node's object store is full and Ray cannot "
-            "spill fast enough, the tier manager is busy with other processes' calls, or "
-            "it is hung. Lower "
-            "ShuffleConfig.memory_fraction (or memory_capacity_bytes) to leave the object "
-            "store room, and check `hybrid-ray status`") from None
+    # Imported here: actors imports the tiers. Bounded like every call to a tier manager.
+    from hybrid_ray.actors import DATA_CALL_TIMEOUT_S, answer_of
+
+    return answer_of(owner.put_objects.remote(list(values)),
+                     f"the tier manager storing {len(values)} memory-tier segment(s)",
+                     DATA_CALL_TIMEOUT_S,
+                     hint="If the node's object store is full and Ray cannot spill fast "
+                          "enough, lower ShuffleConfig.memory_fraction (or "
+                          "memory_capacity_bytes) to leave it room")
