@@ -403,6 +403,9 @@ class MapRunner:
         self.results: dict[int, Any] = {}  # map index -> map_fn's result (last run)
         self.lost_nodes: set[str] = set()  # nodes that died while their writers ran maps
         self._dead_slots: set[int] = set()
+        # Maps reported lost while a run of them was still in flight: queued again when
+        # that run returns (see _requeue).
+        self._lost_while_running: set[int] = set()
         self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
         self._lost_interval = LOST_MAPS_POLL_S  # until the next ask (see poll)
         # Maps whose attempt 0 began at registration: their first run here is attempt 0.
@@ -456,6 +459,9 @@ class MapRunner:
                     if not lost_with_node(node, exc):
                         raise
                     self._drop_node(node)
+                    self._requeue([map_index])
+                if map_index in self._lost_while_running:
+                    self._lost_while_running.discard(map_index)
                     self._requeue([map_index])
         if time.monotonic() - self._lost_asked >= self._lost_interval:
             self._lost_asked = time.monotonic()
@@ -516,8 +522,16 @@ class MapRunner:
     def _requeue(self, maps: Sequence[int]) -> None:
         """Put maps at the front of the queue, each once: a map lost with its node can be
         reported both by its writer's failure and by a reader missing its segments, and two
-        runs at once would supersede each other."""
+        runs at once would supersede each other.
+
+        A map still in flight is queued when its run returns, not dropped: that run may
+        be the one whose output was just reported lost (it finished, its result not
+        collected yet), or a retry that found the map finished and wrote nothing. The
+        master hands a lost map out once (``take_lost``), so dropping it here left the map
+        unfinished for good and its readers failing. Run again, a map whose latest run did
+        finish a new attempt writes nothing (``begin_map`` refuses a finished map)."""
         running = {m for m, _ in self._running.values()}
+        self._lost_while_running.update(m for m in maps if m in running)
         fresh = [m for m in maps if m not in running and m not in self._queue]
         self._queue.extendleft(reversed(fresh))
 

@@ -291,3 +291,75 @@ def test_a_map_runner_asks_for_lost_maps_less_often_while_none_are_lost(monkeypa
     # came back in the 7th answer: the next ask is 0.5 s later.
     assert gaps[:7] == [1.0, 2.0, 4.0, 4.0, 4.0, 4.0, 0.5], gaps
     assert 7 in runner._queue
+
+
+class _ScriptedRef:
+    """A map run's result as a fake object ref (``lifecycle.ray.get`` is patched)."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+
+class _ScriptedWriter:
+    """A writer actor whose runs are recorded and return scripted refs."""
+
+    def __init__(self):
+        self.runs: list[tuple[int, int | None, _ScriptedRef]] = []
+        self.run = self
+
+    def remote(self, _fn, _shuffle_id, map_index, _input, *args, attempt=None):
+        ref = _ScriptedRef({"rows": 1})
+        self.runs.append((map_index, attempt, ref))
+        return ref
+
+
+class _RegistryLifecycle:
+    """The two calls MapRunner makes on its lifecycle, answered by a real registry."""
+
+    def __init__(self, registry, shuffle_id):
+        self.registry, self.shuffle_id = registry, shuffle_id
+
+    def take_begun_maps(self):
+        return {0, 1}
+
+    def take_lost(self):
+        return self.registry.take_lost(self.shuffle_id)
+
+
+def test_a_map_reported_lost_before_its_finished_run_is_collected_runs_again(monkeypatch):
+    """A reader can report a finished map's segments lost (their owner died) before the
+    driver has collected that map's result. The master hands each lost map out once; the
+    runner used to drop it because a run of it was still "running", so no attempt of it
+    ever finished again and its readers failed. It must run again once that run returns."""
+    from hybrid_ray.config import ShuffleConfig
+    from hybrid_ray.master import ShuffleRegistry
+
+    monkeypatch.setattr(lifecycle.ray, "get", lambda ref, **_: ref.value)
+    registry = ShuffleRegistry(lambda *_: None, lambda *_: None)
+    sid = "shf-lostwhilerunning"
+    registry.register(sid, 2, 1, ShuffleConfig(progress=False), recoverable=True,
+                      maps_begun_on=["node-a", "node-b"])
+    writer_a, writer_b = _ScriptedWriter(), _ScriptedWriter()
+    runner = lifecycle.MapRunner(_RegistryLifecycle(registry, sid),
+                                 [("node-a", writer_a), ("node-b", writer_b)],
+                                 [None, None], lambda *a, **k: None, ())
+    (map0, attempt0, ref0), = writer_a.runs
+    assert (map0, attempt0) == (0, 0)
+    segment = SegmentMeta(SegmentId(sid, 0, 0, 0, 0), TierName.MEMORY, 10, 1, "node-a")
+    assert registry.finish_map(sid, 0, 0, None, [segment])
+    # A reader misses the segment before the driver saw map 0 finish; the driver then asks.
+    assert registry.report_lost(sid, 0, 0) is True
+    runner._lost_asked = runner._lost_interval = 0
+    runner.poll(set())
+    assert registry.state(sid).lost == set()  # handed out: the runner alone knows now
+    runner.poll({ref0})  # map 0's first run returns (its output since lost)
+    assert [(m, a) for m, a, _ in writer_a.runs] == [(0, 0), (0, None)], \
+        "map 0 was not run again: its lost output would never be replaced"
+    (_, _, ref1), = writer_b.runs
+    assert registry.finish_map(sid, 1, 0, None, [])
+    runner.poll({ref1})
+    assert not runner.done
+    attempt = registry.begin_map(sid, 0, "node-a")  # what the new run does first
+    assert attempt == 1 and registry.finish_map(sid, 0, attempt, None, [])
+    runner.poll({writer_a.runs[-1][2]})
+    assert runner.done and registry.poll(sid, 0, {}).done
