@@ -83,8 +83,20 @@ def app_key(app_id: str) -> str:
     return key[-80:]
 
 
-def app_prefix(app_id: str) -> str:
-    return f"spark-{app_key(app_id)}-"
+def session_tag(session: str) -> str:
+    """The part of a Spark shuffle's id that tells sessions under one application id apart
+    (as the JVM derives it in ``HybridRayContext.sessionTag``): the session token's first
+    8 characters after its "s"."""
+    token = re.sub(r"[^A-Za-z0-9]", "", session)
+    if len(token) < 9:
+        raise ValueError(f"a session token has at least 9 letters or digits, got {session!r}")
+    return token[1:9]
+
+
+def app_prefix(app_id: str, session: str) -> str:
+    """The start of every hybrid_ray id of the Spark session ``session`` (its token) of
+    application ``app_id``: ``spark-<app>-<session tag>-``."""
+    return f"spark-{app_key(app_id)}-{session_tag(session)}-"
 
 
 def reports(namespace: str, prefix: str) -> list[ShuffleReport]:

@@ -244,7 +244,8 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         from spark_bridge.hybrid_shuffle import app_prefix
 
         _session_shuffles = (shuffle_config.namespace,
-                             app_prefix(session.sparkContext.applicationId), session_token)
+                             app_prefix(session.sparkContext.applicationId, session_token),
+                             session_token)
         _session_config = shuffle_config
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()

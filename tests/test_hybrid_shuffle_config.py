@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -46,9 +47,22 @@ def test_missing_jar_names_the_fix(monkeypatch, tmp_path):
 
 
 def test_app_prefix_matches_the_jvms_shuffle_ids():
-    # HybridRayContext.appKey: characters outside [A-Za-z0-9_.-] become "_", last 80 kept.
-    assert app_prefix("spark-application-17/95") == "spark-spark-application-17_95-"
-    assert app_prefix("y" + "x" * 80) == "spark-" + "x" * 80 + "-"
+    # HybridRayContext.appKey: characters outside [A-Za-z0-9_.-] become "_", last 80 kept;
+    # sessionTag: the token's 8 characters after its "s" (HybridRayMapOutputWriterTest).
+    token = "s0123456789abcdef0123456789abcdef"
+    assert app_prefix("spark-application-17/95", token) == \
+        "spark-spark-application-17_95-01234567-"
+    assert app_prefix("y" + "x" * 80, token) == "spark-" + "x" * 80 + "-01234567-"
+
+
+def test_two_sessions_of_one_application_id_get_apart_shuffle_ids():
+    """Two drivers started in the same millisecond (RayDP's app ids are timestamps), or one
+    restarted under its old id, shared every shuffle id: the second took over the first's
+    shuffle state at the master and could be served its segments."""
+    app = "app-20261125015300123"
+    assert app_prefix(app, f"s{uuid.uuid4().hex}") != app_prefix(app, f"s{uuid.uuid4().hex}")
+    with pytest.raises(ValueError, match="session token"):
+        app_prefix("app-1", "")
 
 
 def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):

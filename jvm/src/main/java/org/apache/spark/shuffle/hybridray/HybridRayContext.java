@@ -116,7 +116,7 @@ public final class HybridRayContext {
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.commitWaitMs = conf.getTimeAsMs(CONF_COMMIT_WAIT_MS, "30s");
-    this.appKey = appKey(conf.getAppId());
+    this.appKey = appKey(conf.getAppId()) + "-" + sessionTag(configJson);
     sender.scheduleWithFixedDelay(() -> {
       try {
         reportSentCommits();
@@ -157,7 +157,30 @@ public final class HybridRayContext {
     return key.length() > 80 ? key.substring(key.length() - 80) : key;
   }
 
-  /** hybrid_ray's id of a Spark shuffle: {@code spark-<app>-<shuffle id>}. */
+  /**
+   * What tells this Spark session's shuffles from another's under the same application id
+   * (two drivers started in the same millisecond, an id set by hand, a driver restarted
+   * under its old id): without it a new session took over the old one's shuffle state at
+   * the master, and its readers could be served the old session's segments. The first 8
+   * characters of the session token after its "s" when {@code spark_bridge} started the
+   * session (its Python side derives the same prefix from the token), else 8 random hex
+   * digits (only the driver makes shuffle ids; executors take them from the handles).
+   */
+  static String sessionTag(String configJson) {
+    String token = "";
+    try {
+      JsonNode session = new ObjectMapper().readTree(configJson).get("session");
+      token = session == null ? "" : session.asText().replaceAll("[^A-Za-z0-9]", "");
+    } catch (IOException | RuntimeException e) {
+      token = "";
+    }
+    if (token.length() >= 9) {
+      return token.substring(1, 9);
+    }
+    return String.format("%08x", new java.security.SecureRandom().nextInt());
+  }
+
+  /** hybrid_ray's id of a Spark shuffle: {@code spark-<app>-<session tag>-<shuffle id>}. */
   String shuffleKey(int shuffleId) {
     return "spark-" + appKey + "-" + shuffleId;
   }

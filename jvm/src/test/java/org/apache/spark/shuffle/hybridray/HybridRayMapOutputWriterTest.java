@@ -2,6 +2,7 @@ package org.apache.spark.shuffle.hybridray;
 
 import static org.junit.jupiter.api.Assertions.assertArrayEquals;
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertNotEquals;
 import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertSame;
@@ -174,5 +175,17 @@ class HybridRayMapOutputWriterTest {
     assertEquals(Arrays.asList("app-2026_1", "x".repeat(80)),
         Arrays.asList(HybridRayContext.appKey("app-2026/1"),
             HybridRayContext.appKey("y" + "x".repeat(80))));
+  }
+
+  @Test
+  void sessionsUnderOneApplicationIdGetApartShuffleIds() {
+    // spark_bridge's token: "s" + 32 hex digits; its Python side takes the same 8.
+    assertEquals("01234567", HybridRayContext.sessionTag(
+        "{\"session\": \"s0123456789abcdef0123456789abcdef\", \"namespace\": \"ns\"}"));
+    // No token (RayDP started by hand): random per driver, so two never share ids.
+    String first = HybridRayContext.sessionTag("{}");
+    String second = HybridRayContext.sessionTag("not json");
+    assertEquals(8, first.length());
+    assertNotEquals(first, second);
   }
 }
