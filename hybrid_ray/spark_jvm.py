@@ -143,7 +143,25 @@ def has_started(registry: ShuffleRegistry, shuffle_id: str) -> bool:
 def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
            sessions: SessionLookup) -> None:
     """Publish a batch of a map attempt's segments; ``final`` marks its output complete.
-    Segments: ``[partition, index, tier, nbytes, location]``."""
+    Segments: ``[partition, index, tier, nbytes, location]``.
+
+    A commit that fails here aborts its attempt (``abort``) before the error goes back:
+    its output can never be complete, and a map task sends its last commit without
+    waiting, so readers waiting for that attempt (``spark_await_blocks``) would otherwise
+    wait out their whole bound (``commitWaitMs``) before Spark runs the map again."""
+    try:
+        _commit(registry, request, sessions)
+    except Exception:
+        if isinstance(request, Mapping) and "map_id" in request:
+            try:
+                abort(registry, request)
+            except Exception:  # noqa: BLE001 - the commit's own error is the one to raise
+                pass
+        raise
+
+
+def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
+            sessions: SessionLookup) -> None:
     state = _ensure_registered(registry, request, sessions)
     shuffle_id = state.shuffle_id
     registry.heartbeat(shuffle_id)
@@ -245,13 +263,15 @@ def awaited(registry: ShuffleRegistry, request: Mapping[str, Any],
             answer: Mapping[str, Any]) -> bool:
     """Whether a per-block ``locate`` answer lacks a block whose attempt's last commit has
     not arrived yet (a JVM map task sends it without waiting), so the reader's ask may
-    wait for it. Not when some block's attempt finished and was lost since: its reader
-    raises FetchFailedException at once, whatever else is still to come."""
+    wait for it. Not when some block's attempt finished and was lost since, or was
+    aborted (its task failed, or a commit of it failed): no commit of it will come, so its
+    reader raises FetchFailedException at once, whatever else is still to come."""
     state = registry.state(request["shuffle"])
     missing = [int(map_id) for (map_id, _), segments
                in zip(request.get("blocks", ()), answer.get("blocks", ()))
                if segments is None]
-    return bool(missing) and not any(m in state.spark_finished for m in missing)
+    return bool(missing) and not any(m in state.spark_finished or m in state.spark_aborted
+                                     for m in missing)
 
 
 def matching(registry: ShuffleRegistry, request: Mapping[str, Any]) -> list[str]:

@@ -166,3 +166,30 @@ def test_a_reader_waits_only_for_last_commits_still_to_come() -> None:
     assert ask(100, 102) is True      # 102's last commit may still come
     assert ask(101) is False          # lost: no wait
     assert ask(101, 102) is False     # lost among them: the fetch fails anyway
+
+
+def test_a_failed_commit_aborts_its_attempt_so_readers_do_not_wait_for_it() -> None:
+    """A JVM map task sends its last commit without waiting. When that commit fails in the
+    master, no commit of the attempt will ever complete it: readers waiting for it
+    (``awaited``) used to wait their whole bound (commitWaitMs, 30 s) before Spark ran the
+    map again. The failed commit aborts the attempt, and an aborted attempt is not
+    awaited; a later commit of it is dropped."""
+    import pytest
+
+    from hybrid_ray.spark_jvm import awaited
+
+    registry = _registry()
+    _commit(registry, 0, 100, [_seg(0, 0, "a")], final=False)
+    bad = {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": 0, "map_id": 100,
+           "node": "n1", "final": True, "segments": [[0, 1, "no-such-tier", 10, "b"]]}
+    with pytest.raises(ValueError):
+        commit(registry, bad, lambda token: None)
+    request = {"shuffle": SHUFFLE, "blocks": [[100, 0]]}
+    assert locate(registry, request)["blocks"] == [None]
+    assert awaited(registry, request, locate(registry, request)) is False
+    # The task's retry as the same Spark attempt id cannot complete it either.
+    _commit(registry, 0, 100, [_seg(0, 1, "c")])
+    assert locate(registry, request)["blocks"] == [None]
+    # An attempt never aborted is still waited for.
+    assert awaited(registry, {"shuffle": SHUFFLE, "blocks": [[101, 0]]},
+                   {"blocks": [None]}) is True
