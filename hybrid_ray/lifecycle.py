@@ -45,7 +45,7 @@ from typing import Any
 import ray
 
 from hybrid_ray import metrics
-from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, get_master
+from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, answer_of, get_master
 from hybrid_ray.clients import WriteStats
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
 from hybrid_ray.config import ShuffleConfig
@@ -329,10 +329,12 @@ class ShuffleLifecycle:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _call(self, method: Any, *args: Any) -> Any:
-        """A call to the master about this shuffle, waited for (bounded) and timed."""
+        """A call to the master about this shuffle, waited for (bounded: a master that
+        never answers raises ``ShuffleStalledError`` naming the call) and timed."""
         with self.control:
-            return ray.get(method.remote(self.shuffle_id, *args),
-                           timeout=MASTER_CALL_TIMEOUT_S)
+            return answer_of(method.remote(self.shuffle_id, *args),
+                             f"the shuffle master's {getattr(method, '_method_name', 'call')} of "
+                             f"{self.shuffle_id}")
 
     def _check_unchecked(self, wait: bool) -> None:
         """Raise the error of a call not waited for, if one failed (``wait``: wait,

@@ -229,6 +229,37 @@ def test_map_and_reduce_tasks_give_up_on_a_master_that_never_answers(ray_local, 
         ray.kill(silent)
 
 
+def test_the_driver_gives_up_on_a_master_that_never_answers_naming_the_call(ray_local,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """The driver's lifecycle calls (register, take_lost, seal, summary, release) are
+    bounded like the tasks': a hung master fails the shuffle with ``ShuffleStalledError``
+    naming the call (was: a bare ``GetTimeoutError`` from ``ray.get``)."""
+    import ray
+
+    from hybrid_ray import actors
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.lifecycle import ShuffleLifecycle
+
+    @ray.remote(num_cpus=0)
+    class SilentMaster:
+        def register(self, *args, **kwargs):
+            time.sleep(600)
+
+    monkeypatch.setattr(actors, "MASTER_CALL_TIMEOUT_S", 2.0)
+    silent = SilentMaster.remote()
+    try:
+        shuffle = ShuffleLifecycle(base_config(tmp_path), 4, "custom", master=silent)
+        started = time.monotonic()
+        with pytest.raises(ShuffleStalledError) as err:
+            shuffle.register(2)
+        assert time.monotonic() - started < 30
+        assert "the shuffle master's register of shf-" in str(err.value)
+        assert "got no answer within 2 s" in str(err.value)
+    finally:
+        ray.kill(silent)
+
+
 def test_a_writer_waits_for_a_busy_tier_manager_longer_than_for_the_master(ray_local,
                                                                            monkeypatch):
     """A tier manager runs one call at a time: a writer's reserve queues behind its slow
