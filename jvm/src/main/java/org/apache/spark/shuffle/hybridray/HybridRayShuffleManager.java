@@ -130,11 +130,26 @@ public class HybridRayShuffleManager extends SortShuffleManager {
 
   /** Why Spark's own shuffle must serve {@code dependency}, or null if hybrid_ray can. */
   static String fallbackReason(ShuffleDependency<?, ?, ?> dependency, SparkConf conf) {
-    if (dependency.rdd().isBarrier()) {
+    return fallbackReason(dependency.rdd().isBarrier(), key -> conf.getBoolean(key, false));
+  }
+
+  /** Why a shuffle of a ({@code barrier}) map stage cannot go through hybrid_ray, given
+   *  the Spark settings that are on ({@code enabled}: a boolean setting's value, false if
+   *  unset), or null if it can. */
+  static String fallbackReason(boolean barrier, java.util.function.Predicate<String> enabled) {
+    if (barrier) {
       return "its map stage is a barrier stage";
     }
-    if (conf.getBoolean("spark.shuffle.push.enabled", false)) {
+    if (enabled.test("spark.shuffle.push.enabled")) {
       return "push-based shuffle (spark.shuffle.push.enabled) is on";
+    }
+    if (enabled.test("spark.shuffle.useOldFetchProtocol")) {
+      // Spark then gives every attempt of a map the same map id (its partition id), and
+      // hybrid_ray tells attempts apart by it: a retry's commits would be taken for the
+      // aborted attempt's and dropped, a speculative copy would overwrite the accepted
+      // attempt's files.
+      return "the old fetch protocol (spark.shuffle.useOldFetchProtocol) is on: it gives "
+          + "every attempt of a map the same id";
     }
     return null;
   }
