@@ -453,7 +453,12 @@ class MapRunner:
                 slot = by_ref[ref]
                 map_index = self._running.pop(slot)[0]
                 try:
-                    self.results[map_index] = ray.get(ref)
+                    result = ray.get(ref)
+                    # A run that found its map finished already wrote nothing: its empty
+                    # result must not replace the run that wrote the map's output.
+                    if not (isinstance(result, dict) and result.get("skipped")) \
+                            or map_index not in self.results:
+                        self.results[map_index] = result
                     self.last_finish = time.perf_counter()
                     self.last_progress = time.monotonic()
                 except WORKER_LOST_ERRORS as exc:
@@ -630,6 +635,11 @@ class _HeldShuffles:
             lifecycle.heartbeat()
             # Maps lost meanwhile wait for the re-run running now to end.
             lost = lifecycle.take_lost() if rerun is not None and not rerunning else []
+        except ShuffleStalledError as exc:  # a master slow to answer: try again next turn
+            # (a ShuffleFailedError too, but not a released shuffle: let go of it here and
+            # its heartbeats stopped, the master expired it and deleted data still in use)
+            self._note(lifecycle, describe_cause(exc))
+            return
         except (ShuffleNotFoundError, ShuffleFailedError) as exc:  # released, expired
             if self.unhold(lifecycle.shuffle_id) is not None:
                 self._note(lifecycle, f"the master no longer knows it: {exc}")

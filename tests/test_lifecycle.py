@@ -363,3 +363,56 @@ def test_a_map_reported_lost_before_its_finished_run_is_collected_runs_again(mon
     assert attempt == 1 and registry.finish_map(sid, 0, attempt, None, [])
     runner.poll({writer_a.runs[-1][2]})
     assert runner.done and registry.poll(sid, 0, {}).done
+
+
+def test_a_held_shuffle_stays_held_when_the_master_is_slow_to_answer():
+    """A master call that times out raises ShuffleStalledError, a ShuffleFailedError. The
+    keeper of held shuffles took that for "released or expired" and let go of the shuffle
+    (found in review): its heartbeats stopped and the master expired it, deleting data a
+    DataFrame still used. A slow answer is retried at the next turn instead."""
+    from hybrid_ray.errors import ShuffleStalledError
+
+    class SlowMaster:
+        shuffle_id, beats = "shf-slowmaster0", 0
+
+        def heartbeat(self):
+            self.beats += 1
+
+        def take_lost(self):
+            raise ShuffleStalledError("the shuffle master's take_lost got no answer")
+
+    held = lifecycle._HeldShuffles()
+    slow = SlowMaster()
+    with held._lock:  # held without starting the keeper's thread: turns run by hand
+        held._held[slow.shuffle_id] = (slow, lambda maps: None)
+    held._tend(slow, lambda maps: None)
+    held._tend(slow, lambda maps: None)
+    assert held.ids() == [slow.shuffle_id] and slow.beats == 2
+    assert len(held.errors) == 2 and "take_lost got no answer" in held.errors[-1]
+
+
+def test_a_re_run_that_found_its_map_finished_keeps_the_map_s_result(monkeypatch):
+    """A lost map queued again after Ray's own retry already re-ran it writes nothing and
+    returns "skipped"; the map's result (its rows and bytes, for the report) stays the
+    run's that wrote it."""
+    from hybrid_ray.config import ShuffleConfig
+    from hybrid_ray.master import ShuffleRegistry
+
+    monkeypatch.setattr(lifecycle.ray, "get", lambda ref, **_: ref.value)
+    registry = ShuffleRegistry(lambda *_: None, lambda *_: None)
+    sid = "shf-skippedrerun"
+    registry.register(sid, 1, 1, ShuffleConfig(progress=False), recoverable=True,
+                      maps_begun_on=["node-a"])
+    writer = _ScriptedWriter()
+    runner = lifecycle.MapRunner(_RegistryLifecycle(registry, sid), [("node-a", writer)],
+                                 [None], lambda *a, **k: None, ())
+    (_, _, first), = writer.runs
+    first.value = {"rows": 1000, "skipped": False}
+    runner.poll({first})
+    runner._requeue([0])
+    runner._dispatch()
+    assert len(writer.runs) == 2
+    (_, _, again) = writer.runs[-1]
+    again.value = {"rows": 0, "skipped": True}
+    runner.poll({again})
+    assert runner.done and runner.results[0] == {"rows": 1000, "skipped": False}
