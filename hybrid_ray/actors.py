@@ -471,8 +471,10 @@ class ShuffleMasterActor:
         """Hold the lock for a call that changes the books, then wake the waiting long
         polls (each checks whether the change gave it something)."""
         with self._lock:
-            yield
-            self._changed.notify_all()
+            try:
+                yield
+            finally:  # a call that failed may have changed the books too (an aborted attempt)
+                self._changed.notify_all()
 
     def _queued(self) -> None:
         """A call may have queued deletions: let the background thread run them now."""
@@ -652,9 +654,11 @@ class ShuffleMasterActor:
     def spark_commit(self, request: str) -> str:
         # Wakes readers waiting for this attempt (``spark_await_blocks``): a map task sends
         # its last commit without waiting for it.
-        with self._changing():
-            spark_jvm.commit(self.registry, json.loads(request), self._spark_sessions.get)
-        self._queued()
+        try:
+            with self._changing():
+                spark_jvm.commit(self.registry, json.loads(request), self._spark_sessions.get)
+        finally:  # a failed commit aborts its attempt: its segments are queued for deletion
+            self._queued()
         return "ok"
 
     def spark_open_session(self, token: str, config: Any) -> None:

@@ -422,6 +422,18 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
     lost = json.loads(ray.get(ask(100, MAX_POLL_WAIT_S)))
     assert lost == {"blocks": [None], "awaited": False}
     assert time.monotonic() - start < MAX_POLL_WAIT_S  # not held for its bound
+
+    # A last commit that fails in the master aborts its attempt and wakes the readers
+    # waiting for it (was: they slept to their bound; the abort changes the books too).
+    start = time.monotonic()
+    held = ask(102, MAX_POLL_WAIT_S)
+    time.sleep(0.3)
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(master.spark_commit.remote(json.dumps({
+            "shuffle": shuffle, "num_partitions": 2, "map_index": 1, "map_id": 102,
+            "node": "n1", "final": True, "segments": [[0, 0, "no-such-tier", 10, "x"]]})))
+    assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False}
+    assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the failed commit
     ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))
 
 
