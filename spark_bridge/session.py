@@ -147,6 +147,10 @@ _session_config: ShuffleConfig | None = None
 _last_session_shuffles: tuple[str, str, str] | None = None
 
 
+# Spark settings init_spark derives from shuffle_config (and its session token).
+SHUFFLE_CONFIG_KEYS = ("spark.hybridray.config", "spark.hybridray.namespace")
+
+
 def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_cores: int = 1,
                executor_memory: str | int = "2GB", configs: Mapping[str, str] | None = None,
                *, ray_address: str | None = None, shuffle_config: Any = None,
@@ -190,6 +194,14 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     elif not isinstance(shuffle_config, ShuffleConfig):
         raise ConfigError("shuffle_config must be a hybrid_ray.ShuffleConfig, got "
                           f"{type(shuffle_config).__name__}")
+    owned = sorted(k for k in (configs or {}) if k in SHUFFLE_CONFIG_KEYS)
+    if hybrid_shuffle and owned:
+        # They carry shuffle_config and the session token the driver and the JVM both
+        # derive shuffle ids from: a copy of them from elsewhere would split the two, and
+        # the session's heartbeats, reports and release at stop_spark miss its shuffles.
+        raise ConfigError(
+            f"configs sets {', '.join(owned)}, which init_spark derives from shuffle_config; "
+            "pass a hybrid_ray.ShuffleConfig as shuffle_config instead")
     check_environment()
     session_token = ""
     if hybrid_shuffle:

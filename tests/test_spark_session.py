@@ -29,3 +29,16 @@ def test_spark_configs_keep_user_values_and_append_java_flags():
     assert configs[EXECUTOR_ACTOR_CPU_KEY] == "0.5"
     # The caller's choice of the executors' Ray CPU claim wins.
     assert spark_configs(2, 1, {EXECUTOR_ACTOR_CPU_KEY: "1"}, 2.0)[EXECUTOR_ACTOR_CPU_KEY] == "1"
+
+
+@pytest.mark.parametrize("key", ["spark.hybridray.config", "spark.hybridray.namespace"])
+def test_init_spark_refuses_configs_that_it_derives_from_shuffle_config(key):
+    """A user's own spark.hybridray.config (say, copied from another session) carried no
+    session token or another one: the JVM's shuffle ids then had a session tag the driver
+    did not know, and heartbeats, reports and the release at stop_spark missed them.
+    Refused before anything starts, naming the fix."""
+    from hybrid_ray.errors import ConfigError
+    from spark_bridge.session import init_spark
+
+    with pytest.raises(ConfigError, match=f"configs sets {key}.*pass a hybrid_ray.ShuffleConfig"):
+        init_spark(configs={key: "{}"})
