@@ -10,6 +10,7 @@ and disk tiers under the same shuffle master as the Ray shuffles.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 from typing import Any
@@ -85,12 +86,13 @@ def app_key(app_id: str) -> str:
 
 def session_tag(session: str) -> str:
     """The part of a Spark shuffle's id that tells sessions under one application id apart
-    (as the JVM derives it in ``HybridRayContext.sessionTag``): the session token's first
-    8 characters after its "s"."""
-    token = re.sub(r"[^A-Za-z0-9]", "", session)
-    if len(token) < 9:
-        raise ValueError(f"a session token has at least 9 letters or digits, got {session!r}")
-    return token[1:9]
+    (as the JVM derives it in ``HybridRayContext.sessionTag``): the first 8 hex digits of
+    the SHA-256 of the session token. Not the token's own characters: it is the key the
+    master hands the session's whole config (credentials included) out under, and shuffle
+    ids are shown and logged."""
+    if not isinstance(session, str) or not session:
+        raise ValueError(f"a session token is a non-empty string, got {session!r}")
+    return hashlib.sha256(session.encode("utf-8")).hexdigest()[:8]
 
 
 def app_prefix(app_id: str, session: str) -> str:

@@ -48,11 +48,11 @@ def test_missing_jar_names_the_fix(monkeypatch, tmp_path):
 
 def test_app_prefix_matches_the_jvms_shuffle_ids():
     # HybridRayContext.appKey: characters outside [A-Za-z0-9_.-] become "_", last 80 kept;
-    # sessionTag: the token's 8 characters after its "s" (HybridRayMapOutputWriterTest).
+    # sessionTag: the token's SHA-256, first 8 hex digits (HybridRayMapOutputWriterTest).
     token = "s0123456789abcdef0123456789abcdef"
     assert app_prefix("spark-application-17/95", token) == \
-        "spark-spark-application-17_95-01234567-"
-    assert app_prefix("y" + "x" * 80, token) == "spark-" + "x" * 80 + "-01234567-"
+        "spark-spark-application-17_95-acbe04b0-"
+    assert app_prefix("y" + "x" * 80, token) == "spark-" + "x" * 80 + "-acbe04b0-"
 
 
 def test_two_sessions_of_one_application_id_get_apart_shuffle_ids():
@@ -63,6 +63,10 @@ def test_two_sessions_of_one_application_id_get_apart_shuffle_ids():
     assert app_prefix(app, f"s{uuid.uuid4().hex}") != app_prefix(app, f"s{uuid.uuid4().hex}")
     with pytest.raises(ValueError, match="session token"):
         app_prefix("app-1", "")
+    # No run of the token's characters in the id: it is the key to the session's config.
+    token = f"s{uuid.uuid4().hex}"
+    tag = app_prefix(app, token).split("-")[-2]
+    assert len(tag) == 8 and tag not in token
 
 
 def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):

@@ -116,7 +116,15 @@ public final class HybridRayContext {
     this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
     this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
     this.commitWaitMs = conf.getTimeAsMs(CONF_COMMIT_WAIT_MS, "30s");
-    this.appKey = appKey(conf.getAppId()) + "-" + sessionTag(configJson);
+    // Parsed once here: the session tag needs it, and requests embed it (configNode()).
+    JsonNode config;
+    try {
+      config = parse(configJson);
+    } catch (IOException e) {
+      config = null;  // configNode() raises it where the config is needed
+    }
+    this.configNode = config;
+    this.appKey = appKey(conf.getAppId()) + "-" + sessionTag(config);
     sender.scheduleWithFixedDelay(() -> {
       try {
         reportSentCommits();
@@ -161,23 +169,27 @@ public final class HybridRayContext {
    * What tells this Spark session's shuffles from another's under the same application id
    * (two drivers started in the same millisecond, an id set by hand, a driver restarted
    * under its old id): without it a new session took over the old one's shuffle state at
-   * the master, and its readers could be served the old session's segments. The first 8
-   * characters of the session token after its "s" when {@code spark_bridge} started the
-   * session (its Python side derives the same prefix from the token), else 8 random hex
-   * digits (only the driver makes shuffle ids; executors take them from the handles).
+   * the master, and its readers could be served the old session's segments. When
+   * {@code spark_bridge} started the session: the first 8 hex digits of the SHA-256 of its
+   * session token (its Python side derives the same prefix), never the token's own
+   * characters, since the token is the key the master hands the session's whole config
+   * (remote-tier credentials included) out under, and ids are shown and logged. Without a
+   * token, 8 random hex digits (only the driver makes shuffle ids; executors take them
+   * from the handles).
    */
-  static String sessionTag(String configJson) {
-    String token = "";
+  static String sessionTag(JsonNode config) {
+    JsonNode session = config == null ? null : config.get("session");
+    String token = session == null ? "" : session.asText();
+    if (token.isEmpty()) {
+      return String.format("%08x", new java.security.SecureRandom().nextInt());
+    }
     try {
-      JsonNode session = new ObjectMapper().readTree(configJson).get("session");
-      token = session == null ? "" : session.asText().replaceAll("[^A-Za-z0-9]", "");
-    } catch (IOException | RuntimeException e) {
-      token = "";
+      byte[] digest = java.security.MessageDigest.getInstance("SHA-256")
+          .digest(token.getBytes(java.nio.charset.StandardCharsets.UTF_8));
+      return String.format("%02x%02x%02x%02x", digest[0], digest[1], digest[2], digest[3]);
+    } catch (java.security.NoSuchAlgorithmException e) {
+      throw new IllegalStateException("this JVM has no SHA-256", e);
     }
-    if (token.length() >= 9) {
-      return token.substring(1, 9);
-    }
-    return String.format("%08x", new java.security.SecureRandom().nextInt());
   }
 
   /** hybrid_ray's id of a Spark shuffle: {@code spark-<app>-<session tag>-<shuffle id>}. */

@@ -179,12 +179,15 @@ class HybridRayMapOutputWriterTest {
 
   @Test
   void sessionsUnderOneApplicationIdGetApartShuffleIds() {
-    // spark_bridge's token: "s" + 32 hex digits; its Python side takes the same 8.
-    assertEquals("01234567", HybridRayContext.sessionTag(
-        "{\"session\": \"s0123456789abcdef0123456789abcdef\", \"namespace\": \"ns\"}"));
-    // No token (RayDP started by hand): random per driver, so two never share ids.
-    String first = HybridRayContext.sessionTag("{}");
-    String second = HybridRayContext.sessionTag("not json");
+    // spark_bridge's token: "s" + 32 hex digits; the tag is its SHA-256's first 8 hex
+    // digits (the Python side takes the same), none of the token's own characters.
+    com.fasterxml.jackson.databind.ObjectMapper json =
+        new com.fasterxml.jackson.databind.ObjectMapper();
+    assertEquals("acbe04b0", HybridRayContext.sessionTag(json.createObjectNode()
+        .put("session", "s0123456789abcdef0123456789abcdef").put("namespace", "ns")));
+    // No token (RayDP started by hand) or no config: random per driver, never shared.
+    String first = HybridRayContext.sessionTag(json.createObjectNode());
+    String second = HybridRayContext.sessionTag(null);
     assertEquals(8, first.length());
     assertNotEquals(first, second);
   }
