@@ -152,11 +152,10 @@ def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     try:
         _commit(registry, request, sessions)
     except Exception:
-        if isinstance(request, Mapping) and "map_id" in request:
-            try:
-                abort(registry, request)
-            except Exception:  # noqa: BLE001 - the commit's own error is the one to raise
-                pass
+        try:
+            abort(registry, request)
+        except Exception:  # noqa: BLE001 - the commit's own error is the one to raise
+            pass  # (a request without shuffle or map id, a shuffle released meanwhile)
         raise
 
 
