@@ -340,3 +340,78 @@ def test_writer_and_reader_processes_keep_freed_memory_warm(ray_local):
     for value, backend in ray_local.get([w.run.remote(probe) for w in workers]):
         assert value == WORKER_ENV["MIMALLOC_PURGE_DELAY"]
         assert backend == "mimalloc"
+
+
+# ---- the reader pool's queue (no Ray: fake reader actors) ------------------------------------
+class _FakeReader:
+    """Stands in for a reader actor: an id, and a ``run`` that records the subpartitions
+    handed to it in order."""
+
+    class _Id:
+        def __init__(self, key: str) -> None:
+            self._key = key
+
+        def hex(self) -> str:
+            return self._key
+
+    def __init__(self, key: str) -> None:
+        self._actor_id = self._Id(key)
+        self.subs: list[int] = []
+        reader = self
+
+        class _Run:
+            def options(self, **_):
+                return self
+
+            def remote(self, fn, sub, *args):
+                reader.subs.append(sub)
+                return (f"table-{sub}", f"stats-{sub}", f"times-{sub}")
+
+        self.run = _Run()
+
+
+def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(monkeypatch):
+    """Two readers take four subpartitions at once, two each (one reducing, one queued in
+    the actor, so it starts without a round trip through the driver). A reader that
+    returns one gets the next; a reader dropped with its node takes its queue out of the
+    pool's books (the driver re-runs those from the failed refs)."""
+    from hybrid_ray import shuffle as shuffle_mod
+
+    from hybrid_ray import actors as actors_mod
+
+    node_1, node_2 = "1" * 56, "2" * 56  # node ids are 56 hex digits
+    a, b, extra = _FakeReader("a"), _FakeReader("b"), _FakeReader("extra")
+
+    class _ExtraReaders:  # the actor class a pool starts extra readers from
+        def options(self, **_):
+            return self
+
+        def remote(self):
+            return extra
+
+    monkeypatch.setattr(actors_mod, "ShuffleWorkerActor", _ExtraReaders())
+    monkeypatch.setattr(shuffle_mod, "get_reader_slots",
+                        lambda ns, count: [(node_1, a), (node_2, b)][:count])
+    monkeypatch.setattr(shuffle_mod, "cluster_cpus", lambda: 2)
+    pool = shuffle_mod._ReaderPool("ns", 2)
+    depth = shuffle_mod.READER_QUEUE_DEPTH
+    assert depth == 2
+    submitted = []
+    while pool.has_free(depth):
+        sub = len(submitted)
+        assert pool.submit(sub, len, sub) == (f"table-{sub}", f"stats-{sub}", f"times-{sub}")
+        submitted.append(sub)
+    assert submitted == [0, 1, 2, 3]
+    assert (a.subs, b.subs) == ([0, 2], [1, 3])
+    assert pool.busy_subpartitions() == [0, 1, 2, 3]
+    assert not pool.has_free(1)
+    pool.done(1)  # b returned its first: it has one in hand, room for one more
+    assert pool.has_free(depth) and pool.busy_subpartitions() == [0, 2, 3]
+    pool.submit(4, len, 4)
+    assert b.subs == [1, 3, 4] and pool.node_of(4) == node_2
+    monkeypatch.setattr(shuffle_mod, "get_reader_slots",
+                        lambda ns, count: [(node_2, b)][:count])
+    pool.drop_nodes({node_1})  # a died with its node: 0 and 2 leave the books
+    assert pool.busy_subpartitions() == [3, 4]
+    pool.submit(5, len, 5)  # an extra reader on the alive node takes a's place
+    assert extra.subs == [5] and pool.node_of(5) == node_2
