@@ -176,14 +176,22 @@ class TierManagerActor:
         sweeps without it; a master that does not answer in time releases nothing."""
         from hybrid_ray.errors import ShuffleMasterLostError
 
-        # What late writers left of shuffles released here lately: no master needed.
-        self.tm.remove_late_files()
+        # What late writers left of shuffles released here lately: no master needed. A
+        # failure is raised after the orphans' turn (counted by _sweep_failed, retried by
+        # the next sweep), so one stuck file does not keep orphans' space taken.
+        failures: list[str] = []
+        try:
+            self.tm.remove_late_files()
+        except OSError as exc:
+            failures.append(str(exc))
         try:
             live = set(ray.get(master_handle(self.namespace).live_shuffles.remote(),
                                timeout=MASTER_CALL_TIMEOUT_S))
         except ShuffleMasterLostError:
             live = set()
         except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            if failures:
+                raise OSError("; ".join(failures)) from None
             return []
         except ray.exceptions.ActorDiedError:
             live = set()
@@ -195,9 +203,14 @@ class TierManagerActor:
             misses = self._unknown_to_master.get(shuffle_id, 0) + 1
             self._unknown_to_master[shuffle_id] = misses
             if misses >= ORPHAN_SWEEP_GRACE:
-                self.tm.release_shuffle(shuffle_id)
                 self._unknown_to_master.pop(shuffle_id, None)
                 released.append(shuffle_id)
+                try:
+                    self.tm.release_shuffle(shuffle_id)
+                except OSError as exc:  # released; its files go with the late files sweep
+                    failures.append(str(exc))
+        if failures:
+            raise OSError("; ".join(failures))
         return released
 
     def put_objects(self, values: list[Any]) -> list[ray.ObjectRef]:

@@ -20,8 +20,6 @@ import glob
 import os
 import posixpath
 import re
-import shutil
-import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -29,7 +27,9 @@ from typing import Any
 import fsspec
 
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
-from hybrid_ray.tiers.disk import DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker
+from hybrid_ray.tiers.disk import (
+    DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_tree,
+)
 
 # Names of job and shuffle directories cleanup may remove: hybrid_ray's ids (``shf-...``,
 # ``spk-...``, ``job-...``) and any id of the same plain character set. No dots, so never
@@ -231,7 +231,7 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
             if c.kind == "spill":
                 if not _inside(c.root, os.path.realpath(c.path)):
                     raise RuntimeError(f"refused: resolves outside {c.root}")
-                failures = _rmtree(c.path)
+                failures = remove_tree(c.path)
                 if failures:
                     raise OSError("; ".join(failures))
             else:
@@ -246,23 +246,6 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
             continue
         result.removed.append(c.path)
     return result
-
-
-def _rmtree(path: str) -> list[str]:
-    """Remove a directory tree (symlinks in it are removed, never followed); returns
-    what could not be removed, each with its error."""
-    failures: list[str] = []
-
-    def record(_fn: Any, failed: str, exc: Any) -> None:
-        error = exc[1] if isinstance(exc, tuple) else exc
-        if not isinstance(error, FileNotFoundError):  # gone meanwhile: not a failure
-            failures.append(f"{failed}: {error}")
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=record)
-    else:
-        shutil.rmtree(path, onerror=record)
-    return failures
 
 
 def sweep_spill_dirs(spill_dirs: Sequence[str], older_than_s: float,

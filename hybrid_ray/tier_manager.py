@@ -323,7 +323,9 @@ class TierManager:
             self._marked.add((shuffle_id, spill_dir))
 
     def release_shuffle(self, shuffle_id: str) -> None:
-        """Forget a shuffle: give back its quota and remove its files on this node."""
+        """Forget a shuffle: give back its quota and remove its files on this node.
+        Raises ``OSError`` naming what could not be removed (after forgetting the shuffle:
+        calling again retries the removal; ``remove_late_files`` retries it too)."""
         check_id("shuffle_id", shuffle_id)
         info = self._shuffles.pop(shuffle_id, None)
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
@@ -333,28 +335,44 @@ class TierManager:
         while len(self._released) > RELEASED_MEMORY:
             self._released.popitem(last=False)
         self.memory.release_shuffle(shuffle_id)
+        failures: list[str] = []
         for disk in self._disks.values():
-            disk.release_shuffle(shuffle_id)
+            try:
+                disk.release_shuffle(shuffle_id)
+            except OSError as exc:  # every disk is tried; what is left is raised below
+                failures.append(str(exc))
         if info is not None:
             self._rebalance_quotas()
             self._prune_remotes()
+        if failures:
+            # The quota is given back (the shuffle is gone); the files left are raised so
+            # the caller retries the release (the master queues it again) and the late
+            # files sweep removes them meanwhile.
+            raise OSError("; ".join(failures))
 
     def remove_late_files(self, window_s: float = LATE_FILES_WINDOW_S) -> list[str]:
         """Remove what writers left of shuffles released here in the last ``window_s``;
         returns the shuffles whose directories were found again. A map that reserved space
         before its shuffle's release and wrote after it recreates the shuffle's directory;
         its abort removes it, but a writer killed before its abort leaves its files. Run
-        periodically (the tier manager actor's sweep)."""
+        periodically (the tier manager actor's sweep). Raises ``OSError`` naming what could
+        not be removed, after trying every shuffle."""
         now = time.monotonic()
         found = []
+        failures: list[str] = []
         for shuffle_id, released in reversed(self._released.items()):  # newest first
             if now - released > window_s:
                 break
             left = [d for d in self._disks.values() if d.has_shuffle_data(shuffle_id)]
             for disk in left:
-                disk.remove_shuffle_data(shuffle_id)
+                try:
+                    disk.remove_shuffle_data(shuffle_id)
+                except OSError as exc:  # tried again next sweep; the others go on
+                    failures.append(str(exc))
             if left:
                 found.append(shuffle_id)
+        if failures:
+            raise OSError("; ".join(failures))
         return found
 
     def shuffle_ids(self) -> list[str]:

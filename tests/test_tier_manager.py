@@ -214,3 +214,47 @@ def test_a_restarted_tier_manager_deletes_only_files_in_marked_shuffle_directori
                                                           "n1", str(unmarked))])
     assert "neither inside the data dir" in refusal
     assert unmarked.read_bytes() == b"not ours"
+
+
+def test_a_release_that_cannot_remove_a_file_says_so_and_keeps_the_marker(tmp_path,
+                                                                          monkeypatch):
+    """A segment file that cannot be unlinked (EBUSY, EIO) must fail the release, so the
+    master retries it, and leave the shuffle's marker, so `hybrid-ray cleanup` still knows
+    the directory as ours. It was dropped silently: the marker went first, the file
+    stayed, and nothing would ever remove it."""
+    import errno
+
+    from hybrid_ray import cleanup
+    from hybrid_ray.tiers.disk import (
+        make_private_dir, read_shuffle_marker, segment_path, shuffle_dir,
+        write_private_file, write_shuffle_marker,
+    )
+
+    spill = str(tmp_path / "spill")
+    tm = TierManager("n1", 0)
+    tm.register_shuffle("shf-1", ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=0))
+    assert tm.reserve("shf-1", [100])[0].grant.tier == TierName.DISK
+    path = segment_path(spill, SegmentId("shf-1", 0, 3, 0))
+    make_private_dir(os.path.dirname(path))
+    write_shuffle_marker(shuffle_dir(spill, "shf-1"), "shf-1")
+    write_private_file(path, b"x" * 100)
+    real_unlink = os.unlink
+
+    def busy_segments(p, *args, **kwargs):
+        if str(p).endswith(".seg"):
+            raise OSError(errno.EBUSY, "Device or resource busy", p)
+        return real_unlink(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy_segments)
+    with pytest.raises(OSError, match=r"removing shuffle shf-1 from the disk tier left \d+ "
+                                      r"path\(s\): .*Device or resource busy"):
+        tm.release_shuffle("shf-1")
+    assert os.path.exists(path)
+    assert read_shuffle_marker(shuffle_dir(spill, "shf-1")) is not None
+    assert [c.shuffle_id for c in cleanup.find_spill_orphans([spill]).candidates] == ["shf-1"]
+    with pytest.raises(OSError, match="Device or resource busy"):
+        tm.remove_late_files()  # the sweep tries again, and says why it could not
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert tm.remove_late_files() == ["shf-1"]
+    assert not os.path.exists(shuffle_dir(spill, "shf-1"))
+    tm.release_shuffle("shf-1")  # the master's retry: nothing left, no error

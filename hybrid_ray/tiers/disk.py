@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -308,9 +309,62 @@ class DiskTier(Tier):
         check_id("shuffle_id", shuffle_id)
         for key in [k for k in self._in_flight if k[1] == shuffle_id]:
             del self._in_flight[key]
+        failures: list[str] = []
         for d, data_dir in self._data_dirs.items():
             path = require_inside(data_dir, shuffle_dir(d, shuffle_id), "remove")
-            shutil.rmtree(path, ignore_errors=True)
+            failures += remove_marked_tree(path)
+        if failures:
+            # Raised, so the caller retries (the master's deletion queue, the tier
+            # manager's late-files sweep); the marker stays until the rest is gone, so
+            # `hybrid-ray cleanup` still recognises what is left as ours.
+            raise OSError(f"removing shuffle {shuffle_id} from the disk tier left "
+                          f"{len(failures)} path(s): " + "; ".join(failures[:5]))
+
+
+def remove_tree(path: str) -> list[str]:
+    """Remove a directory tree (symlinks in it are removed, never followed); returns what
+    could not be removed, each with its error. Already gone counts as removed."""
+    failures: list[str] = []
+
+    def record(_fn: Any, failed: str, exc: Any) -> None:
+        error = exc[1] if isinstance(exc, tuple) else exc
+        if not isinstance(error, FileNotFoundError):  # gone meanwhile: not a failure
+            failures.append(f"{failed}: {error}")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=record)
+    else:
+        shutil.rmtree(path, onerror=record)
+    return failures
+
+
+def remove_marked_tree(path: str) -> list[str]:
+    """Remove a shuffle directory, its ``SHUFFLE_MARKER_NAME`` last: a removal that fails
+    part-way leaves the marker beside what is left (cleanup only touches marked
+    directories). Returns what could not be removed; a missing directory is no failure."""
+    try:
+        entries = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        return [f"{path}: {exc}"]
+    failures: list[str] = []
+    for name in entries:
+        if name == SHUFFLE_MARKER_NAME:
+            continue
+        entry = os.path.join(path, name)
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            failures += remove_tree(entry)
+        else:
+            try:
+                os.unlink(entry)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                failures.append(f"{entry}: {exc}")
+    if failures:
+        return failures
+    return remove_tree(path)
 
 
 def read_segment_file(meta: SegmentMeta) -> bytes:
