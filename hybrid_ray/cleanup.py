@@ -19,22 +19,26 @@ import dataclasses
 import glob
 import os
 import posixpath
-import re
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import fsspec
 
+from hybrid_ray import ids
+from hybrid_ray.config import validate_remote_path
+from hybrid_ray.ids import require_inside_remote
+from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import (
     DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_tree,
 )
+from hybrid_ray.tiers.remote import call_deadline_s, filesystem_options
 
-# Names of job and shuffle directories cleanup may remove: hybrid_ray's ids (``shf-...``,
-# ``spk-...``, ``job-...``) and any id of the same plain character set. No dots, so never
-# ``.`` or ``..``, no separators, bounded length.
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+# Names of job and shuffle directories cleanup may remove: exactly the ids hybrid_ray
+# writes under (``hybrid_ray.ids``: a job id such as "etl.daily" included). Its first
+# character is a letter or digit, so never ``.`` or ``..``; no separators; bounded length.
+ID_PATTERN = ids.ID_PATTERN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Candidate:
     shuffle_id: str
     newest: float  # newest modification time of anything in it (epoch seconds)
     fs: Any = None  # the fsspec filesystem of a remote candidate
+    call_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # timeout=
+    redactor: Redactor | None = None  # hides a remote candidate's credentials in errors
 
 
 @dataclasses.dataclass
@@ -151,10 +157,10 @@ def _info_mtime(info: Mapping[str, Any]) -> float:
     return time.time()  # unknown age: treat as fresh, never delete by mistake
 
 
-def _dir_names(fs: Any, path: str) -> list[str]:
+def _dir_names(fs: Any, path: str, call: Mapping[str, Any]) -> list[str]:
     """Names of the subdirectories of ``path`` (empty if it does not exist)."""
     try:
-        listing = fs.ls(path, detail=True)
+        listing = fs.ls(path, detail=True, **call)
     except FileNotFoundError:
         return []
     return [posixpath.basename(e["name"].rstrip("/")) for e in listing
@@ -164,24 +170,43 @@ def _dir_names(fs: Any, path: str) -> list[str]:
 def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | None = None,
                         plan: Plan | None = None) -> Plan:
     """Marked shuffle directories ``remote_path/<job>/<shuffle>``. Only two levels of
-    names are listed, and only marked directories are read further."""
+    names are listed, and only marked directories are read further.
+
+    ``remote_path`` is checked as a remote tier's is (``ConfigError`` for a bad one, a
+    glob character included); the filesystem gets the remote tier's bounded timeouts and
+    every call a deadline; credentials never appear in the plan's paths or errors."""
+    remote_path = validate_remote_path(remote_path)
+    redactor = Redactor(remote_path, storage_options)
     plan = plan or Plan()
-    fs, root = fsspec.core.url_to_fs(remote_path, **dict(storage_options or {}))
+    options = filesystem_options(remote_path, storage_options)
+    try:
+        fs, root = fsspec.core.url_to_fs(remote_path, **options)
+    except Exception as exc:  # fsspec raises many types for bad options
+        plan.errors.append((redact_url(remote_path), redactor.scrub(
+            f"cannot open: {type(exc).__name__}: {exc}")))
+        return plan
+    deadline = call_deadline_s(fs, dict(options.get("config_kwargs") or {}))
+    call = {} if deadline is None else {"timeout": deadline}
     fs.invalidate_cache()
     root = posixpath.normpath(root) if root else root
+
+    def failed(path: str, what: str, exc: Exception) -> None:
+        plan.errors.append((redactor.scrub(path),
+                            redactor.scrub(f"{what}: {type(exc).__name__}: {exc}")))
+
     try:
-        jobs = _dir_names(fs, root)
+        jobs = _dir_names(fs, root, call)
     except Exception as exc:  # fsspec backends raise many types
-        plan.errors.append((remote_path, f"cannot list: {type(exc).__name__}: {exc}"))
+        failed(redact_url(remote_path), "cannot list", exc)
         return plan
     for job in jobs:
         if not _is_id(job):
             continue
         job_path = posixpath.join(root, job)
         try:
-            shuffles = _dir_names(fs, job_path)
+            shuffles = _dir_names(fs, job_path, call)
         except Exception as exc:
-            plan.errors.append((job_path, f"cannot list: {type(exc).__name__}: {exc}"))
+            failed(job_path, "cannot list", exc)
             continue
         for name in shuffles:
             if not _is_id(name):
@@ -189,18 +214,20 @@ def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | N
             path = posixpath.join(job_path, name)
             try:
                 marker_path = posixpath.join(path, SHUFFLE_MARKER_NAME)
-                if not fs.exists(marker_path) or fs.size(marker_path) > MAX_MARKER_BYTES:
+                if not fs.exists(marker_path, **call) \
+                        or fs.size(marker_path, **call) > MAX_MARKER_BYTES:
                     continue
-                marker = parse_shuffle_marker(fs.cat_file(marker_path))
+                marker = parse_shuffle_marker(fs.cat_file(marker_path, **call))
                 if marker is None or marker["shuffle_id"] != name \
                         or marker.get("job_id") != job:
                     continue
-                infos = fs.find(path, detail=True)
+                infos = fs.find(path, detail=True, **call)
                 newest = max((_info_mtime(i) for i in infos.values()), default=time.time())
             except Exception as exc:
-                plan.errors.append((path, f"cannot examine: {type(exc).__name__}: {exc}"))
+                failed(path, "cannot examine", exc)
                 continue
-            plan.candidates.append(Candidate("remote", root, path, name, newest, fs))
+            plan.candidates.append(Candidate("remote", root, path, name, newest, fs, call,
+                                             redactor))
     return plan
 
 
@@ -221,11 +248,14 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
     result = SweepResult(errors=list(plan.errors))
     cutoff = (time.time() if now is None else now) - older_than_s
     for c in plan.candidates:
+        # Paths as reported: a remote one with its credentials hidden.
+        scrub = c.redactor.scrub if c.redactor is not None else str
+        shown = scrub(c.path)
         if c.shuffle_id in keep:
-            result.kept_live.append(c.path)
+            result.kept_live.append(shown)
             continue
         if c.newest > cutoff:
-            result.kept_recent.append(c.path)
+            result.kept_recent.append(shown)
             continue
         try:
             if c.kind == "spill":
@@ -235,16 +265,17 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
                 if failures:
                     raise OSError("; ".join(failures))
             else:
-                if not _inside(c.root, posixpath.normpath(c.path), "/"):
-                    raise RuntimeError(f"refused: outside {c.root}")
-                c.fs.rm(c.path, recursive=True)
+                # Lexically inside the root and free of glob characters (fsspec's rm
+                # expands them): nothing else can be reached.
+                require_inside_remote(c.root, c.path, "remove")
+                c.fs.rm(c.path, recursive=True, **c.call_options)
                 c.fs.invalidate_cache()
         except FileNotFoundError:
             continue  # gone meanwhile (released by its master): nothing left to remove
         except Exception as exc:
-            result.errors.append((c.path, f"{type(exc).__name__}: {exc}"))
+            result.errors.append((shown, scrub(f"{type(exc).__name__}: {exc}")))
             continue
-        result.removed.append(c.path)
+        result.removed.append(shown)
     return result
 
 

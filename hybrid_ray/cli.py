@@ -220,6 +220,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     no running shuffle master lists as live (see ``hybrid_ray.cleanup``)."""
     from hybrid_ray import cleanup
     from hybrid_ray.config import default_spill_dir
+    from hybrid_ray.errors import ConfigError
 
     try:
         options = json.loads(args.storage_options) if args.storage_options else {}
@@ -230,7 +231,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     spill_dirs = args.spill_dir or [default_spill_dir()]
     # Candidates first, live shuffles next: a shuffle registered after the question has
     # no directory in the list, so it cannot be removed by mistake.
-    plan = cleanup.find_orphans(spill_dirs, args.remote_path, options)
+    try:
+        plan = cleanup.find_orphans(spill_dirs, args.remote_path, options)
+    except ConfigError as exc:
+        raise CliError(f"hybrid-ray cleanup: {exc}", 2) from None
     if args.no_cluster:
         print("--no-cluster: no shuffle master asked; every marked shuffle directory older "
               "than --older-than is removed")

@@ -275,7 +275,7 @@ class ShuffleConfig:
             raise ConfigError("storage_options must be a mapping of fsspec options")
         set_("storage_options", dict(self.storage_options))
         if self.remote_path is not None:
-            set_("remote_path", _validate_remote_path(self.remote_path))
+            set_("remote_path", validate_remote_path(self.remote_path))
         if self.job_id is None:
             set_("job_id", _PROCESS_JOB_ID)
         check_id("job_id", self.job_id)
@@ -355,8 +355,12 @@ def _validate_spill_dir(index: int, value: Any) -> str:
     return path
 
 
-def _validate_remote_path(path: Any) -> str:
+def validate_remote_path(path: Any) -> str:
+    """``path`` as a remote tier's URL (trailing slashes dropped), or ``ConfigError``
+    naming what is wrong with it and the fix."""
     import fsspec
+
+    from hybrid_ray.ids import glob_characters_in
 
     if not isinstance(path, str) or not path.strip():
         raise ConfigError("remote_path must be an fsspec URL such as 's3://bucket/prefix', "
@@ -390,6 +394,14 @@ def _validate_remote_path(path: Any) -> str:
         raise ConfigError(
             f"remote_path {shown!r} names no {what}; write e.g. s3://bucket/prefix or "
             "file:///abs/path")
+    # For object stores, what follows the credentials, query included (fsspec keeps it
+    # in the key).
+    literal = rest.rsplit("@", 1)[-1] if protocol in _BUCKET_PROTOCOLS else rest
+    if glob_characters_in(literal):
+        raise ConfigError(
+            f"remote_path {shown!r} holds {glob_characters_in(literal)!r}: fsspec expands "
+            "* ? [ ] as wildcards when it deletes, so removing a shuffle could reach other "
+            "data. Choose a bucket and prefix without these characters")
     if protocol in ("file", "local") and not location.startswith("/"):
         raise ConfigError(
             f"remote_path {shown!r} is a relative local path; write file:///abs/path "

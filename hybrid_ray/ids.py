@@ -72,10 +72,26 @@ def require_inside(root: str, path: str, action: str) -> str:
     return path
 
 
+# fsspec reads these as wildcards in a path given to rm, find or expand_path: a remote path
+# holding one can match, and delete, other data. hybrid_ray's remote paths are literal.
+REMOTE_GLOB_CHARACTERS = "*?[]"
+
+
+def glob_characters_in(path: str) -> str:
+    """The characters of ``path`` fsspec would expand as a glob ('' if none)."""
+    return "".join(sorted({c for c in path if c in REMOTE_GLOB_CHARACTERS}))
+
+
 def require_inside_remote(root: str, path: str, action: str, shown_root: str = "") -> str:
     """``require_inside`` for object-store keys and remote paths: purely lexical ('/'
-    separated, ``..`` collapsed), as object stores have no symlinks. ``shown_root`` is the
-    (redacted) name of ``root`` used in the message."""
+    separated, ``..`` collapsed), as object stores have no symlinks, and free of glob
+    characters (``REMOTE_GLOB_CHARACTERS``). ``shown_root`` is the (redacted) name of
+    ``root`` used in the message."""
+    if glob_characters_in(path):
+        raise UnsafePathError(
+            f"refusing to {action} a remote path below {shown_root or root}: it holds "
+            f"{glob_characters_in(path)!r}, which fsspec expands as a glob, so the call "
+            "could reach other data. Use a remote_path without * ? [ ]")
     root_n = posixpath.normpath(root)
     path_n = posixpath.normpath(path)
     if not path_n.startswith(root_n.rstrip("/") + "/"):

@@ -4,6 +4,7 @@ spill dirs are found. Real files, a real moto S3 server and a real local Ray."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -238,3 +239,89 @@ def test_a_live_shuffle_survives_cleanup_with_older_than_0(ray_local, tmp_path, 
         assert os.path.isdir(os.path.join(config.spill_dirs[0], "hybrid_ray", live, "sub-00001"))
     finally:
         ray.get(master.release.remote(live))
+
+
+# ---- remote paths fsspec would expand, credentials, bounds, ids with dots ------------------
+def test_a_remote_path_with_glob_characters_is_refused_before_anything_is_deleted(tmp_path):
+    """fsspec's rm expands * ? [ ] as a glob: with remote_path ".../team[1]", removing a
+    shuffle deleted the same shuffle's directory under ".../team1", someone else's data,
+    and left its own. Such paths are refused everywhere a remote path enters."""
+    import fsspec
+
+    from hybrid_ray import ConfigError, ShuffleConfig
+    from hybrid_ray.cleanup import find_remote_orphans
+    from hybrid_ray.errors import UnsafePathError
+    from hybrid_ray.ids import require_inside_remote
+
+    fs = fsspec.filesystem("memory")
+    other = f"/bkt-{uuid.uuid4().hex[:8]}"
+    fs.pipe_file(f"{other}/team1/job-a/shf-1/sub-00000/theirs.seg", b"not ours")
+    url = f"memory:/{other}/team[1]"
+    with pytest.raises(ConfigError, match=r"remote_path 'memory://.*team\[1\]' holds '\[\]'"):
+        ShuffleConfig(remote_path=url)
+    with pytest.raises(ConfigError, match=r"holds '\[\]', which fsspec expands"):
+        _remote_tier(url, "job-a").remove_shuffle_data("shf-1")
+    with pytest.raises(ConfigError, match=r"holds '\*'"):
+        find_remote_orphans(f"file://{tmp_path}/*")
+    with pytest.raises(UnsafePathError, match="which fsspec expands as a glob"):
+        require_inside_remote("/bkt/pre?", "/bkt/pre?/job/shf-1", "remove")
+    assert fs.cat_file(f"{other}/team1/job-a/shf-1/sub-00000/theirs.seg") == b"not ours"
+
+
+def test_cleanup_shows_no_credential_of_the_remote_path(capsys):
+    """Errors of `hybrid-ray cleanup` quoted the remote path and the library's message
+    as they were: credentials in the URL were printed to the terminal."""
+    from hybrid_ray.cleanup import find_remote_orphans
+    from hybrid_ray.cli import main
+
+    url = "s3://AKIAEXAMPLEKEY:SuperSecretValue@bucket/pre"
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"},
+               "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
+    plan = find_remote_orphans(url, options)
+    assert plan.errors and plan.candidates == []
+    assert "SuperSecretValue" not in repr(plan.errors)
+    assert main(["cleanup", "--no-cluster", "--spill-dir", "/nonexistent-hr-spill",
+                 "--remote-path", url, "--storage-options", json.dumps(options)]) == 1
+    out = capsys.readouterr()
+    assert "could not remove" in out.err
+    assert "SuperSecretValue" not in out.out + out.err
+
+
+def test_cleanup_gives_up_on_an_endpoint_that_never_answers():
+    """cleanup opened its filesystem without the remote tier's timeouts and gave its calls
+    no deadline: an endpoint that accepts and never answers held it for many minutes."""
+    import socket
+    import time
+
+    from hybrid_ray.cleanup import find_remote_orphans
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts connections (the kernel does), never answers
+    try:
+        started = time.monotonic()
+        plan = find_remote_orphans(
+            "s3://bucket/pre", {"key": "k", "secret": "s", "client_kwargs": {
+                "endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}"}})
+        took = time.monotonic() - started
+    finally:
+        silent.close()
+    assert plan.candidates == [] and len(plan.errors) == 1
+    assert "cannot list" in plan.errors[0][1]
+    # The deadline: 2 x (5 s connect + 5 s read timeout) = 20 s, plus slack for a busy
+    # machine; botocore's and s3fs's own defaults and retries waited for minutes.
+    assert took < 60, took
+
+
+def test_a_job_id_with_a_dot_is_cleaned_up_too(tmp_path):
+    """Job ids may hold dots (``hybrid_ray.ids``: "etl.daily"); cleanup's own id pattern
+    did not, so such a job's orphans were never candidates."""
+    from hybrid_ray.cleanup import find_remote_orphans
+
+    remote = f"file://{tmp_path}/remote"
+    tier = _remote_tier(remote, "etl.daily")
+    tier.write(SegmentId("shf-1", 0, 0, 0), _payload())
+    plan = find_remote_orphans(remote)
+    assert plan.errors == []
+    assert [(c.shuffle_id, c.path) for c in plan.candidates] == [
+        ("shf-1", f"{tmp_path}/remote/etl.daily/shf-1")]

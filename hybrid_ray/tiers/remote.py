@@ -28,8 +28,10 @@ import fsspec
 import fsspec.asyn
 
 from hybrid_ray.config import TierName
-from hybrid_ray.errors import HybridRayError, RemoteTierError, SegmentNotFoundError
-from hybrid_ray.ids import check_id, require_inside_remote
+from hybrid_ray.errors import (
+    ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError,
+)
+from hybrid_ray.ids import check_id, glob_characters_in, require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
@@ -84,11 +86,11 @@ class RemoteTier(Tier):
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
         self.job_id = check_id("job_id", job_id)
-        options = dict(storage_options or {})
-        if remote_path.split("://", 1)[0] in ("s3", "s3a"):
-            options["config_kwargs"] = copy.deepcopy(
-                {**S3_CHECKSUM_DEFAULTS, **S3_TIMEOUT_DEFAULTS,
-                 **dict(options.get("config_kwargs") or {})})
+        if glob_characters_in(remote_path):
+            raise ConfigError(f"remote_path {self.display_path!r} holds "
+                              f"{glob_characters_in(remote_path)!r}, which fsspec expands as "
+                              "a glob in deletes; use one without * ? [ ]")
+        options = filesystem_options(remote_path, storage_options)
         self._config_kwargs = dict(options.get("config_kwargs") or {})
         self._endpoint = _endpoint_of(options)
         # Shuffles whose directory this process has marked (see _write_marker).
@@ -98,12 +100,7 @@ class RemoteTier(Tier):
         except Exception as exc:  # fsspec raises many types for bad options
             self._fail(RemoteTierError, f"cannot open remote_path {self.display_path!r}: "
                        f"{exc}; check the URL and storage_options", exc)
-        # Deadline of one call (see CALL_DEADLINE_ATTEMPTS); sync filesystems take none.
-        self._deadline_s: float | None = None
-        if isinstance(self.fs, fsspec.asyn.AsyncFileSystem):
-            kw = self._config_kwargs
-            self._deadline_s = CALL_DEADLINE_ATTEMPTS * (
-                float(kw.get("connect_timeout") or 5) + float(kw.get("read_timeout") or 15))
+        self._deadline_s = call_deadline_s(self.fs, self._config_kwargs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._atomic_put = bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
         self._local = bool(set(protocols) & _LOCAL_PROTOCOLS)
@@ -316,6 +313,28 @@ class RemoteTier(Tier):
                 self.fs.invalidate_cache()
                 time.sleep(0.2 * (attempt + 1))
         self.fs.invalidate_cache()
+
+
+def filesystem_options(remote_path: str, storage_options: Mapping[str, Any] | None
+                       ) -> dict[str, Any]:
+    """``storage_options`` for fsspec with hybrid_ray's defaults for S3 (bounded timeouts,
+    checksums only where required: see ``S3_TIMEOUT_DEFAULTS``); the caller's own
+    ``config_kwargs`` win."""
+    options = dict(storage_options or {})
+    if remote_path.split("://", 1)[0] in ("s3", "s3a"):
+        options["config_kwargs"] = copy.deepcopy(
+            {**S3_CHECKSUM_DEFAULTS, **S3_TIMEOUT_DEFAULTS,
+             **dict(options.get("config_kwargs") or {})})
+    return options
+
+
+def call_deadline_s(fs: Any, config_kwargs: Mapping[str, Any]) -> float | None:
+    """The deadline of one call of ``fs`` (see ``CALL_DEADLINE_ATTEMPTS``): pass it as
+    ``timeout=`` to each call. None for sync filesystems, which take no such keyword."""
+    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
+        return None
+    return CALL_DEADLINE_ATTEMPTS * (float(config_kwargs.get("connect_timeout") or 5)
+                                     + float(config_kwargs.get("read_timeout") or 15))
 
 
 def _endpoint_of(options: Mapping[str, Any]) -> str:
