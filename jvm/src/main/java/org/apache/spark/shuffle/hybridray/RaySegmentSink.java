@@ -58,6 +58,11 @@ final class RaySegmentSink implements SegmentSink {
   private ObjectRef<String> pendingLease;
   private MemoryLease lease;
   private long bytesStored;
+  // The batch stored but not committed yet (null once committed), and where its
+  // settlements start in {@code settlements}: a failed commit gives its grants back.
+  private List<PartitionSegmenter.Segment> uncommittedSegments;
+  private JsonNode uncommittedPlacements;
+  private int uncommittedSettlements;
 
   RaySegmentSink(HybridRayContext ctx, int shuffleId, String shuffleKey, int numPartitions,
       int mapIndex, long mapId) {
@@ -200,11 +205,16 @@ final class RaySegmentSink implements SegmentSink {
         }
         putMemorySegments(segments, memory, tiers, locations, used);
       } catch (IOException | RuntimeException e) {
-        // Grants of this batch not used (or whose data is about to be deleted): give back.
-        settle(segments, placements, used);
+        // Nothing of this batch will be committed: abort() deletes its files and drops its
+        // objects, so every grant of it goes back, the written ones too (settled as
+        // written, their space stayed counted with nothing left to free it).
+        settle(segments, placements, new boolean[n]);
         throw e;
       }
+      uncommittedSettlements = settlements.size();
       settle(segments, placements, used);
+      uncommittedSegments = segments;
+      uncommittedPlacements = placements;
       for (int i = 0; i < n; i++) {
         PartitionSegmenter.Segment s = segments.get(i);
         stored.addArray().add(s.partition()).add(s.index()).add(tiers[i])
@@ -235,6 +245,8 @@ final class RaySegmentSink implements SegmentSink {
     }
     committedAny = true;
     uncommittedFiles.clear();
+    uncommittedSegments = null;
+    uncommittedPlacements = null;
     if (last) {
       takeLease(ctx.callTimeoutMs);  // (a task with no segments never took its answer)
       closeLease();
@@ -310,6 +322,16 @@ final class RaySegmentSink implements SegmentSink {
 
   @Override
   public void abort(Throwable cause) {
+    if (uncommittedSegments != null) {
+      // A batch written and settled as written whose commit failed: its files go below,
+      // its objects with dropAttempt, so its grants go back in full instead.
+      settlements.subList(Math.min(uncommittedSettlements, settlements.size()),
+          settlements.size()).clear();
+      settle(uncommittedSegments, uncommittedPlacements,
+          new boolean[uncommittedSegments.size()]);
+      uncommittedSegments = null;
+      uncommittedPlacements = null;
+    }
     for (Path path : uncommittedFiles) {
       try {
         Files.deleteIfExists(path);
