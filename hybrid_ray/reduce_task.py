@@ -138,8 +138,12 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
 
     # A segment that vanished while its map was being retried (the dead attempt's data is
     # deleted) is expected: wait for the master to reset that map to the new attempt.
-    # Still missing after missing_wait_s without a reset is real loss: fail loudly.
+    # Still missing after missing_wait_s without a reset is real loss: fail loudly. The
+    # clock is per (map, attempt): maps lost together (one writer's) are found one after
+    # the other, each once the one before is back, and sharing one window failed
+    # shuffles that were recovering. Each map's wait is bounded, and so is their number.
     missing_since: float | None = None
+    missing_key: tuple[int, int] | None = None
     while True:
         # A long poll: the master answers at once if something is new, else holds the
         # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
@@ -153,7 +157,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
         missing = read_updates(result.updates)
         if missing is not None:
             now = time.monotonic()
-            missing_since = missing_since or now
+            key = (missing.meta.id.map_partition, missing.meta.id.attempt)
+            if missing_since is None or key != missing_key:
+                missing_since, missing_key = now, key
             if now - missing_since > missing_wait_s:
                 raise SegmentNotFoundError(
                     f"subpartition {subpartition} of {shuffle_id}: {missing.meta.id} is gone "
@@ -164,7 +170,7 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
             with waiting:
                 time.sleep(POLL_RETRY_S)
             continue
-        missing_since = None
+        missing_since = missing_key = None
         # Complete, and every segment of the answer read: nothing more can come (asking
         # again cost every reader one more round trip through the master).
         if result.done:

@@ -81,3 +81,84 @@ def test_a_map_s_rows_come_back_in_written_order_when_its_commits_arrive_out_of_
     finally:
         ray.get(master.release.remote(shuffle_id))
     assert_no_leftovers(config, ray)
+
+
+class _LostMapsMaster:
+    """A scripted master for one subpartition of two maps whose first attempts' segments
+    are both gone (their writer died): each map's new attempt appears ``rerun_s`` after a
+    reader reports it lost, as the driver's re-run would. Calls answer through Ray refs,
+    as an actor's do."""
+
+    def __init__(self, rerun_s: float):
+        import time
+
+        from hybrid_ray.segment import SegmentId, SegmentMeta
+        from hybrid_ray.config import TierName
+
+        self._clock, self.rerun_s = time.monotonic, rerun_s
+        self.rerun_at: dict[int, float] = {}  # map -> when its new attempt is in
+
+        def meta(m, attempt):
+            return SegmentMeta(SegmentId("shf-lost", m, 0, 0, attempt), TierName.MEMORY, 8, 1,
+                               "node", f"m{m}a{attempt}")
+
+        self.meta = meta
+        outer = self
+
+        class _Call:
+            def __init__(self, fn):
+                self.remote = lambda *args: __import__("ray").put(fn(*args))
+
+        self.poll = _Call(outer._poll)
+        self.report_lost = _Call(outer._report_lost)
+
+    def _report_lost(self, shuffle_id, map_index, attempt):
+        self.rerun_at.setdefault(map_index, self._clock() + self.rerun_s)
+        return True
+
+    def _poll(self, shuffle_id, sub, cursors, pid, wait_s):
+        from hybrid_ray.master import MapUpdate, PollResult
+
+        updates, now = [], self._clock()
+        for m in (0, 1):
+            attempt = 1 if now >= self.rerun_at.get(m, float("inf")) else 0
+            seen_attempt, seen = cursors.get(m, (attempt, 0))
+            reset = seen_attempt != attempt
+            if reset or seen == 0:
+                updates.append(MapUpdate(m, attempt, reset, [self.meta(m, attempt)]))
+        done = not updates and all(cursors.get(m, (0, 0))[0] == 1 for m in (0, 1))
+        return PollResult(updates, done)
+
+
+class _ReadsOnlyNewAttempts:
+    """A read client for which every attempt-0 segment is gone (died with its writer)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def read_in_order(self, metas, transfers):
+        from hybrid_ray.errors import SegmentNotFoundError
+
+        for meta in metas:
+            if meta.id.attempt == 0:
+                def gone(meta=meta):
+                    raise SegmentNotFoundError(f"{meta.id} died with its writer")
+                yield gone()
+            yield pa.table({"map": [meta.id.map_partition]})
+
+
+def test_maps_lost_together_each_get_their_own_wait_for_a_new_attempt(ray_local, tmp_path,
+                                                                      monkeypatch):
+    """Two maps of one dead writer are found gone one after the other (the reader stops at
+    the first, and meets the second once the first is back). Each re-run takes 0.8 s of a
+    1.2 s wait: the reader must get both, in map order. It shared one wait across the
+    maps and failed a shuffle that was recovering (1.6 s > 1.2 s)."""
+    from hybrid_ray import reduce_task
+
+    monkeypatch.setattr(reduce_task, "ReadClient", _ReadsOnlyNewAttempts)
+    monkeypatch.setattr(reduce_task, "io_tiers_for", lambda *args, **kwargs: {})
+    master = _LostMapsMaster(rerun_s=0.8)
+    tables = reduce_task.read_subpartition("shf-lost", 0, base_config(tmp_path), master,
+                                           missing_wait_s=1.2)
+    assert [t["map"].to_pylist() for t in tables] == [[0], [1]]
+    assert sorted(master.rerun_at) == [0, 1]
