@@ -33,7 +33,9 @@ from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import (
     DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_tree,
 )
-from hybrid_ray.tiers.remote import call_deadline_s, filesystem_options
+from hybrid_ray.tiers.remote import (
+    call_deadline_s, filesystem_options, remove_remote_tree,
+)
 
 # Names of job and shuffle directories cleanup may remove: exactly the ids hybrid_ray
 # writes under (``hybrid_ray.ids``: a job id such as "etl.daily" included). Its first
@@ -51,7 +53,6 @@ class Candidate:
     shuffle_id: str
     newest: float  # newest modification time of anything in it (epoch seconds)
     fs: Any = None  # the fsspec filesystem of a remote candidate
-    call_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # timeout=
     redactor: Redactor | None = None  # hides a remote candidate's credentials in errors
 
 
@@ -174,7 +175,8 @@ def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | N
 
     ``remote_path`` is checked as a remote tier's is (``ConfigError`` for a bad one, a
     glob character included); the filesystem gets the remote tier's bounded timeouts and
-    every call a deadline; credentials never appear in the plan's paths or errors."""
+    every single-request call a deadline; credentials never appear in the plan's paths or
+    errors."""
     remote_path = validate_remote_path(remote_path)
     redactor = Redactor(remote_path, storage_options)
     plan = plan or Plan()
@@ -221,12 +223,13 @@ def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | N
                 if marker is None or marker["shuffle_id"] != name \
                         or marker.get("job_id") != job:
                     continue
-                infos = fs.find(path, detail=True, **call)
+                # A whole tree: no per-request deadline (see remove_remote_tree).
+                infos = fs.find(path, detail=True)
                 newest = max((_info_mtime(i) for i in infos.values()), default=time.time())
             except Exception as exc:
                 failed(path, "cannot examine", exc)
                 continue
-            plan.candidates.append(Candidate("remote", root, path, name, newest, fs, call,
+            plan.candidates.append(Candidate("remote", root, path, name, newest, fs,
                                              redactor))
     return plan
 
@@ -268,7 +271,7 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
                 # Lexically inside the root and free of glob characters (fsspec's rm
                 # expands them): nothing else can be reached.
                 require_inside_remote(c.root, c.path, "remove")
-                c.fs.rm(c.path, recursive=True, **c.call_options)
+                remove_remote_tree(c.fs, c.path)
                 c.fs.invalidate_cache()
         except FileNotFoundError:
             continue  # gone meanwhile (released by its master): nothing left to remove

@@ -325,3 +325,49 @@ def test_a_job_id_with_a_dot_is_cleaned_up_too(tmp_path):
     assert plan.errors == []
     assert [(c.shuffle_id, c.path) for c in plan.candidates] == [
         ("shf-1", f"{tmp_path}/remote/etl.daily/shf-1")]
+
+
+class _CutShortFs:
+    """An fsspec filesystem whose deletes stop half-way with a timeout (a large tree
+    against a slow store), deleting in sorted order as s3fs's batches do."""
+
+    def __init__(self, fs):
+        self._fs = fs
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def rm(self, path, recursive=False, **kwargs):
+        from fsspec.exceptions import FSTimeoutError
+
+        paths = sorted(p for p in self._fs.expand_path(path, recursive=recursive)
+                       if self._fs.isfile(p))
+        for p in paths[:max(1, len(paths) // 2)]:
+            self._fs.rm_file(p)
+        raise FSTimeoutError()
+
+
+def test_a_remote_removal_cut_short_keeps_the_marker_so_cleanup_finds_it_again(tmp_path):
+    """The shuffle marker sorts first, so a recursive delete cut short (a deadline, an
+    outage) removed it with the first batch and left the data unmarked: no cleanup would
+    ever find it again. The marker now goes last, for cleanup and for the remote tier."""
+    import dataclasses
+
+    import fsspec
+
+    from hybrid_ray.cleanup import find_remote_orphans, remove
+
+    fs = fsspec.filesystem("memory")
+    remote = f"memory://bkt-{uuid.uuid4().hex[:8]}/pre"
+    tier = _remote_tier(remote, "job-a")
+    for sub in range(6):
+        tier.write(SegmentId("shf-1", 0, sub, 0), _payload())
+    plan = find_remote_orphans(remote)
+    [candidate] = plan.candidates
+    plan.candidates = [dataclasses.replace(candidate, fs=_CutShortFs(fs))]
+    result = remove(plan, older_than_s=0)
+    assert result.removed == [] and "FSTimeoutError" in result.errors[0][1]
+    again = find_remote_orphans(remote)
+    assert [c.path for c in again.candidates] == [candidate.path]
+    assert remove(again, older_than_s=0).removed == [candidate.path]
+    assert not fs.exists(candidate.path)

@@ -301,7 +301,7 @@ class RemoteTier(Tier):
         # local path); its refused commit deletes that segment, so removing again suffices.
         for attempt in range(REMOVE_ATTEMPTS):
             try:
-                self.fs.rm(path, recursive=True)
+                remove_remote_tree(self.fs, path)
                 break
             except FileNotFoundError:
                 break
@@ -313,6 +313,27 @@ class RemoteTier(Tier):
                 self.fs.invalidate_cache()
                 time.sleep(0.2 * (attempt + 1))
         self.fs.invalidate_cache()
+
+
+def remove_remote_tree(fs: Any, path: str) -> None:
+    """Remove a shuffle's remote tree, its marker (``SHUFFLE_MARKER_NAME``) last: a removal
+    cut short (an error, a timeout, a crash) leaves the marker beside what is left, so
+    `hybrid-ray cleanup`, which only touches marked directories, still finds it. Whole-tree
+    calls get no per-call deadline (``call_deadline_s`` is sized for one request; a tree
+    of many objects takes longer to list and delete, and a cut-off delete left data
+    behind); each request inside them is bounded by the filesystem's own timeouts.
+    ``path`` must be literal (no glob characters: see ``require_inside_remote``)."""
+    try:
+        files = fs.find(path)
+    except FileNotFoundError:
+        return
+    data = [f for f in files if posixpath.basename(f) != SHUFFLE_MARKER_NAME]
+    if data:
+        fs.rm(data)
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 def filesystem_options(remote_path: str, storage_options: Mapping[str, Any] | None

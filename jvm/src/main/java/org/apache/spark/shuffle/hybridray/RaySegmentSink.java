@@ -6,6 +6,7 @@ import com.fasterxml.jackson.databind.node.ObjectNode;
 import io.ray.api.ObjectRef;
 import io.ray.api.PyActorHandle;
 import io.ray.api.Ray;
+import io.ray.api.exception.RayTimeoutException;
 import java.io.ByteArrayOutputStream;
 import java.io.IOException;
 import java.io.ObjectOutputStream;
@@ -241,7 +242,17 @@ final class RaySegmentSink implements SegmentSink {
           "map attempt " + mapId + " (map " + mapIndex + ") of Spark shuffle " + shuffleKey,
           shuffleId, mapId);
     } else {
-      ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
+      try {
+        ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
+      } catch (IOException e) {
+        if (timedOut(e)) {
+          // The master may still apply this commit: then its abort frees the batch's
+          // segments, and giving their grants back here too would count them twice.
+          uncommittedSegments = null;
+          uncommittedPlacements = null;
+        }
+        throw e;
+      }
     }
     committedAny = true;
     uncommittedFiles.clear();
@@ -313,6 +324,16 @@ final class RaySegmentSink implements SegmentSink {
       settlements.add(new Settlement(tier, granted, p.get("target").asText(),
           used[i] ? granted : -1));
     }
+  }
+
+  /** Whether {@code e} is a call that ran out of time (its answer may still come). */
+  static boolean timedOut(Throwable e) {
+    for (Throwable t = e; t != null; t = t.getCause()) {
+      if (t instanceof RayTimeoutException) {
+        return true;
+      }
+    }
+    return false;
   }
 
   /** What became of a grant: its tier, size and target as granted, and the bytes written
