@@ -31,7 +31,7 @@ from hybrid_ray.ids import require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import (
-    DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_tree,
+    DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_marked_tree,
 )
 from hybrid_ray.tiers.remote import (
     call_deadline_s, filesystem_options, remove_remote_tree,
@@ -264,7 +264,9 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
             if c.kind == "spill":
                 if not _inside(c.root, os.path.realpath(c.path)):
                     raise RuntimeError(f"refused: resolves outside {c.root}")
-                failures = remove_tree(c.path)
+                # The marker last, as a release does: a removal that fails part-way
+                # leaves what is left recognisable as ours for the next run.
+                failures = remove_marked_tree(c.path)
                 if failures:
                     raise OSError("; ".join(failures))
             else:

@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from hybrid_ray.errors import ConfigError, UnknownTierError
-from hybrid_ray.ids import check_id
+from hybrid_ray.ids import check_id, glob_characters_in
 from hybrid_ray.redaction import redact_url, redacted_options
 
 KiB = 1024
@@ -359,8 +359,6 @@ def validate_remote_path(path: Any) -> str:
     """``path`` as a remote tier's URL (trailing slashes dropped), or ``ConfigError``
     naming what is wrong with it and the fix."""
     import fsspec
-
-    from hybrid_ray.ids import glob_characters_in
 
     if not isinstance(path, str) or not path.strip():
         raise ConfigError("remote_path must be an fsspec URL such as 's3://bucket/prefix', "

@@ -357,9 +357,7 @@ def remove_marked_tree(path: str) -> list[str]:
             failures += remove_tree(entry)
         else:
             try:
-                os.unlink(entry)
-            except FileNotFoundError:
-                pass
+                unlink_quietly(entry)
             except OSError as exc:
                 failures.append(f"{entry}: {exc}")
     if failures:

@@ -59,11 +59,6 @@ final class RaySegmentSink implements SegmentSink {
   private ObjectRef<String> pendingLease;
   private MemoryLease lease;
   private long bytesStored;
-  // The batch stored but not committed yet (null once committed), and where its
-  // settlements start in {@code settlements}: a failed commit gives its grants back.
-  private List<PartitionSegmenter.Segment> uncommittedSegments;
-  private JsonNode uncommittedPlacements;
-  private int uncommittedSettlements;
 
   RaySegmentSink(HybridRayContext ctx, int shuffleId, String shuffleKey, int numPartitions,
       int mapIndex, long mapId) {
@@ -142,6 +137,9 @@ final class RaySegmentSink implements SegmentSink {
     String node = ctx.nodeId();
     PyActorHandle tierManager = ctx.tierManager(node);
     ArrayNode stored = ctx.json.createArrayNode();
+    // The batch's grants and which were used: settled once the commit's fate is known.
+    JsonNode batchPlacements = null;
+    boolean[] batchUsed = null;
     if (!segments.isEmpty()) {
       int n = segments.size();
       int[] frameSizes = new int[n];
@@ -212,10 +210,8 @@ final class RaySegmentSink implements SegmentSink {
         settle(segments, placements, new boolean[n]);
         throw e;
       }
-      uncommittedSettlements = settlements.size();
-      settle(segments, placements, used);
-      uncommittedSegments = segments;
-      uncommittedPlacements = placements;
+      batchPlacements = placements;
+      batchUsed = used;
       for (int i = 0; i < n; i++) {
         PartitionSegmenter.Segment s = segments.get(i);
         stored.addArray().add(s.partition()).add(s.index()).add(tiers[i])
@@ -231,33 +227,36 @@ final class RaySegmentSink implements SegmentSink {
     commit.put("node", node);
     commit.put("final", last);
     commit.set("segments", stored);
-    if (last) {
-      // Not waited for: the task's MapStatus usually reaches a reader long after this
-      // commit reaches the master, which holds a reader asking earlier until it is in
-      // (spark_await_blocks, up to commitWaitMs); one that fails is logged and leaves
-      // the attempt missing, so
-      // its readers raise FetchFailedException and Spark recomputes it. Earlier commits
-      // of a map are waited for: the master is threaded, and the last must come last.
-      ctx.commitLater(ctx.master(), ctx.toJson(commit),
-          "map attempt " + mapId + " (map " + mapIndex + ") of Spark shuffle " + shuffleKey,
-          shuffleId, mapId);
-    } else {
-      try {
+    try {
+      if (last) {
+        // Not waited for: the task's MapStatus usually reaches a reader long after this
+        // commit reaches the master, which holds a reader asking earlier until it is in
+        // (spark_await_blocks, up to commitWaitMs); one that fails is logged and leaves
+        // the attempt missing, so its readers raise FetchFailedException and Spark
+        // recomputes it. Earlier commits of a map are waited for: the master is
+        // threaded, and the last must come last.
+        ctx.commitLater(ctx.master(), ctx.toJson(commit),
+            "map attempt " + mapId + " (map " + mapIndex + ") of Spark shuffle " + shuffleKey,
+            shuffleId, mapId);
+      } else {
         ctx.call(ctx.master(), "spark_commit", ctx.toJson(commit));
-      } catch (IOException e) {
-        if (timedOut(e)) {
-          // The master may still apply this commit: then its abort frees the batch's
-          // segments, and giving their grants back here too would count them twice.
-          uncommittedSegments = null;
-          uncommittedPlacements = null;
-        }
-        throw e;
       }
+    } catch (IOException | RuntimeException e) {
+      if (batchPlacements != null) {
+        // Refused: abort() deletes the batch's files and drops its objects, so its grants
+        // go back in full. Timed out: the master may still apply the commit, and its abort
+        // then frees the segments: settled as written, not given back twice.
+        boolean mayBeApplied = timedOut(e);
+        settle(segments, batchPlacements,
+            mayBeApplied ? batchUsed : new boolean[batchUsed.length]);
+      }
+      throw e;
+    }
+    if (batchPlacements != null) {
+      settle(segments, batchPlacements, batchUsed);
     }
     committedAny = true;
     uncommittedFiles.clear();
-    uncommittedSegments = null;
-    uncommittedPlacements = null;
     if (last) {
       takeLease(ctx.callTimeoutMs);  // (a task with no segments never took its answer)
       closeLease();
@@ -343,16 +342,6 @@ final class RaySegmentSink implements SegmentSink {
 
   @Override
   public void abort(Throwable cause) {
-    if (uncommittedSegments != null) {
-      // A batch written and settled as written whose commit failed: its files go below,
-      // its objects with dropAttempt, so its grants go back in full instead.
-      settlements.subList(Math.min(uncommittedSettlements, settlements.size()),
-          settlements.size()).clear();
-      settle(uncommittedSegments, uncommittedPlacements,
-          new boolean[uncommittedSegments.size()]);
-      uncommittedSegments = null;
-      uncommittedPlacements = null;
-    }
     for (Path path : uncommittedFiles) {
       try {
         Files.deleteIfExists(path);
