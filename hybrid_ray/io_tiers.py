@@ -11,6 +11,7 @@ from __future__ import annotations
 from hybrid_ray.actors import get_tier_manager
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.tiers.cache import LruCache
+from hybrid_ray.tiers.remote import remote_tier_key
 
 
 def io_tiers_for(config: ShuffleConfig, node_id: str,
@@ -20,8 +21,11 @@ def io_tiers_for(config: ShuffleConfig, node_id: str,
 
     ``own_memory_segments``: memory-tier objects are owned by this process (a writer
     actor that outlives the shuffle); otherwise by the node's tier manager."""
-    # ShuffleConfig holds dicts (unhashable); cache on its repr, which is deterministic.
-    key = (repr(config), node_id, own_memory_segments)
+    # ShuffleConfig holds dicts (unhashable): cache on its repr, which is deterministic,
+    # plus the remote tier's real settings. The repr masks credentials, so on its own two
+    # configs differing only in them (refreshed STS tokens, or another job under the same
+    # job id) shared one remote tier: the old credentials, or another job's.
+    key = (repr(config), remote_tier_key(config), node_id, own_memory_segments)
 
     def open_tiers() -> dict:
         from hybrid_ray.tier_manager import build_io_tiers

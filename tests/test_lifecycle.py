@@ -419,3 +419,32 @@ def test_a_re_run_that_found_its_map_finished_keeps_the_map_s_result(monkeypatch
     again.value = {"rows": 0, "skipped": True}
     runner.poll({again})
     assert runner.done and runner.results[0] == {"rows": 1000, "skipped": False}
+
+
+def test_each_writer_has_its_next_map_queued_but_the_last_maps_wait_for_a_free_writer(
+        monkeypatch):
+    """A writer handed its next map only once the driver saw its last one finish sat idle
+    for that round trip every map: each writer has its next map queued behind the one it
+    runs. The last maps (no more than there are writers) are not queued behind a busy
+    writer: they go to whichever writer frees first. Every map runs exactly once."""
+    monkeypatch.setattr(lifecycle.ray, "get", lambda ref, **_: ref.value)
+    monkeypatch.setattr(lifecycle, "held_shuffle", lambda _sid: None)
+    a, b = _ScriptedWriter(), _ScriptedWriter()
+    fake = _CountsLostAsks([])
+    fake.shuffle_id = "shf-queueddepth"
+    runner = lifecycle.MapRunner(fake, [("node-a", a), ("node-b", b)],
+                                 [None] * 7, lambda *a, **k: None, ())
+    assert [m for m, _, _ in a.runs] == [0, 2] and [m for m, _, _ in b.runs] == [1, 3]
+    runner.poll({a.runs[0][2]})  # a finished map 0: map 4 queued behind map 2
+    assert [m for m, _, _ in a.runs] == [0, 2, 4] and list(runner._queue) == [5, 6]
+    runner.poll({b.runs[0][2]})  # two maps left for two writers: none queued behind 3
+    assert [m for m, _, _ in b.runs] == [1, 3] and list(runner._queue) == [5, 6]
+    runner.poll({b.runs[1][2]})  # b is idle: it takes map 5 at once
+    assert [m for m, _, _ in b.runs] == [1, 3, 5] and list(runner._queue) == [6]
+    runner.poll({a.runs[1][2]})  # a still runs map 4: map 6 waits for a free writer
+    assert list(runner._queue) == [6]
+    runner.poll({b.runs[2][2]})
+    assert [m for m, _, _ in b.runs] == [1, 3, 5, 6]
+    runner.poll({a.runs[2][2], b.runs[3][2]})
+    assert runner.done and sorted(runner.results) == list(range(7))
+    assert sorted(m for w in (a, b) for m, _, _ in w.runs) == list(range(7))

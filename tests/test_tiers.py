@@ -327,6 +327,25 @@ def test_lru_cache_keeps_the_most_recent_and_tells_what_it_evicts():
         LruCache(0)
 
 
+def test_configs_differing_only_in_credentials_get_their_own_tiers(tmp_path):
+    """The tier cache was keyed on the config's repr, which masks credentials: after a
+    token refresh a long-lived reader kept using the remote tier built with the expired
+    one (and another job under the same job id would use the first job's)."""
+    from hybrid_ray import io_tiers
+
+    def config(secret):
+        return ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], job_id="sts-job",
+                             remote_path=f"file://{tmp_path}/remote",
+                             storage_options={"key": "AKIA", "secret": secret})
+    old, new = config("old-secret"), config("new-secret")
+    assert repr(old) == repr(new)  # what the cache used to see
+    first = io_tiers.io_tiers_for(old, "node-a", own_memory_segments=True)
+    second = io_tiers.io_tiers_for(new, "node-a", own_memory_segments=True)
+    assert second is not first
+    assert second[TierName.REMOTE].fs.storage_options["secret"] == "new-secret"
+    assert io_tiers.io_tiers_for(old, "node-a", own_memory_segments=True) is first
+
+
 def test_a_long_lived_process_keeps_a_bounded_number_of_tier_sets(tmp_path):
     """A writer or reader actor serves shuffle after shuffle, each config new (a job id per
     run): it kept every tier set it opened. Now the oldest go, their transfer pools shut."""
