@@ -418,9 +418,23 @@ class RandomPartitioner(Partitioner):
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
+        # map index -> its random stream, continued chunk after chunk. A stream started
+        # afresh for every chunk gave row i of each chunk of a map the same subpartition
+        # (rows a chunk apart always stayed together: not a uniform shuffle). Each map run
+        # gets its own copy of the partitioner (it travels pickled with the task), so a
+        # map's assignment still depends only on the seed, the map and its chunking.
+        self._streams: dict[int, np.random.Generator] = {}
+
+    def __getstate__(self) -> dict:
+        return {"seed": self.seed}  # a copy starts every map's stream from the seed
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["seed"])
 
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, map_index])
+        rng = self._streams.get(map_index)
+        if rng is None:
+            rng = self._streams[map_index] = np.random.default_rng([self.seed, map_index])
         return rng.integers(0, num_partitions, table.num_rows)
 
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:

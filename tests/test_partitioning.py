@@ -179,3 +179,25 @@ def test_multi_key_hash_depends_on_key_order():
     ab = HashPartitioner(["a", "b"]).assign(pa.table({"a": a, "b": b}), 0, 1 << 20)
     ba = HashPartitioner(["a", "b"]).assign(pa.table({"a": b, "b": a}), 0, 1 << 20)
     assert (ab != ba).mean() > 0.99
+
+
+def test_random_assignment_continues_across_the_chunks_of_a_map():
+    """Each chunk of a map restarted the map's random stream: row i of every chunk went to
+    the same subpartition, so rows a chunk apart were never separated by random_shuffle.
+    The stream now runs on across chunks; a fresh copy of the partitioner (as each map run
+    gets, pickled with its task) reproduces the map's assignment from the seed."""
+    import pickle
+
+    from hybrid_ray.partitioning import RandomPartitioner
+
+    chunk = pa.table({"x": np.arange(4096)})
+    partitioner = RandomPartitioner(seed=7)
+    first = partitioner.assign(chunk, 3, 16)
+    second = partitioner.assign(chunk, 3, 16)
+    assert first.shape == second.shape == (4096,)
+    assert np.mean(first == second) < 0.2  # about 1/16 by chance; 1.0 when restarted
+    other_map = partitioner.assign(chunk, 4, 16)
+    assert np.mean(other_map == first) < 0.2
+    copy = pickle.loads(pickle.dumps(partitioner))
+    assert np.array_equal(copy.assign(chunk, 3, 16), first)
+    assert np.array_equal(copy.assign(chunk, 3, 16), second)
