@@ -189,7 +189,8 @@ def _map_inputs(blocks: Sequence[ray.ObjectRef], config: ShuffleConfig
 
 class _ReaderPool:
     """The reader actors reducing one shuffle's subpartitions, one at a time each, with
-    the next one queued behind it (``READER_QUEUE_DEPTH``).
+    the next one queued behind it (``READER_QUEUE_DEPTH``) while more wait than there
+    are readers.
 
     The namespace's kept readers (named, one per CPU at most, reused across shuffles),
     and for a window beyond the cluster's CPUs, extra readers owned by this shuffle and
@@ -230,6 +231,16 @@ class _ReaderPool:
     def has_free(self, depth: int = 1) -> bool:
         """Whether a reader has fewer than ``depth`` subpartitions in hand."""
         return any(self._load(r) < depth for _, r in self._readers)
+
+    def can_take(self, waiting: int) -> bool:
+        """Whether to submit one of ``waiting`` subpartitions now: a reader is idle, or
+        more wait than there are readers and one has room in its queue
+        (``READER_QUEUE_DEPTH``). The last ones are not queued behind a busy reader: a
+        slow (skewed) subpartition would hold them while other readers sit idle."""
+        if waiting <= 0:
+            return False
+        return self.has_free(1) or (waiting > len(self._readers)
+                                    and self.has_free(READER_QUEUE_DEPTH))
 
     def submit(self, sub: int, fn: Callable[..., Any], *args: Any
                ) -> tuple[ray.ObjectRef, ray.ObjectRef, ray.ObjectRef]:
@@ -457,7 +468,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                 # Its block is stored (owned by this driver): its segments can go now.
                 shuffle.free_subpartition(sub)
         if hybrid or maps_done:
-            while todo and readers.has_free(READER_QUEUE_DEPTH):
+            while readers.can_take(len(todo)):
                 sub = todo.popleft()
                 table_ref, stats_ref, times_refs[sub] = readers.submit(
                     sub, reduce_partition, shuffle.shuffle_id, sub, schema, partitioner,

@@ -411,6 +411,13 @@ def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(mon
     assert b.subs == [1, 3, 4] and pool.node_of(4) == node_2
     monkeypatch.setattr(shuffle_mod, "get_reader_slots",
                         lambda ns, count: [(node_2, b)][:count])
+    # The last subpartitions (no more than there are readers) wait for an idle reader:
+    # queued behind a slow one they would wait while another reader sits idle.
+    pool.done(0)  # a has one in hand (2), b two (3, 4): both busy
+    assert pool.can_take(3) and not pool.can_take(2) and not pool.can_take(0)
+    pool.done(2)  # a is idle now
+    assert pool.can_take(1)
+    pool.submit(2, len, 2)
     pool.drop_nodes({node_1})  # a died with its node: 0 and 2 leave the books
     assert pool.busy_subpartitions() == [3, 4]
     pool.submit(5, len, 5)  # an extra reader on the alive node takes a's place

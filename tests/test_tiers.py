@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 import uuid
 
 import numpy as np
@@ -15,6 +16,7 @@ from hybrid_ray import (
     CorruptSegmentError, MiB, RemoteTierError, SegmentId, ShuffleConfig, TierName,
     decode_segment, encode_segment,
 )
+from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, MemoryTier, RemoteTier
 
 
@@ -150,6 +152,31 @@ class TestMemoryTier(TierConformance):
         # The writer task and its worker's reference are gone; the owner keeps it alive.
         ray.get(writer.remote(owner))
         assert bytes(MemoryTier(MiB, 0).read(meta)) == payload
+
+
+    def test_a_segment_that_never_arrives_fails_the_read_within_its_bound(
+            self, ray_local, monkeypatch):
+        """ray.get of a memory-tier segment had no bound: a pull from a node that stopped
+        answering (but was not declared dead) held the reader forever."""
+        import hybrid_ray.tiers.memory as memory_mod
+        from hybrid_ray.errors import ShuffleStalledError
+
+        ray = ray_local
+
+        @ray.remote(num_cpus=0)
+        def never_ready():
+            time.sleep(3600)
+
+        pending = never_ready.remote()
+        monkeypatch.setattr(memory_mod, "READ_TIMEOUT_S", 0.5)
+        meta = SegmentMeta(SegmentId("stalled", 0, 0, 0), TierName.MEMORY, 10, 1,
+                           node_id="n" * 56, object_ref=[pending])
+        started = time.monotonic()
+        with pytest.raises(ShuffleStalledError, match="could not be fetched from the memory "
+                                                      "tier of node n+ within 0.5 s"):
+            MemoryTier(MiB, 0).read(meta)
+        assert time.monotonic() - started < 10
+        ray.cancel(pending, force=True)
 
 
 class TestDiskTier(TierConformance):

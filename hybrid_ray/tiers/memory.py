@@ -14,9 +14,13 @@ import numpy as np
 import ray
 
 from hybrid_ray.config import TierName
-from hybrid_ray.errors import SegmentNotFoundError
+from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
+
+# How long a reader waits for one memory-tier segment (a pull from another node included):
+# as long as a data call to a tier manager (actors.DATA_CALL_TIMEOUT_S).
+READ_TIMEOUT_S = 300.0
 
 
 class MemoryTier(Tier):
@@ -82,7 +86,14 @@ class MemoryTier(Tier):
         if not meta.object_ref:
             raise SegmentNotFoundError(f"{meta.id} has no object reference in the memory tier")
         try:
-            return ray.get(meta.object_ref[0])
+            return ray.get(meta.object_ref[0], timeout=READ_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as exc:
+            # A pull from a node that stopped answering but was not declared dead: every
+            # other wait of a reader is bounded; this one waited forever.
+            raise ShuffleStalledError(
+                f"{meta.id} could not be fetched from the memory tier of node "
+                f"{meta.node_id} within {READ_TIMEOUT_S:g} s: the node or its object store "
+                "stopped answering; check the node's health (ray status)") from exc
         except ray.exceptions.ObjectLostError as exc:
             raise SegmentNotFoundError(
                 f"{meta.id} was lost from the memory tier of node {meta.node_id} "
