@@ -416,6 +416,9 @@ class MapRunner:
         # Maps reported lost while a run of them was still in flight: queued again when
         # that run returns (see _requeue).
         self._lost_while_running: set[int] = set()
+        # Maps queued again (lost): the next free writer takes them whatever its node, as
+        # readers wait for them (a bounded wait: see reduce_task.MISSING_SEGMENT_WAIT_S).
+        self._urgent: set[int] = set()
         self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
         self._lost_interval = LOST_MAPS_POLL_S  # until the next ask (see poll)
         # Maps whose attempt 0 began at registration: their first run here is attempt 0.
@@ -557,6 +560,7 @@ class MapRunner:
         self._lost_while_running.update(m for m in maps if m in running)
         fresh = [m for m in maps if m not in running and m not in self._queue]
         self._queue.extendleft(reversed(fresh))
+        self._urgent.update(maps)
 
     def _drop_node(self, node: str) -> None:
         """Stop using the writers of a node that died (``lost_nodes`` records it)."""
@@ -579,10 +583,15 @@ class MapRunner:
                     self._start(slot)
 
     def _start(self, slot: int) -> None:
-        """Send writer ``slot`` the next map whose input is on its node, else the next."""
+        """Send writer ``slot`` the first map queued again (lost), else the next map whose
+        input is on its node, else the next."""
         node, writer = self._writers[slot]
-        pick = next((m for m in self._queue if self._input_nodes[m] == node), self._queue[0])
+        pick = next((m for m in self._queue if m in self._urgent), None)
+        if pick is None:
+            pick = next((m for m in self._queue if self._input_nodes[m] == node),
+                        self._queue[0])
         self._queue.remove(pick)
+        self._urgent.discard(pick)
         attempt = 0 if pick in self._begun else None  # None: the map begins its own
         self._begun.discard(pick)
         ref = writer.run.remote(self._map_fn, self._lifecycle.shuffle_id, pick,

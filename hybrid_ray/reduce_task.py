@@ -38,9 +38,10 @@ POLL_WAIT_S, POLL_RETRY_S = 1.0, 0.25
 # How long a reader waits for the new attempt of a map whose segment it found gone while
 # a re-run is coming (the attempt was superseded, is being retried, or its memory-tier
 # segments died with their writer and the driver re-runs it: see read_subpartition). A
-# re-run map may queue behind running maps for a free writer; read_subpartition's
-# ``missing_wait_s`` overrides it. A disk or remote segment of a finished map that is gone
-# is lost for good and fails at once.
+# re-run map may queue behind running maps for a free writer: past this wait, a reader
+# whose map the master still counts unfinished waits on, up to the config's
+# ``stall_timeout_s``. read_subpartition's ``missing_wait_s`` overrides it. A disk or
+# remote segment of a finished map that is gone is lost for good and fails at once.
 MISSING_SEGMENT_WAIT_S = 60.0
 
 
@@ -144,6 +145,10 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     # shuffles that were recovering. Each map's wait is bounded, and so is their number.
     missing_since: float | None = None
     missing_key: tuple[int, int] | None = None
+    # Past missing_wait_s, a map the master still counts unfinished (its re-run has not
+    # begun: it may queue behind long maps for a free writer) is waited for up to the
+    # shuffle's stall bound, asked once per (map, attempt): _awaiting_rerun.
+    rerun_checked: dict[tuple[int, int], bool] = {}
     while True:
         # A long poll: the master answers at once if something is new, else holds the
         # call until a commit (or POLL_WAIT_S) instead of this reader sleeping and asking.
@@ -160,7 +165,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
             key = (missing.meta.id.map_partition, missing.meta.id.attempt)
             if missing_since is None or key != missing_key:
                 missing_since, missing_key = now, key
-            if now - missing_since > missing_wait_s:
+            if now - missing_since > missing_wait_s and not (
+                    now - missing_since <= config.stall_timeout_s
+                    and _awaiting_rerun(master, shuffle_id, missing, rerun_checked)):
                 raise SegmentNotFoundError(
                     f"subpartition {subpartition} of {shuffle_id}: {missing.meta.id} is gone "
                     f"from the {missing.meta.tier.value} tier "
@@ -179,6 +186,20 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     times.control_plane += control.seconds
     return [table for m in sorted(per_map)
             for _, table in sorted(per_map[m], key=lambda indexed: indexed[0])]
+
+
+def _awaiting_rerun(master: Any, shuffle_id: str, missing: _Missing,
+                    checked: dict[tuple[int, int], bool]) -> bool:
+    """Whether the master still counts the map of a missing segment unfinished at the
+    attempt the reader last saw (a re-run is coming: the driver's own stall bound fails
+    the shuffle if none does). Asked once per (map, attempt), remembered in ``checked``."""
+    key = (missing.meta.id.map_partition, missing.meta.id.attempt)
+    if key not in checked:
+        progress = answer_of(master.progress.remote(shuffle_id),
+                             f"the shuffle master's progress of {shuffle_id}")
+        state = progress["maps"][key[0]]
+        checked[key] = state["finished"] is None and state["attempt"] <= key[1]
+    return checked[key]
 
 
 def _finished_attempt(master: Any, shuffle_id: str, map_index: int) -> int | None:

@@ -448,3 +448,23 @@ def test_each_writer_has_its_next_map_queued_but_the_last_maps_wait_for_a_free_w
     runner.poll({a.runs[2][2], b.runs[3][2]})
     assert runner.done and sorted(runner.results) == list(range(7))
     assert sorted(m for w in (a, b) for m, _, _ in w.runs) == list(range(7))
+
+
+def test_a_lost_map_goes_to_the_next_free_writer_whatever_its_node(monkeypatch):
+    """A free writer took the first queued map whose input is on its node, passing over a
+    lost map at the front of the queue whose input is elsewhere; readers waiting for that
+    map could time out. A map queued again now goes first to any free writer."""
+    monkeypatch.setattr(lifecycle.ray, "get", lambda ref, **_: ref.value)
+    x, y = _ScriptedWriter(), _ScriptedWriter()
+    fake = _CountsLostAsks([])
+    fake.shuffle_id = "shf-urgent"
+    runner = lifecycle.MapRunner(fake, [("node-x", x), ("node-y", y)], [None] * 4,
+                                 lambda *a, **k: None, (),
+                                 input_nodes=["node-x", "node-x", "node-y", "node-y"])
+    assert [m for m, _, _ in x.runs] == [0] and [m for m, _, _ in y.runs] == [2]
+    runner.poll({x.runs[0][2]})  # map 0 finished; x takes its local map 1
+    assert [m for m, _, _ in x.runs] == [0, 1] and list(runner._queue) == [3]
+    fake.answers = [[0]]  # a reader then found map 0's output gone
+    runner._lost_asked = runner._lost_interval = 0
+    runner.poll({y.runs[0][2]})  # y is free: it must take lost map 0, not its local map 3
+    assert [m for m, _, _ in y.runs] == [2, 0] and list(runner._queue) == [3]

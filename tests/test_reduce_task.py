@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from conftest import assert_no_leftovers, base_config
 
@@ -111,6 +113,15 @@ class _LostMapsMaster:
 
         self.poll = _Call(outer._poll)
         self.report_lost = _Call(outer._report_lost)
+        self.progress = _Call(outer._progress)
+        self.progress_asks = 0
+
+    def _progress(self, shuffle_id):
+        self.progress_asks += 1
+        now = self._clock()
+        return {"maps": [{"finished": None,
+                          "attempt": 1 if now >= self.rerun_at.get(m, float("inf")) else 0}
+                         for m in (0, 1)]}
 
     def _report_lost(self, shuffle_id, map_index, attempt):
         self.rerun_at.setdefault(map_index, self._clock() + self.rerun_s)
@@ -162,3 +173,39 @@ def test_maps_lost_together_each_get_their_own_wait_for_a_new_attempt(ray_local,
                                            missing_wait_s=1.2)
     assert [t["map"].to_pylist() for t in tables] == [[0], [1]]
     assert sorted(master.rerun_at) == [0, 1]
+
+
+def test_a_re_run_that_waits_long_for_a_writer_is_still_waited_for(ray_local, tmp_path,
+                                                                   monkeypatch):
+    """A lost map's re-run may queue behind long maps for a free writer. The reader gave
+    up after missing_wait_s although the master still counted the map unfinished, and a
+    recovering shuffle failed. Past that wait it now asks the master once and waits on,
+    up to the shuffle's stall bound."""
+    from hybrid_ray import reduce_task
+
+    monkeypatch.setattr(reduce_task, "ReadClient", _ReadsOnlyNewAttempts)
+    monkeypatch.setattr(reduce_task, "io_tiers_for", lambda *args, **kwargs: {})
+    master = _LostMapsMaster(rerun_s=1.5)
+    tables = reduce_task.read_subpartition("shf-lost", 0, base_config(tmp_path), master,
+                                           missing_wait_s=0.5)
+    assert [t["map"].to_pylist() for t in tables] == [[0], [1]]
+    assert master.progress_asks == 2  # once per lost map, not once per poll
+
+
+def test_a_re_run_that_never_begins_fails_the_reader_at_the_stall_bound(ray_local, tmp_path,
+                                                                       monkeypatch):
+    """The longer wait is bounded: a map that never runs again fails the reader once the
+    shuffle's stall_timeout_s has passed, naming the segment."""
+    import time
+
+    from hybrid_ray import reduce_task
+    from hybrid_ray.errors import SegmentNotFoundError
+
+    monkeypatch.setattr(reduce_task, "ReadClient", _ReadsOnlyNewAttempts)
+    monkeypatch.setattr(reduce_task, "io_tiers_for", lambda *args, **kwargs: {})
+    master = _LostMapsMaster(rerun_s=3600)
+    config = dataclasses.replace(base_config(tmp_path), stall_timeout_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(SegmentNotFoundError, match="no new attempt of map 0 started"):
+        reduce_task.read_subpartition("shf-lost", 0, config, master, missing_wait_s=0.5)
+    assert 1.5 <= time.monotonic() - started < 10
