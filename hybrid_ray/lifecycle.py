@@ -54,7 +54,7 @@ from hybrid_ray.errors import (
     ShuffleStalledError,
 )
 from hybrid_ray.master import ShuffleSummary
-from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
+from hybrid_ray.nodes import RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, lost_with_node
 from hybrid_ray.report import PhaseTimes, ShuffleReport, Stopwatch
 
 # How often a held shuffle's thread asks the master for maps to run again (their output
@@ -419,6 +419,8 @@ class MapRunner:
         # Maps queued again (lost): the next free writer takes them whatever its node, as
         # readers wait for them (a bounded wait: see reduce_task.MISSING_SEGMENT_WAIT_S).
         self._urgent: set[int] = set()
+        # Maps submitted again after their writer process died (nodes module).
+        self._resubmitted: collections.Counter[int] = collections.Counter()
         self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
         self._lost_interval = LOST_MAPS_POLL_S  # until the next ask (see poll)
         # Maps whose attempt 0 began at registration: their first run here is attempt 0.
@@ -482,9 +484,14 @@ class MapRunner:
                     self.last_progress = time.monotonic()
                 except WORKER_LOST_ERRORS as exc:
                     node = self._writers[slot][0]
-                    if not lost_with_node(node, exc):
+                    if lost_with_node(node, exc):
+                        self._drop_node(node)
+                    elif self._resubmitted[map_index] < RESUBMITS_AFTER_WORKER_LOSS:
+                        # Its writer process died more often than Ray retries a call,
+                        # perhaps while it ran the map queued ahead of this one.
+                        self._resubmitted[map_index] += 1
+                    else:
                         raise
-                    self._drop_node(node)
                     self._requeue([map_index])
                 if map_index in self._lost_while_running:
                     self._lost_while_running.discard(map_index)

@@ -29,6 +29,11 @@ def node_alive(node_id: str | None) -> bool:
 # What a call to a worker on a node that died raises: the actor died with it, or (hard
 # affinity to the gone node) it cannot be started again.
 WORKER_LOST_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
+# Times the driver submits a map or reducer again after its worker process died with the
+# node alive and Ray's own retries (actors.WORKER_MAX_RETRIES) were used up. A call queued
+# behind another on a worker fails, and spends a retry, each time the running call kills
+# the process: this gives such a call retries of its own.
+RESUBMITS_AFTER_WORKER_LOSS = 1
 
 
 # Ray's node table marks a removed node dead a moment after its actors' calls fail.

@@ -39,7 +39,9 @@ from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
 from hybrid_ray.map_task import map_block, write_map_partition  # noqa: F401 - re-exported
 from hybrid_ray.map_task import unify_schemas
 from hybrid_ray.master import ShuffleSummary
-from hybrid_ray.nodes import WORKER_LOST_ERRORS, cluster_cpus, lost_with_node
+from hybrid_ray.nodes import (
+    RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, cluster_cpus, lost_with_node,
+)
 from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
 )
@@ -428,6 +430,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
     running: dict[ray.ObjectRef, int] = {}  # stats ref -> subpartition
     times_refs: dict[int, ray.ObjectRef] = {}  # subpartition -> its ReduceTimes
     finished: set[int] = set()  # subpartitions whose block is stored
+    resubmitted: collections.Counter[int] = collections.Counter()  # see the nodes module
     todo = collections.deque(range(num_partitions))
     start: float | None = None
     end: float | None = None
@@ -451,7 +454,14 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                 except WORKER_LOST_ERRORS as exc:
                     node = readers.node_of(sub)
                     if not lost_with_node(node, exc):
-                        raise
+                        # Its reader process died more often than Ray retries a call,
+                        # perhaps while it ran the reducer queued ahead of this one.
+                        if resubmitted[sub] >= RESUBMITS_AFTER_WORKER_LOSS:
+                            raise
+                        resubmitted[sub] += 1
+                        readers.done(sub)
+                        todo.appendleft(sub)
+                        continue
                     # Its reader died with its node; the subpartition's segments are all
                     # still there (not freed): reduce it again elsewhere.
                     readers.drop_nodes({node})

@@ -422,3 +422,43 @@ def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(mon
     assert pool.busy_subpartitions() == [3, 4]
     pool.submit(5, len, 5)  # an extra reader on the alive node takes a's place
     assert extra.subs == [5] and pool.node_of(5) == node_2
+
+
+class CrashingFinalize(hybrid_ray.HashPartitioner):
+    """Hash partitioning whose reducer of subpartition s kills its own process the first
+    ``crashes[s]`` times it finishes reading (counted in files under ``directory``)."""
+
+    def __init__(self, keys, directory: str, crashes: dict[int, int]):
+        super().__init__(keys)
+        self.directory, self.crashes = directory, crashes
+
+    def finalize(self, table, subpartition):
+        count_file = os.path.join(self.directory, f"crashes-{subpartition}")
+        done = os.path.getsize(count_file) if os.path.exists(count_file) else 0
+        if done < self.crashes.get(subpartition, 0):
+            with open(count_file, "ab") as f:
+                f.write(b"x")
+            os._exit(1)
+        return super().finalize(table, subpartition)
+
+
+def test_a_reducer_queued_behind_one_that_crashes_its_reader_gets_retries_of_its_own(
+        ray_local, tmp_path, monkeypatch):
+    """A reader runs one reducer with the next queued behind it. Each time the running one
+    kills the process, Ray fails and retries the queued call too, spending its retries
+    (WORKER_MAX_RETRIES): after three crashes of subpartition 0, one crash of subpartition
+    1 failed the shuffle. The driver now submits such a reducer once more."""
+    from hybrid_ray import nodes
+    from hybrid_ray.actors import WORKER_MAX_RETRIES
+
+    monkeypatch.setattr(nodes, "NODE_DEATH_WAIT_S", 1.0)
+    table = make_table(20_000, seed=11)
+    ds = ray_local.data.from_arrow(table).repartition(2).materialize()
+    cfg = base_config(tmp_path, max_concurrent_reducers=1, mode="blocking")
+    partitioner = CrashingFinalize(["key"], str(tmp_path),
+                                   {0: WORKER_MAX_RETRIES, 1: 1})
+    result = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 3, partitioner, table.schema, cfg)
+    assert row_fingerprint(ray_local.get(result.refs)) == row_fingerprint([table])
+    assert os.path.getsize(tmp_path / "crashes-0") == WORKER_MAX_RETRIES
+    assert os.path.getsize(tmp_path / "crashes-1") == 1
+    assert_no_leftovers(cfg, ray_local)
