@@ -121,6 +121,8 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
             out["known_early"] = _shuffle_known_before_its_maps_commit(spark, config)
             out["barrier"] = _barrier_stage_falls_back(spark)  # needs both executors
             out["killed"] = _killed_executor_recovers(spark)
+            out["tier_manager_restarted"] = _tier_manager_started_again_recovers(
+                spark, config)
             out["reports_live"] = spark_bridge.spark_shuffle_reports()
     finally:
         spark_bridge.stop_spark()
@@ -253,6 +255,26 @@ def _killed_executor_recovers(spark):
     return {"first": first, "second": second, "killed": victim["name"]}
 
 
+def _tier_manager_started_again_recovers(spark, config):
+    """Kill the node's tier manager once the executors hold its handle (as Ray's memory
+    monitor may): the master starts a new one on the next request, under the same name.
+    Executors kept the dead handle, so every retry of a task failed the same way and Spark
+    gave up on the stage; a call that finds its actor dead now drops the cached handles."""
+    from hybrid_ray.actors import get_tier_manager
+
+    def query():
+        pairs = spark.sparkContext.parallelize(range(30_000), 3).map(lambda x: (x % 61, x))
+        return sorted(pairs.reduceByKey(lambda a, b: a + b, numPartitions=3).collect())
+    first = query()  # the executors' handles are warm
+    node = ray.get_runtime_context().get_node_id()
+    old = get_tier_manager(node, config.namespace)
+    old_id = old._actor_id.hex()
+    ray.kill(old, no_restart=True)
+    second = query()
+    new_id = get_tier_manager(node, config.namespace)._actor_id.hex()
+    return {"first": first, "second": second, "replaced": new_id != old_id}
+
+
 def _barrier_stage_falls_back(spark):
     """A barrier map stage is served by Spark's own shuffle; the reports say so."""
     pairs = spark.sparkContext.parallelize(range(1000), 2).barrier().mapPartitions(
@@ -363,6 +385,14 @@ def test_killed_executor_gives_exact_rows(runs):
     expected = sorted((k, sum(1 for x in range(60_000) if x % 71 == k)) for k in range(71))
     assert killed["first"] == expected
     assert killed["second"] == expected
+
+
+def test_a_tier_manager_started_again_mid_session_is_found_by_the_executors(runs):
+    hybrid, _, _ = runs
+    outcome = hybrid["tier_manager_restarted"]
+    expected = sorted((k, sum(x for x in range(30_000) if x % 61 == k)) for k in range(61))
+    assert outcome["replaced"]
+    assert outcome["first"] == outcome["second"] == expected
 
 
 def test_barrier_stage_uses_sparks_own_shuffle_and_the_report_says_so(runs):

@@ -6,6 +6,7 @@ import com.fasterxml.jackson.databind.node.ObjectNode;
 import io.ray.api.ObjectRef;
 import io.ray.api.PyActorHandle;
 import io.ray.api.Ray;
+import io.ray.api.exception.RayActorException;
 import io.ray.api.function.PyActorMethod;
 import java.io.IOException;
 import java.util.ArrayList;
@@ -248,12 +249,42 @@ public final class HybridRayContext {
     return handle;
   }
 
+  /**
+   * The IOException for a failed call. A call that found its actor gone (a tier manager
+   * killed, say by Ray's memory monitor, and started again on demand under the same name)
+   * drops every cached handle: kept, the dead one failed every later call of this JVM, so
+   * each retry of a task failed the same way and Spark gave up on the stage. The next call
+   * looks the actors up again.
+   */
+  IOException callFailed(String method, RuntimeException e) {
+    if (isActorGone(e)) {
+      forgetActorHandles();
+    }
+    return new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+  }
+
+  /** Whether {@code e}, or one of its causes, says the called actor died. */
+  static boolean isActorGone(Throwable e) {
+    for (Throwable t = e; t != null; t = t.getCause() == t ? null : t.getCause()) {
+      if (t instanceof RayActorException) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  /** Drop the cached master and tier-manager handles (looked up again on next use). */
+  void forgetActorHandles() {
+    master = null;
+    tierManagers.clear();
+  }
+
   /** Call a Python actor method taking and returning strings; errors become IOException. */
   String call(PyActorHandle actor, String method, String argument) throws IOException {
     try {
       return actor.task(PyActorMethod.of(method, String.class), argument).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
-      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+      throw callFailed(method, e);
     }
   }
 
@@ -276,7 +307,7 @@ public final class HybridRayContext {
     try {
       return pending.get(Math.min(waitMs, callTimeoutMs));
     } catch (RuntimeException e) {
-      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+      throw callFailed(method, e);
     }
   }
 
@@ -286,7 +317,7 @@ public final class HybridRayContext {
     try {
       return actor.task(PyActorMethod.of(method, String.class), argument, data).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
-      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+      throw callFailed(method, e);
     }
   }
 
@@ -424,7 +455,7 @@ public final class HybridRayContext {
     try {
       return actor.task(PyActorMethod.of(method, byte[].class), argument).remote().get(callTimeoutMs);
     } catch (RuntimeException e) {
-      throw new IOException("hybrid_ray call " + method + " failed: " + e.getMessage(), e);
+      throw callFailed(method, e);
     }
   }
 

@@ -1,10 +1,14 @@
 package org.apache.spark.shuffle.hybridray;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNull;
+import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import com.fasterxml.jackson.databind.ObjectMapper;
 import com.fasterxml.jackson.databind.node.ObjectNode;
+import io.ray.api.exception.RayActorException;
+import io.ray.api.exception.RayTimeoutException;
 import org.junit.jupiter.api.Test;
 
 class OwnedObjectsAndLeasesTest {
@@ -35,5 +39,16 @@ class OwnedObjectsAndLeasesTest {
         json.writeValueAsString(HybridRayContext.lateLeaseSettlement(json, granted, "spark-a-0")));
     assertNull(HybridRayContext.lateLeaseSettlement(json, json.readTree("{\"lease\": null}"),
         "spark-a-0"));
+  }
+
+  @Test
+  void aCallThatFoundItsActorDeadIsToldApartFromOtherFailures() {
+    // Such a call drops the JVM's cached actor handles (a tier manager started again has
+    // a new actor under the old name); a slow or failing call must keep them.
+    assertTrue(HybridRayContext.isActorGone(new RayActorException()));
+    assertTrue(HybridRayContext.isActorGone(
+        new RuntimeException("wrapped", new RayActorException())));
+    assertFalse(HybridRayContext.isActorGone(new RayTimeoutException("slow")));
+    assertFalse(HybridRayContext.isActorGone(new IllegalStateException("bad answer")));
   }
 }
