@@ -6,6 +6,8 @@ import com.fasterxml.jackson.databind.node.ObjectNode;
 import io.ray.api.ObjectRef;
 import io.ray.api.PyActorHandle;
 import io.ray.api.Ray;
+import io.ray.api.exception.RayActorException;
+import io.ray.api.exception.RayTimeoutException;
 import java.io.ByteArrayInputStream;
 import java.io.IOException;
 import java.io.InputStream;
@@ -220,6 +222,14 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
       }
       return out;
     } catch (IOException e) {
+      if (isControlPlaneFault(e)) {
+        // The master did not answer (timed out, or died): nothing says the map outputs
+        // are gone, and a FetchFailedException would make Spark drop every output of the
+        // first block's executor, for every shuffle, and recompute them. Fail this task
+        // instead; Spark runs it again (spark.task.maxFailures).
+        throw sneaky(new IOException("hybrid_ray: the shuffle master did not answer where "
+            + "the segments of Spark shuffle " + shuffleKey + " are: " + e.getMessage(), e));
+      }
       Block b = blocks.get(0);
       throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
           b.reduceId, "hybrid_ray: cannot locate the segments of Spark shuffle "
@@ -465,6 +475,20 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   }
 
   @SuppressWarnings("unchecked")
+  /**
+   * Whether a failed call to the master failed in transit (it timed out, or the actor
+   * died) rather than with the master's own answer: such a failure says nothing about the
+   * map outputs, so it must not blame an executor with a FetchFailedException.
+   */
+  static boolean isControlPlaneFault(Throwable e) {
+    for (Throwable t = e; t != null; t = t.getCause() == t ? null : t.getCause()) {
+      if (t instanceof RayTimeoutException || t instanceof RayActorException) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   static <E extends Throwable> RuntimeException sneaky(Throwable e) throws E {
     throw (E) e;
   }
