@@ -17,6 +17,7 @@ import java.nio.file.NoSuchFileException;
 import java.util.ArrayList;
 import java.util.Base64;
 import java.util.Collections;
+import java.util.Enumeration;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
@@ -316,6 +317,9 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         continue;
       }
       for (JsonNode seg : segments) {
+        if (bytes >= PREFETCH_BYTES) {
+          break;  // the rest of a large block is fetched segment by segment, as read
+        }
         if (seg.get(0).asText().equals("memory")) {
           String object = MemoryPacking.objectLocation(seg.get(3).asText());
           if (uses.merge(object, 1, Integer::sum) == 1) {
@@ -369,51 +373,67 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     }
   }
 
-  /** A block's bytes: its segments fetched from their tiers and verified, in order. */
+  /**
+   * A block's bytes: its segments fetched from their tiers and verified, in order, one at a
+   * time as the block is read. Fetched all at once, a skewed block (one map's gigabytes for
+   * one reducer) had to fit in the executor's heap; now about one segment of it does. A
+   * segment that fails part-way through a block raises FetchFailedException from the
+   * stream: the reduce task fails as a whole and Spark runs the map (and the task) again,
+   * so no row of the failed block is kept.
+   */
   private InputStream fetch(Block b, JsonNode segments) {
     String what = "block (map " + b.mapIndex + ", attempt " + b.mapId + ", partition "
         + b.reduceId + ") of Spark shuffle " + shuffleKey;
-    if (segments == null || segments.isNull()) {
+    // Spark lists only non-empty blocks, so a block without segments lost them.
+    if (segments == null || segments.isNull() || segments.size() == 0) {
       throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
           b.reduceId, "hybrid_ray: the shuffle master holds no segments of " + what
               + " (the attempt's output was lost or released)", null));
     }
-    long start = System.nanoTime();
-    List<InputStream> parts = new ArrayList<>(segments.size());
-    boolean local = true;
-    try {
-      for (int i = 0; i < segments.size(); i++) {
-        JsonNode seg = segments.get(i);
-        String tier = seg.get(0).asText();
-        String node = seg.get(2).asText();
-        String location = seg.get(3).asText();
-        String segWhat = "segment " + i + " (" + tier + " tier, node " + node + ") of " + what;
-        byte[] frame = tier.equals("remote")
-            ? readRemote(location, seg.get(1).asLong(), segWhat)
-            : readSegment(tier, node, location, segWhat);
-        int length = SegmentCodec.verify(frame,
-            SegmentCodec.identity(shuffleKey, b.mapId, b.reduceId, i), segWhat);
-        if (node.equals(ctx.nodeId())) {
-          metrics.incLocalBytesRead(length);
-        } else {
-          metrics.incRemoteBytesRead(length);
-          local = false;
-        }
-        parts.add(new ByteArrayInputStream(frame, SegmentCodec.HEADER_BYTES, length));
+    int[] local = {0};  // segments of the block read from this node
+    return new SequenceInputStream(new LazySegments(segments.size(), i -> {
+      InputStream segment = openSegment(b, segments.get(i), i, what);
+      if (segments.get(i).get(2).asText().equals(ctx.nodeId())) {
+        local[0]++;
       }
+      if (i == segments.size() - 1) {
+        if (local[0] == segments.size()) {
+          metrics.incLocalBlocksFetched(1);
+        } else {
+          metrics.incRemoteBlocksFetched(1);
+        }
+      }
+      return segment;
+    }));
+  }
+
+  /** Segment {@code i} of a block, fetched from its tier and verified. */
+  private InputStream openSegment(Block b, JsonNode seg, int i, String what) {
+    long start = System.nanoTime();
+    String tier = seg.get(0).asText();
+    String node = seg.get(2).asText();
+    String segWhat = "segment " + i + " (" + tier + " tier, node " + node + ") of " + what;
+    byte[] frame;
+    int length;
+    try {
+      frame = tier.equals("remote")
+          ? readRemote(seg.get(3).asText(), seg.get(1).asLong(), segWhat)
+          : readSegment(tier, node, seg.get(3).asText(), segWhat);
+      length = SegmentCodec.verify(frame,
+          SegmentCodec.identity(shuffleKey, b.mapId, b.reduceId, i), segWhat);
     } catch (LocalSegmentFiles.UnsafeSegmentPathException e) {
       throw e;  // not a lost segment: recomputing the map would not make the path safe
     } catch (IOException | RuntimeException e) {
-      throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,
-          b.reduceId, "hybrid_ray: " + e.getMessage(), e));
+      throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId,
+          b.mapIndex, b.reduceId, "hybrid_ray: " + e.getMessage(), e));
     }
-    if (local) {
-      metrics.incLocalBlocksFetched(1);
+    if (node.equals(ctx.nodeId())) {
+      metrics.incLocalBytesRead(length);
     } else {
-      metrics.incRemoteBlocksFetched(1);
+      metrics.incRemoteBytesRead(length);
     }
     metrics.incFetchWaitTime((System.nanoTime() - start) / 1_000_000);
-    return new SequenceInputStream(Collections.enumeration(parts));
+    return new ByteArrayInputStream(frame, SegmentCodec.HEADER_BYTES, length);
   }
 
   /** A remote-tier segment, read through this node's tier manager (fsspec). */
@@ -474,7 +494,6 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     return ctx.callBytes(owner.get(), "spark_read_segment", location);
   }
 
-  @SuppressWarnings("unchecked")
   /**
    * Whether a failed call to the master failed in transit (it timed out, or the actor
    * died) rather than with the master's own answer: such a failure says nothing about the
@@ -489,6 +508,7 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     return false;
   }
 
+  @SuppressWarnings("unchecked")
   static <E extends Throwable> RuntimeException sneaky(Throwable e) throws E {
     throw (E) e;
   }
