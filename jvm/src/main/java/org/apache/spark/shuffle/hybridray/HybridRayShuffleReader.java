@@ -11,6 +11,7 @@ import io.ray.api.exception.RayTimeoutException;
 import java.io.ByteArrayInputStream;
 import java.io.IOException;
 import java.io.InputStream;
+import java.io.ObjectInputFilter;
 import java.io.ObjectInputStream;
 import java.io.SequenceInputStream;
 import java.nio.file.NoSuchFileException;
@@ -363,12 +364,27 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     return bytes;
   }
 
+  /**
+   * What a memory-tier location may deserialize to: a Ray object ref (its id, its type
+   * {@code byte[]}), nothing else. Locations come from the master's books; Java
+   * deserialization of any other class could run that class's code in the executor.
+   */
+  static final ObjectInputFilter REF_FILTER = ObjectInputFilter.Config.createFilter(
+      "maxdepth=4;maxrefs=16;maxbytes=4096;io.ray.runtime.object.ObjectRefImpl;"
+          + "io.ray.api.id.ObjectId;io.ray.api.id.BaseId;[B;!*");
+
   @SuppressWarnings("unchecked")
-  private static ObjectRef<byte[]> decodeRef(String location) throws IOException {
-    try (ObjectInputStream in = new ObjectInputStream(
-        new ByteArrayInputStream(Base64.getDecoder().decode(location)))) {
+  static ObjectRef<byte[]> decodeRef(String location) throws IOException {
+    byte[] serialized;
+    try {
+      serialized = Base64.getDecoder().decode(location);
+    } catch (IllegalArgumentException e) {
+      throw new IOException("cannot decode an object reference: not base64", e);
+    }
+    try (ObjectInputStream in = new ObjectInputStream(new ByteArrayInputStream(serialized))) {
+      in.setObjectInputFilter(REF_FILTER);
       return (ObjectRef<byte[]>) in.readObject();
-    } catch (ClassNotFoundException e) {
+    } catch (ClassNotFoundException | ClassCastException e) {
       throw new IOException("cannot decode an object reference", e);
     }
   }
