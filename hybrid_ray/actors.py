@@ -233,8 +233,8 @@ class TierManagerActor:
         for refusal in self.tm.free_segments(shuffle_id, metas):  # counted in usage too
             _LOG.warning("hybrid_ray tier manager: %s", refusal)
 
-    def release_shuffle(self, shuffle_id: str) -> None:
-        self.tm.release_shuffle(shuffle_id)
+    def release_shuffle(self, shuffle_id: str, config: ShuffleConfig | None = None) -> None:
+        self.tm.release_shuffle(shuffle_id, config)
 
     def read_disk_segment(self, meta: SegmentMeta) -> bytes:
         return self.tm.read_disk_segment(meta)
@@ -419,9 +419,10 @@ class ShuffleMasterActor:
         raises if some of it could not be removed (the registry retries)."""
         waits = []
         for node_id in state.nodes:
-            tm = self._tier_manager(node_id)
+            tm = self._tier_manager(node_id, start=True)
             if tm is not None:
-                waits.append((node_id, tm.release_shuffle.remote(state.shuffle_id)))
+                waits.append((node_id, tm.release_shuffle.remote(state.shuffle_id,
+                                                                 state.config)))
         remote_error = None
         if state.config.remote_path:
             try:
@@ -433,14 +434,18 @@ class ShuffleMasterActor:
         if remote_error is not None:
             raise remote_error
 
-    def _tier_manager(self, node_id: str) -> Any | None:
+    def _tier_manager(self, node_id: str, start: bool = False) -> Any | None:
         """The tier manager of ``node_id`` (None: none runs there), its handle kept: a
         lookup by name is a GCS round trip, and deletions ran one per node per freed
         subpartition. A handle whose actor died is dropped (``_wait_for_nodes``), so a
-        tier manager started again later is found."""
+        tier manager started again later is found. ``start``: start one if none runs on
+        a node that is alive (a release must reach the files of a tier manager that died:
+        skipped, they stayed for good)."""
         tm = self._tier_managers.get(node_id)
         if tm is None:
             tm = existing_tier_manager(node_id, self.namespace)
+            if tm is None and start and node_alive(node_id):
+                tm = get_tier_manager(node_id, self.namespace)
             if tm is not None:
                 tm = self._tier_managers.get_or_create(node_id, lambda: tm)
         return tm

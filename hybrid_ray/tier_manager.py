@@ -116,12 +116,7 @@ class TierManager:
         if shuffle_id in self._released:
             raise ShuffleNotFoundError(f"shuffle {shuffle_id!r} was released on node "
                                        f"{self.node_id}; a map of it cannot start writing")
-        spill_dirs = config.spill_dirs_for(self.node_id)
-        disk_key = (spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
-        if disk_key not in self._disks:
-            self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
-                                             spill_dirs, config.min_reserve_fraction,
-                                             config.disk_capacity_bytes)
+        disk_key = self._disk_key(config)
         remote_key = self._remote_key(config)
         uses_memory = TierName.MEMORY in config.enabled_tiers
         self._shuffles[shuffle_id] = {
@@ -131,6 +126,16 @@ class TierManager:
         }
         self._rebalance_quotas()
         return self.memory.quota(shuffle_id) if uses_memory else 0
+
+    def _disk_key(self, config: ShuffleConfig) -> tuple:
+        """The key of ``config``'s disk tier on this node, the tier opened if need be."""
+        spill_dirs = config.spill_dirs_for(self.node_id)
+        disk_key = (spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
+        if disk_key not in self._disks:
+            self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
+                                             spill_dirs, config.min_reserve_fraction,
+                                             config.disk_capacity_bytes)
+        return disk_key
 
     def _remote_key(self, config: ShuffleConfig) -> tuple | None:
         """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""
@@ -322,11 +327,17 @@ class TierManager:
             disk.mark_shuffle(shuffle_id, spill_dir)
             self._marked.add((shuffle_id, spill_dir))
 
-    def release_shuffle(self, shuffle_id: str) -> None:
+    def release_shuffle(self, shuffle_id: str, config: ShuffleConfig | None = None) -> None:
         """Forget a shuffle: give back its quota and remove its files on this node.
         Raises ``OSError`` naming what could not be removed (after forgetting the shuffle:
-        calling again retries the removal; ``remove_late_files`` retries it too)."""
+        calling again retries the removal; ``remove_late_files`` retries it too).
+
+        ``config``: the shuffle's config (the master sends it), so a tier manager started
+        again since the shuffle wrote here, which knows none of its disks, still removes
+        its files from the config's spill dirs."""
         check_id("shuffle_id", shuffle_id)
+        if config is not None:
+            self._disk_key(config)
         info = self._shuffles.pop(shuffle_id, None)
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 import ray
 
-from conftest import S3_KEY, S3_SECRET, TcpProxy, base_config
+from conftest import S3_KEY, S3_SECRET, TcpProxy, base_config, files_under
 from hybrid_ray import HashPartitioner, ShuffleConfig, ShuffleFailedError, TierName
-from hybrid_ray.actors import get_master, get_tier_manager
+from hybrid_ray.actors import existing_tier_manager, get_master, get_tier_manager
 
 
 class FailsAfterTheStoreGoesDown(HashPartitioner):
@@ -271,6 +271,37 @@ def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ra
         time.sleep(0.2)
     assert not any(os.path.exists(f) for f in files[1]), ray.get(master.run_deletions.remote())
     ray.get(master.release.remote(shuffle_id))
+
+
+def test_a_release_reaches_the_files_of_a_tier_manager_that_died(ray_local, tmp_path):
+    """A node's tier manager died after a map wrote its disk segments there. The master
+    skipped nodes without a tier manager (and a new one knew none of the shuffle's disks),
+    so the release counted as done and the spill files stayed for good. It now starts a
+    tier manager on the alive node and sends the shuffle's config with the release."""
+    from hybrid_ray.map_task import write_map_partition
+
+    namespace = f"tmdied-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, memory_fraction=0.0)
+    node = ray.get_runtime_context().get_node_id()
+    master = get_master(namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
+    write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+    files = [m.location for m in ray.get(master.segments.remote(shuffle_id))]
+    assert files and all(os.path.exists(f) for f in files)
+    ray.kill(get_tier_manager(node, namespace), no_restart=True)
+    deadline = time.monotonic() + 30
+    while existing_tier_manager(node, namespace) is not None:  # gone from the name table
+        assert time.monotonic() < deadline, "the killed tier manager stayed registered"
+        time.sleep(0.2)
+    ray.get(master.release.remote(shuffle_id))
+    deadline = time.monotonic() + 60  # a failed deletion is retried with backoff
+    while any(os.path.exists(f) for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f) for f in files), ray.get(master.run_deletions.remote())
+    assert files_under(str(tmp_path / "spill")) == []
 
 
 @ray.remote
