@@ -291,11 +291,18 @@ class WriteClient:
                 self._unsettled.append((placements[i].grant, len(payloads[i])))
                 granted.discard(i)
                 metas[i] = meta
+                # Settled as written: abort must free it even if a piece placed before it
+                # fails below (it was kept only when the loop reached it, and its space
+                # stayed counted until the shuffle's release).
+                self.written.append(meta)
         for i, ((sub, table), payload, placement) in enumerate(zip(pieces, payloads,
                                                                    placements)):
-            if i not in metas:
-                granted.discard(i)  # _write_one settles the grant, whatever happens
-            meta = metas.get(i) or self._write_one(sids[i], payload, placement)
+            if i in metas:  # in the memory tier, and in ``written`` already
+                self._count(sub, TierName.MEMORY, metas[i].nbytes, table.num_rows)
+                self._uncommitted.append(metas[i])  # committed in the batch's order
+                continue
+            granted.discard(i)  # _write_one settles the grant, whatever happens
+            meta = self._write_one(sids[i], payload, placement)
             if isinstance(meta, concurrent.futures.Future):
                 self._count(sub, TierName.REMOTE, len(payload), table.num_rows)
                 self._uploads.append(meta)

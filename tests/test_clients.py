@@ -323,6 +323,34 @@ def test_a_failed_write_gives_every_grant_of_its_batch_back(ray_local, tmp_path,
     assert tm.usage().tiers[1].used_bytes == 0  # the grants of segments 2-4 too
 
 
+def test_memory_segments_of_a_batch_whose_earlier_piece_failed_are_freed_on_abort(
+        ray_local, tmp_path, monkeypatch):
+    """A batch's memory-tier segments are written first and settled as written, but were
+    kept for abort only when the loop over the batch reached them: a disk piece placed
+    before them that failed left their space counted until the shuffle's release."""
+    spill = str(tmp_path / "spill")
+    cfg = ShuffleConfig(memory_capacity_bytes=400 * 1024, spill_dirs=[spill],
+                        compression="none", segment_bytes={"memory": 4 * MiB, "disk": 4 * MiB})
+    tm = TierManager("node-a", 0)
+    shuffle = f"mf-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=3)
+
+    def read_only(*args, **kw):
+        raise PermissionError("injected: spill dir turned read-only")
+
+    monkeypatch.setattr(io[TierName.DISK], "write", read_only)
+    # Subpartition 0's segment is too big for the memory left: disk; 1 and 2 fit memory.
+    client.write_many([(0, random_table(40_000, seed=0)), (1, random_table(4_000, 1)),
+                       (2, random_table(4_000, 2))])
+    with pytest.raises(PermissionError, match="injected"):
+        client.close()  # places the three tails in one batch
+    by_tier = {t.tier: t.used_bytes for t in tm.usage().tiers}
+    assert by_tier[TierName.MEMORY] > 0  # the two memory segments were written
+    client.abort()
+    by_tier = {t.tier: t.used_bytes for t in tm.usage().tiers}
+    assert by_tier[TierName.MEMORY] == 0 and by_tier[TierName.DISK] == 0, by_tier
+
+
 class CountingStorage:
     """A node's ``TierManager`` that records the write client's calls to it (each is a
     round trip to the tier-manager actor in a real map)."""
