@@ -221,15 +221,18 @@ public final class HybridRayContext {
   }
 
   PyActorHandle master() throws IOException {
-    if (master == null) {
-      Optional<PyActorHandle> handle = Ray.getActor(MASTER_NAME, namespace);
-      master = handle.orElseThrow(() -> new IOException(
+    // Read once: another task's call may drop the cached handle (forgetActorHandles)
+    // between a check and a second read, which then returned null.
+    PyActorHandle handle = master;
+    if (handle == null) {
+      Optional<PyActorHandle> found = Ray.getActor(MASTER_NAME, namespace);
+      master = handle = found.orElseThrow(() -> new IOException(
           "hybrid_ray's shuffle master (actor '" + MASTER_NAME + "' in Ray namespace '"
               + namespace + "') is not running: start Spark with spark_bridge.init_spark(), "
               + "or call hybrid_ray.actors.get_master('" + namespace + "') on the Ray "
               + "cluster before the first Spark job"));
     }
-    return master;
+    return handle;
   }
 
   /** The tier manager of {@code node}, started by the master if it is not running yet. */
@@ -418,7 +421,7 @@ public final class HybridRayContext {
       sender.execute(() -> {
         try {
           submission.run();
-        } catch (RuntimeException e) {
+        } catch (Throwable e) {  // an Error too: the executor's future would swallow it
           LOG.warn("hybrid_ray: sending {} failed: {}", what, e.toString());
         }
       });

@@ -118,7 +118,11 @@ final class HybridRayDirectWriter<K, V> extends ShuffleWriter<K, V> {
       metrics.incRecordsWritten(records0);
       status = MapStatus$.MODULE$.apply(env.blockManager().shuffleServerId(),
           segmenter.partitionLengths(), mapId);
-    } catch (IOException | RuntimeException e) {
+    } catch (Throwable e) {
+      // Errors too (Spark's SparkOutOfMemoryError from an operator upstream, an
+      // AssertionError): Spark's ShuffleWriteProcessor catches only Exception, so no
+      // stop(false) follows one, and the attempt's segments, pinned objects, lease and
+      // grants stayed until the shuffle's release.
       sink.abort(e);
       throw e;
     }

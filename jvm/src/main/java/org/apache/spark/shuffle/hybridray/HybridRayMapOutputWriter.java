@@ -58,6 +58,11 @@ public final class HybridRayMapOutputWriter implements ShuffleMapOutputWriter {
   }
 
   private void store(boolean last) throws IOException {
+    if (aborted) {
+      // Spark still closes the partition's stream after a failed store, which can flush
+      // again: the aborted attempt must not write (and commit) more segments.
+      throw new IOException("map output was aborted; nothing more is stored for it");
+    }
     try {
       sink.store(segmenter.takePending(), last);
     } catch (IOException | RuntimeException e) {

@@ -27,10 +27,12 @@ class HybridRayMapOutputWriterTest {
     Throwable aborted;
     IOException failOnBatch;
     int failAt = -1;
+    int calls;
 
     @Override
     public void store(List<PartitionSegmenter.Segment> segments, boolean last)
         throws IOException {
+      calls++;
       if (batches.size() == failAt) {
         throw failOnBatch;
       }
@@ -154,6 +156,21 @@ class HybridRayMapOutputWriterTest {
     assertEquals(1, sink.batches.size());  // the first batch was stored, then aborted
     assertThrows(IOException.class, () -> w.commitAllPartitions(new long[0]));
     assertFalse(w.isCommitted());
+  }
+
+  @Test
+  void anAbortedAttemptStoresNothingMoreWhenItsStreamIsClosed() {
+    // Spark closes the partition's stream after a failed store; with a small flush size
+    // that flushed again, writing (and committing) segments of an aborted attempt.
+    FakeSink sink = new FakeSink();
+    sink.failAt = 1;
+    sink.failOnBatch = new IOException("no tier can take a segment");
+    HybridRayMapOutputWriter w = new HybridRayMapOutputWriter(
+        new PartitionSegmenter(KEY, 9L, 2, 64), sink, 1);
+    assertThrows(IOException.class, () -> writePartition(w, 0, bytes(1000, 1), 100));
+    assertSame(sink.failOnBatch, sink.aborted);
+    assertEquals(2, sink.calls, "stores after the abort");
+    assertEquals(1, sink.batches.size());
   }
 
   @Test
