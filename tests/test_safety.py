@@ -176,6 +176,29 @@ def test_remote_delete_outside_the_job_dir_is_refused(tmp_path):
     assert_intact(outside)
 
 
+def test_remote_delete_of_another_shuffle_s_object_or_a_non_segment_is_refused(tmp_path):
+    """Remote deletes were confined to the job directory only: a location naming another
+    shuffle's object, or any object under the job directory (which hybrid_ray does not
+    own alone), was deleted for a segment of this shuffle. Only this shuffle's segment
+    objects (<shuffle>/sub-NNNNN/<file>) may go."""
+    job = tmp_path / "remote" / "job-1"
+    other_shuffle = victim(job / "shf-2" / "sub-00000")
+    beside = victim(job / "shf-1")
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1")
+    for location, match in [
+            (f"{job}/shf-2/sub-00000/precious.txt", "outside hybrid_ray's job directory"),
+            (f"{job}/shf-1/precious.txt", "not a segment object of shuffle shf-1"),
+            (f"{job}/shf-1/sub-00000/../precious.txt", "not a segment object of shuffle")]:
+        forged = SegmentMeta(SegmentId("shf-1", 0, 0, 0), TierName.REMOTE, 9, 1, "", location)
+        with pytest.raises(UnsafePathError, match=match):
+            tier.delete(forged)
+    assert_intact(other_shuffle)
+    assert_intact(beside)
+    # A segment of the shuffle itself still goes.
+    segment = SegmentId("shf-1", 0, 0, 0)
+    tier.delete(SegmentMeta(segment, TierName.REMOTE, 9, 1, "", tier.segment_path(segment)))
+
+
 # ---- unsafe spill dirs (item 3) ---------------------------------------------------------------
 def test_symlinked_data_dir_is_refused(tmp_path):
     target = tmp_path / "elsewhere"

@@ -17,6 +17,7 @@ import concurrent.futures
 import copy
 import os
 import posixpath
+import re
 import threading
 import time
 import traceback
@@ -29,7 +30,7 @@ import fsspec.asyn
 
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import (
-    ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError,
+    ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError, UnsafePathError,
 )
 from hybrid_ray.ids import check_id, glob_characters_in, require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
@@ -286,8 +287,21 @@ class RemoteTier(Tier):
         return bool(self.fs.exists(self.segment_path(segment)))
 
     def delete(self, meta: SegmentMeta) -> None:
-        require_inside_remote(self.job_root, meta.location, "delete",
-                              self._redactor.scrub(self.job_root))
+        """Delete one segment's object. Its location comes from another process (the
+        master's books, a JVM's commit): it must be a segment of that very shuffle
+        (``<shuffle>/sub-NNNNN/<file>``, not its marker), never another shuffle's object
+        or anything else under the job directory, which hybrid_ray does not own alone."""
+        shuffle_dir = self.shuffle_path(meta.id.shuffle_id)
+        require_inside_remote(shuffle_dir, meta.location, "delete",
+                              self._redactor.scrub(shuffle_dir))
+        location = posixpath.normpath(meta.location)
+        parts = posixpath.relpath(location, posixpath.normpath(shuffle_dir)).split("/")
+        if len(parts) != 2 or not re.fullmatch(r"sub-\d+", parts[0]) \
+                or parts[1] == SHUFFLE_MARKER_NAME:
+            raise UnsafePathError(
+                f"refusing to delete {self._redactor.scrub(location)!r}: it is not a segment "
+                f"object of shuffle {meta.id.shuffle_id} (<shuffle>/sub-NNNNN/<file>). This "
+                "is a bug in the caller; please report it")
         try:
             self.fs.rm_file(meta.location)
         except FileNotFoundError:
