@@ -159,6 +159,10 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         # attempt whose segments count. (A Ray task retry only follows a dead attempt.)
         raise ShuffleFailedError(f"map {map_index} attempt {attempt} was superseded before "
                                  "it finished; its segments do not count")
+    if not finished:
+        # Its segments do not count: its statistics must not replace those of the run
+        # whose output does (MapRunner keeps a map's result unless a run was skipped).
+        return None
     return client.stats
 
 

@@ -304,6 +304,31 @@ def test_a_release_reaches_the_files_of_a_tier_manager_that_died(ray_local, tmp_
     assert files_under(str(tmp_path / "spill")) == []
 
 
+def test_a_map_whose_finish_is_refused_reports_itself_skipped(ray_local, tmp_path):
+    """An attempt superseded after its last chunk (a newer attempt of the map began
+    meanwhile) is refused at finish_map; it still returned its statistics, which the
+    driver took for the map's result in place of the run whose output counts."""
+    from hybrid_ray.map_task import map_block
+
+    namespace = f"refused-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, memory_fraction=0.0)
+    master = get_master(namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+    node = ray.get_runtime_context().get_node_id()
+
+    class SupersededWhileHashing(HashPartitioner):
+        def assign(self, table, map_index, num_partitions):
+            ray.get(master.begin_map.remote(shuffle_id, map_index, node, 0))  # attempt 1
+            return super().assign(table, map_index, num_partitions)
+
+    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
+    result = map_block(shuffle_id, 0, table, 2, SupersededWhileHashing(["k"]), cfg, master)
+    assert result == {"rows": 0, "skipped": True}
+    ray.get(master.release.remote(shuffle_id))
+
+
 @ray.remote
 def _answer_shuffle_released(shuffle_id):
     raise ShuffleFailedError(f"shuffle {shuffle_id!r} failed and was released: test")
