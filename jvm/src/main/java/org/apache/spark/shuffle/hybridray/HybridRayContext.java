@@ -447,6 +447,24 @@ public final class HybridRayContext {
     }
   }
 
+  /**
+   * Wait, at most {@code timeoutMs}, until what was handed to {@link #sender} so far has
+   * been sent (it runs one submission after the other), and let nothing be sent after: the
+   * driver's Ray is about to shut down ({@link HybridRayShuffleManager#quiesceDriver}).
+   */
+  void drainSender(long timeoutMs) {
+    try {
+      sender.submit(() -> { }).get(timeoutMs, TimeUnit.MILLISECONDS);
+    } catch (java.util.concurrent.ExecutionException | java.util.concurrent.TimeoutException
+        | RejectedExecutionException e) {
+      LOG.warn("hybrid_ray: calls queued to send did not finish before Ray's shutdown: {}",
+          e.toString());
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+    }
+    sender.shutdown();
+  }
+
   /** Fire-and-forget call (space settlements: nobody waits for them), from
    *  {@link #sender}. */
   void callAsync(PyActorHandle actor, String method, String argument) {

@@ -3,6 +3,7 @@ package org.apache.spark.shuffle.hybridray;
 import com.fasterxml.jackson.databind.node.ArrayNode;
 import com.fasterxml.jackson.databind.node.ObjectNode;
 import io.ray.api.Ray;
+import java.io.IOException;
 import java.util.Set;
 import java.util.concurrent.ConcurrentHashMap;
 import org.apache.spark.ShuffleDependency;
@@ -49,8 +50,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
 
   // The driver's manager, for quiesceDriver(); set while its SparkContext runs.
   private static volatile HybridRayShuffleManager driverManager;
-  // Set once the driver's Ray is about to shut down: no more calls through it.
-  private volatile boolean rayClosing;
+  // The driver's calls into Ray; closed once its Ray is about to shut down (quiesceDriver).
+  private final RayCallGate rayCalls = new RayCallGate();
 
   public HybridRayShuffleManager(SparkConf conf) {
     super(conf);
@@ -102,13 +103,35 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   public static void quiesceDriver() {
     HybridRayShuffleManager manager = driverManager;
     if (manager != null) {
-      manager.rayClosing = true;
+      long waitMs = manager.ctx().callTimeoutMs;  // a call in flight ends within it
+      try {
+        if (!manager.rayCalls.closeAndDrain(waitMs)) {
+          LOG.warn("hybrid_ray: a driver call into Ray still runs after {} ms; Ray shuts "
+              + "down under it", waitMs);
+        }
+      } catch (InterruptedException e) {
+        Thread.currentThread().interrupt();
+      }
       manager.stopHeartbeat();
+      manager.ctx().drainSender(waitMs);  // the registrations it still had to send
     }
   }
 
   private boolean rayUsable() {
-    return !rayClosing && Ray.isInitialized();
+    return !rayCalls.isClosed() && Ray.isInitialized();
+  }
+
+  /** Run {@code call} into Ray unless the driver's Ray is closing; quiesceDriver waits for
+   *  it. */
+  private void whileRayOpen(Runnable call) {
+    if (!Ray.isInitialized() || !rayCalls.enter()) {
+      return;
+    }
+    try {
+      call.run();
+    } finally {
+      rayCalls.exit();
+    }
   }
 
   private void stopHeartbeat() {
@@ -222,8 +245,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     boolean removed = super.unregisterShuffle(shuffleId);
     HybridRayContext ctx = ctx();
     ctx.dropShuffle(shuffleId);  // executors: this JVM's memory-tier objects of it go
-    if (isDriver && hybridShuffles.remove(shuffleId) && rayUsable()) {
-      release(ctx, new String[] {ctx.shuffleKey(shuffleId)}, null);
+    if (isDriver && hybridShuffles.remove(shuffleId)) {
+      whileRayOpen(() -> release(ctx, new String[] {ctx.shuffleKey(shuffleId)}, null));
     }
     return removed;
   }
@@ -238,9 +261,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
       stopHeartbeat();
       if (isDriver) {
         hybridShuffles.clear();
-        if (rayUsable()) {
-          release(ctx, null, ctx.appPrefix());
-        }
+        whileRayOpen(() -> release(ctx, null, ctx.appPrefix()));
         if (driverManager == this) {
           driverManager = null;
         }
@@ -278,9 +299,13 @@ public class HybridRayShuffleManager extends SortShuffleManager {
    *  session's reports show it (best effort: the log has it anyway). */
   private void reportFallback(int shuffleId, ShuffleDependency<?, ?, ?> dependency,
       String reason) {
-    if (!isDriver || !rayUsable()) {
-      return;
+    if (isDriver) {
+      whileRayOpen(() -> sendFallback(shuffleId, dependency, reason));
     }
+  }
+
+  private void sendFallback(int shuffleId, ShuffleDependency<?, ?, ?> dependency,
+      String reason) {
     try {
       HybridRayContext ctx = ctx();
       ObjectNode request = ctx.json.createObjectNode();
@@ -328,11 +353,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     Thread t = new Thread(() -> {
       while (!Thread.currentThread().isInterrupted()) {
         try {
-          if (rayUsable() && !hybridShuffles.isEmpty()) {
-            HybridRayContext ctx = ctx();
-            ObjectNode request = ctx.json.createObjectNode();
-            request.put("prefix", ctx.appPrefix());
-            ctx.call(ctx.master(), "spark_heartbeat", ctx.toJson(request));
+          if (!hybridShuffles.isEmpty()) {
+            whileRayOpen(this::sendHeartbeat);
           }
           Thread.sleep(HEARTBEAT_MS);
         } catch (InterruptedException e) {
@@ -350,6 +372,17 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     t.setDaemon(true);
     t.start();
     heartbeat = t;
+  }
+
+  private void sendHeartbeat() {
+    HybridRayContext ctx = ctx();
+    ObjectNode request = ctx.json.createObjectNode();
+    request.put("prefix", ctx.appPrefix());
+    try {
+      ctx.call(ctx.master(), "spark_heartbeat", ctx.toJson(request));
+    } catch (IOException e) {
+      LOG.debug("hybrid_ray heartbeat failed: {}", e.toString());
+    }
   }
 
   /** The executor's or driver's SparkEnv is up (for callers that need it explicitly). */
