@@ -35,3 +35,14 @@ def test_local_cluster_yaml_is_valid_and_installs_the_project():
     assert config["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []}
     assert any("./dev setup" in c for c in config["setup_commands"])
     assert ".venv" in config["rsync_exclude"]
+
+
+def test_cluster_yaml_nodes_set_up_like_a_developer_s_machine():
+    """Each node runs ./dev setup (Python 3.11, the pinned packages and the Spark jar, built
+    with Maven) and gets the checkout without its local virtualenv or build."""
+    config = load()
+    commands = " ".join(config["setup_commands"])
+    assert "./dev setup" in commands and "maven" in commands and "3.11" in commands
+    assert {".venv", ".git", "jvm/target"} <= set(config["rsync_exclude"])
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    assert all("~/venv/" not in c for c in starts)
