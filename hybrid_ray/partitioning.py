@@ -143,9 +143,14 @@ def _hash_array(column: pa.Array) -> np.ndarray:
         out = _hash_bytes(column.cast(pa.large_binary()))
     elif pa.types.is_null(t):
         return np.zeros(n, dtype=np.uint64)
+    elif pa.types.is_struct(t):
+        out = _hash_struct(column, n)
+    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t) \
+            or pa.types.is_fixed_size_list(t):
+        out = _hash_lists(column, n)
     else:
-        # Nested and other rare key types. pandas is imported here, not at module level:
-        # it costs a new Ray worker ~0.5 s of CPU to import.
+        # Other rare key types (unions, extension types, intervals). pandas is imported
+        # here, not at module level: it costs a new Ray worker ~0.5 s of CPU to import.
         import pandas as pd
 
         values = column.to_numpy(zero_copy_only=False)
@@ -153,6 +158,44 @@ def _hash_array(column: pa.Array) -> np.ndarray:
     if column.null_count:
         out[column.is_null().to_numpy(zero_copy_only=False)] = 0
     return out
+
+
+def _hash_struct(column: pa.StructArray, n: int) -> np.ndarray:
+    """Structs by their fields' values, each hashed as a column of its own and combined
+    in field order (null fields hash to 0; null structs are zeroed by the caller). Hashed
+    through pandas before, a struct's int field became a float when another row of the
+    chunk had it null, so equal keys hashed apart by what else their chunk held."""
+    h = np.zeros(n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for field in column.flatten():  # the struct's offset applied to every field
+            h = h * _KEY_STEP + _hash_array(field)
+    return _mix64_inplace(h)
+
+
+def _hash_lists(column: pa.Array, n: int) -> np.ndarray:
+    """Lists (and maps, lists of key/value structs) by their elements' values in order and
+    their length: every element is hashed as a column, salted with its position, and the
+    row's elements summed."""
+    if pa.types.is_fixed_size_list(column.type):
+        size = column.type.list_size
+        offsets = np.arange(n + 1, dtype=np.int64) * size
+        values = column.flatten()
+    else:
+        offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+        values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        offsets = offsets - offsets[0]
+    lengths = np.diff(offsets)
+    element = _hash_array(values)
+    # Each element's position in its row, salted in before the sum (order matters).
+    positions = np.arange(len(element), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    with np.errstate(over="ignore"):
+        salted = _mix64_inplace(element ^ (positions.astype(np.uint64) * _KEY_STEP))
+        sums = np.zeros(n, dtype=np.uint64)
+        nonempty = lengths > 0
+        if nonempty.any():
+            sums[nonempty] = np.add.reduceat(salted, offsets[:-1][nonempty])
+        h = sums ^ _length_salt(lengths)
+    return _mix64_inplace(h)
 
 
 def _fixed_width_values(column: pa.Array, n: int) -> np.ndarray:

@@ -201,3 +201,26 @@ def test_random_assignment_continues_across_the_chunks_of_a_map():
     copy = pickle.loads(pickle.dumps(partitioner))
     assert np.array_equal(copy.assign(chunk, 3, 16), first)
     assert np.array_equal(copy.assign(chunk, 3, 16), second)
+
+
+def test_nested_keys_hash_by_value_whatever_else_their_chunk_holds():
+    """Struct keys were hashed through pandas, which turned a struct's int field into a
+    float when another row of the chunk had it null: equal keys went to different
+    partitions (repartition's promise broken), and list or map keys failed the map."""
+    with_null = pa.array([{"a": 1, "b": 2.5}, {"a": None, "b": None}])
+    alone = pa.array([{"a": 1, "b": 2.5}])
+    assert hash_column(with_null)[0] == hash_column(alone)[0]
+    assert hash_column(pa.array([{"a": -0.0}]))[0] == hash_column(pa.array([{"a": 0.0}]))[0]
+    table = pa.table({"k": pa.chunked_array([with_null, alone])})
+    parts = HashPartitioner(["k"]).assign(table, 0, 64)
+    assert parts[0] == parts[2]
+    lists = hash_column(pa.array([[1, 2], [], [3], None, [2, 1]]))
+    again = hash_column(pa.array([[3], [1, 2], []], pa.large_list(pa.int32())))
+    assert (lists[0], lists[1], lists[2]) == (again[1], again[2], again[0])
+    assert lists[0] != lists[4]  # order matters
+    assert lists[3] == 0  # a null key
+    maps = pa.array([[("k", 1)], [("j", 2), ("k", 1)]], pa.map_(pa.string(), pa.int64()))
+    same = pa.array([[("j", 2), ("k", 1)]], pa.map_(pa.string(), pa.int64()))
+    assert hash_column(maps)[1] == hash_column(same)[0] != hash_column(maps)[0]
+    sliced = pa.array([[9], [1, 2], [5]]).slice(1, 1)  # an offset into the values
+    assert hash_column(sliced)[0] == lists[0]
