@@ -24,12 +24,19 @@ from typing import Any
 
 MASK = "***"
 SECRET_KEY_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth",
-                    "signature", "session", "cookie", "private")
+                    "signature", "session", "cookie", "private", "connection_string",
+                    "conn_str", "dsn")
+# A value holding one of these (case-insensitive) is a credential whatever its option's
+# name: Azure connection strings and SAS tokens.
+SECRET_VALUE_MARKS = ("accountkey=", "sharedaccesssignature=", "sig=")
 # Secrets this short are masked where they are a value, but not scrubbed from free text:
 # replacing every "a" in a message would destroy it, and real credentials are long.
 MIN_SCRUB_CHARS = 4
 
-_SCHEME_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)([^@]*)@")
+# The user:password part runs to the last "@" before the query: a password may hold an
+# "@" of its own (urllib and fsspec read the user part to the last "@"), and an AWS secret
+# a "/". A URL with no authority ("file:///home/me@corp/x") has none.
+_SCHEME_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)(?!/)([^?]*)@")
 
 
 def is_secret_key(name: Any) -> bool:
@@ -60,9 +67,16 @@ def redacted_options(options: Any) -> Any:
                 for k, v in options.items()}
     if isinstance(options, (list, tuple)):
         return type(options)(redacted_options(v) for v in options)
+    if isinstance(options, str) and _looks_secret(options):
+        return MASK
     if isinstance(options, str) and "://" in options:
         return redact_url(options)
     return options
+
+
+def _looks_secret(value: str) -> bool:
+    lowered = value.lower()
+    return any(mark in lowered for mark in SECRET_VALUE_MARKS)
 
 
 def _secret_strings(value: Any, under_secret_key: bool, out: set[str]) -> None:
@@ -74,8 +88,14 @@ def _secret_strings(value: Any, under_secret_key: bool, out: set[str]) -> None:
             _secret_strings(v, under_secret_key, out)
     elif isinstance(value, (str, bytes)):
         text = value.decode(errors="replace") if isinstance(value, bytes) else value
-        if under_secret_key:
+        if under_secret_key or _looks_secret(text):
             out.add(text)
+            # A connection string or SAS token: its secret fields alone, as a library's
+            # message may quote one without the rest.
+            for part in re.split(r"[;&]", text):
+                name, _, value = part.partition("=")
+                if value and (is_secret_key(name) or name.strip().lower() == "sig"):
+                    out.add(value)
         elif "://" in text:
             _url_secrets(text, out)
 
@@ -87,7 +107,7 @@ def _url_secrets(url: str, out: set[str]) -> None:
     if match and not match.group(2).startswith("/"):
         userinfo = match.group(2)
         out.add(userinfo)
-        out.update(userinfo.split(":"))
+        out.update(userinfo.split(":", 1))
     if "?" in url:
         query = url.split("?", 1)[1]
         out.add(query)

@@ -396,6 +396,25 @@ def test_redaction_rule():
     assert Redactor(None, {"secret": "ab"}).scrub("a b ab") == "a b ab"  # too short to scrub
 
 
+def test_connection_strings_and_passwords_with_an_at_sign_are_hidden():
+    """adlfs's connection_string (AccountKey=...) matched no secret word and was printed
+    whole by the config's repr; a password holding an "@" was cut at it, showing its
+    rest (urllib and fsspec read the user part up to the last "@")."""
+    from hybrid_ray.redaction import Redactor, redact_url
+
+    connection = ("DefaultEndpointsProtocol=https;AccountName=acct;"
+                  "AccountKey=c2VjcmV0LWtleS0xMjM0NTY3OA==;EndpointSuffix=core.windows.net")
+    cfg = ShuffleConfig(remote_path="s3://container/prefix",
+                        storage_options={"connection_string": connection,
+                                         "extra": {"sas": "sv=2024&sig=SIGNATURE123456"}})
+    assert "c2VjcmV0" not in repr(cfg) and "SIGNATURE123456" not in repr(cfg)
+    assert "container/prefix" in repr(cfg)
+    assert redact_url("sftp://user:p@ssw0rd@host/x") == "sftp://***@host/x"
+    scrub = Redactor("sftp://user:p@ssw0rd@host/x", cfg.storage_options).scrub
+    assert scrub("login p@ssw0rd failed; key c2VjcmV0LWtleS0xMjM0NTY3OA== sig "
+                 "sv=2024&sig=SIGNATURE123456") == "login *** failed; key *** sig ***"
+
+
 def test_tier_manager_serves_only_files_inside_its_own_data_dirs(tmp_path):
     """A reader on another node (Python or a Spark JVM) names the file to serve. A
     segment-shaped path outside this node's spill dirs, or a symlink in the data dir
