@@ -110,9 +110,9 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             chunk, upcoming = upcoming, next(pending, None)
             if chunk.num_rows == 0:
                 continue
-            parts = partitioner.assign(chunk, map_index, num_partitions)
+            parts = _checked_assignment(partitioner, chunk, map_index, num_partitions)
             last = upcoming is None
-            client.write_many(split_by_partition(chunk, np.asarray(parts), num_partitions),
+            client.write_many(split_by_partition(chunk, parts, num_partitions),
                               place=not last)
             if not last:
                 client.flush()
@@ -164,6 +164,25 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         # whose output does (MapRunner keeps a map's result unless a run was skipped).
         return None
     return client.stats
+
+
+def _checked_assignment(partitioner: Partitioner, chunk: pa.Table, map_index: int,
+                        num_partitions: int) -> np.ndarray:
+    """``partitioner.assign`` of a chunk, checked: one integer in [0, num_partitions) per
+    row. A custom partitioner returning fewer labels than rows had its chunk's other rows
+    dropped without a word, and one returning labels out of range failed deep in numpy."""
+    parts = np.asarray(partitioner.assign(chunk, map_index, num_partitions))
+    name = type(partitioner).__name__
+    if parts.shape != (chunk.num_rows,) or not np.issubdtype(parts.dtype, np.integer):
+        raise ConfigError(
+            f"{name}.assign returned {parts.dtype} of shape {parts.shape} for a chunk of "
+            f"{chunk.num_rows} rows of map {map_index}: it must return one integer "
+            "subpartition per row")
+    if len(parts) and (parts.min() < 0 or parts.max() >= num_partitions):
+        raise ConfigError(
+            f"{name}.assign returned subpartitions from {parts.min()} to {parts.max()} for "
+            f"map {map_index}: each must be in [0, {num_partitions})")
+    return parts
 
 
 # (shuffle, map, attempt) begun at registration that this process started, newest last.

@@ -224,3 +224,31 @@ def test_nested_keys_hash_by_value_whatever_else_their_chunk_holds():
     assert hash_column(maps)[1] == hash_column(same)[0] != hash_column(maps)[0]
     sliced = pa.array([[9], [1, 2], [5]]).slice(1, 1)  # an offset into the values
     assert hash_column(sliced)[0] == lists[0]
+
+
+def test_a_partitioner_that_labels_too_few_rows_or_out_of_range_is_refused():
+    """A custom partitioner returning fewer labels than rows had the chunk's other rows
+    dropped without a word (split_by_partition took as many rows as labels)."""
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.map_task import _checked_assignment
+    from hybrid_ray.partitioning import Partitioner
+
+    class Scripted(Partitioner):
+        def __init__(self, labels):
+            self.labels = labels
+
+        def assign(self, table, map_index, num_partitions):
+            return self.labels
+
+    chunk = pa.table({"x": np.arange(10)})
+    with pytest.raises(ConfigError, match=r"Scripted.assign returned int64 of shape \(5,\) "
+                                          "for a chunk of 10 rows of map 3"):
+        _checked_assignment(Scripted(np.zeros(5, dtype=np.int64)), chunk, 3, 4)
+    with pytest.raises(ConfigError, match="one integer subpartition per row"):
+        _checked_assignment(Scripted(np.zeros(10)), chunk, 3, 4)  # floats
+    with pytest.raises(ConfigError, match=r"from -1 to 0 for map 3: each must be in \[0, 4\)"):
+        _checked_assignment(Scripted(np.array([0] * 9 + [-1])), chunk, 3, 4)
+    with pytest.raises(ConfigError, match=r"from 0 to 4 for map 3"):
+        _checked_assignment(Scripted(np.array([0] * 9 + [4])), chunk, 3, 4)
+    good = np.arange(10) % 4
+    assert np.array_equal(_checked_assignment(Scripted(list(good)), chunk, 3, 4), good)
