@@ -451,8 +451,27 @@ class RangePartitioner(Partitioner):
 
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
         order = "descending" if self.descending else "ascending"
-        return table.sort_by([(self.key, order, "at_start" if self.nulls_first
-                               else "at_end")])
+        placement = "at_start" if self.nulls_first else "at_end"
+        column = table.column(self.key)
+        sortable = _sortable(column)
+        if sortable is column:
+            return table.sort_by([(self.key, order, placement)])
+        # Arrow cannot sort some key types (dictionary-encoded, float16):
+        # sort their decoded values, then take the rows in that order.
+        indices = pc.sort_indices(pa.table({"key": sortable}),
+                                  sort_keys=[("key", order, placement)])
+        return table.take(indices)
+
+
+def _sortable(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """``column`` as a type Arrow's sort takes, holding the same values (the column itself
+    when it is one already)."""
+    t = column.type
+    if pa.types.is_dictionary(t):
+        return _sortable(column.cast(t.value_type))
+    if pa.types.is_float16(t):
+        return column.cast(pa.float32())
+    return column
 
 
 class RandomPartitioner(Partitioner):

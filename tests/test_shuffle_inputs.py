@@ -220,6 +220,30 @@ def test_blocks_with_different_schemas_are_refused_before_the_shuffle(ray_local,
     assert_no_leftovers(cfg, ray_local)
 
 
+def test_sort_by_a_dictionary_encoded_or_float16_key(ray_local, tmp_path):
+    """Arrow cannot sort dictionary-encoded or float16 columns: a dataset whose blocks all
+    had such a key ran every map, then failed in every reducer (ArrowNotImplementedError)."""
+    cfg = base_config(tmp_path)
+    rng = np.random.default_rng(23)
+    words = [None if i % 9 == 0 else f"w{rng.integers(0, 500):03d}" for i in range(2_000)]
+    halves = rng.integers(-500, 500, 2_000).astype(np.float16) / np.float16(4)
+    table = pa.table({"word": pa.array(words).dictionary_encode(),
+                      "half": pa.array(halves), "row": np.arange(2_000)})
+    ds = ray_local.data.from_arrow(table).repartition(4).materialize()
+    present = sorted(w for w in words if w is not None)
+    for descending in (False, True):
+        out = pa.concat_tables(outputs(ray_local, hybrid_ray.sort(
+            ds, "word", descending=descending, config=cfg, num_partitions=3)))
+        nulls = [None] * words.count(None)
+        assert out["word"].to_pylist() == (nulls + present[::-1] if descending
+                                           else present + nulls)
+        assert sorted(out["row"].to_pylist()) == list(range(2_000))
+    out = pa.concat_tables(outputs(ray_local, hybrid_ray.sort(
+        ds, "half", config=cfg, num_partitions=3)))
+    assert out["half"].to_pylist() == sorted(float(h) for h in halves)
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_sort_places_nulls_last_ascending_and_first_descending(ray_local, tmp_path):
     cfg = base_config(tmp_path)
     rng = np.random.default_rng(16)
