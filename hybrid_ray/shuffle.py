@@ -32,7 +32,7 @@ from hybrid_ray import metrics
 from hybrid_ray.actors import get_reader_slots, reader_count, start_actors
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - re-exported
 from hybrid_ray.config import ShuffleConfig, ShuffleMode
-from hybrid_ray.errors import ConfigError, ShuffleFailedError
+from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleStalledError
 from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
     MapRunner, ShuffleLifecycle, describe_cause, report_from_summary, restart_stuck_worker,
 )
@@ -110,7 +110,9 @@ def report_of(ds: Any) -> ShuffleReport:
 _REPORT_ATTR = "_hybrid_ray_report"
 
 
-@ray.remote
+# No CPU asked: a sort must not wait for one (RayDP's executors, or a user's actors, may
+# hold every CPU of the cluster; the shuffle's own workers ask none either).
+@ray.remote(num_cpus=0)
 def _sample_task(key: str, k: int, *blocks: pa.Table) -> np.ndarray:
     """Up to ``k`` sampled non-null, non-NaN keys of each block (nulls and NaNs have a
     partition of their own: see ``RangePartitioner``)."""
@@ -697,9 +699,15 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
         return _empty_dataset(num_partitions or 1, blocks.schema)
     n = num_partitions or _default_partitions(blocks.refs, config)
     groups = _plan_maps(_block_locations(blocks.refs)[1], config)
-    samples = ray.get([_sample_task.remote(key, SAMPLES_PER_BLOCK,
-                                           *[blocks.refs[i] for i in group])
-                       for group in groups])
+    try:
+        samples = ray.get([_sample_task.remote(key, SAMPLES_PER_BLOCK,
+                                               *[blocks.refs[i] for i in group])
+                           for group in groups], timeout=config.stall_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ShuffleStalledError(
+            f"sort: sampling the keys of {len(blocks.refs)} blocks took longer than "
+            f"stall_timeout_s ({config.stall_timeout_s:g} s); check that the cluster's "
+            "nodes are alive (ray status), or raise ShuffleConfig.stall_timeout_s") from None
     non_empty = [s for s in samples if len(s)]
     boundaries = range_boundaries(np.concatenate(non_empty) if non_empty else np.asarray([]), n)
     result = run_shuffle(blocks.refs, n, RangePartitioner(key, boundaries, descending),

@@ -244,6 +244,32 @@ def test_sort_by_a_dictionary_encoded_or_float16_key(ray_local, tmp_path):
     assert_no_leftovers(cfg, ray_local)
 
 
+def test_sort_runs_while_other_work_holds_every_cpu(ray_local, tmp_path):
+    """sort sampled its keys with tasks asking one CPU each: with every CPU held (RayDP's
+    executors, a user's actors) it waited forever. The samples ask none now."""
+    import threading
+
+    @ray_local.remote(num_cpus=ray_local.cluster_resources()["CPU"])
+    class HoldsEveryCpu:
+        def ready(self):
+            return True
+
+    table = pa.table({"k": np.arange(5_000)[::-1].copy()})
+    ds = ray_local.data.from_arrow(table).repartition(3).materialize()  # Ray Data needs CPUs
+    holder = HoldsEveryCpu.remote()
+    ray_local.get(holder.ready.remote(), timeout=60)
+    try:
+        result = {}
+        job = threading.Thread(target=lambda: result.update(out=outputs(ray_local, hybrid_ray.sort(
+            ds, "k", config=base_config(tmp_path), num_partitions=2))), daemon=True)
+        job.start()
+        job.join(timeout=120)
+        assert "out" in result, "sort waited for a CPU"
+        assert pa.concat_tables(result["out"])["k"].to_pylist() == list(range(5_000))
+    finally:
+        ray_local.kill(holder)
+
+
 def test_sort_places_nulls_last_ascending_and_first_descending(ray_local, tmp_path):
     cfg = base_config(tmp_path)
     rng = np.random.default_rng(16)
