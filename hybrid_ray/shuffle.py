@@ -561,6 +561,11 @@ def _dataset_blocks(ds: Any) -> _Blocks:
 
     if not isinstance(ds, MaterializedDataset):  # materializing one again
         ds = ds.materialize()  # cost the driver 10 ms for nothing (copies of its plan)
+    if _has_pandas_blocks(ds):
+        # ray.data.from_pandas and map_batches(batch_format="pandas") make pandas blocks;
+        # maps and reducers read Arrow tables (they failed with AttributeError on these).
+        ds = ds.map_batches(_same_batch, batch_format="pyarrow",
+                            zero_copy_batch=True).materialize()
     refs: list[ray.ObjectRef] = []
     schemas: list[tuple[int, pa.Schema]] = []  # (block index, schema) of non-empty blocks
     nbytes = num_rows = index = 0
@@ -584,6 +589,18 @@ def _dataset_blocks(ds: Any) -> _Blocks:
     elif schema is None and refs:
         schema = ray.get(refs[0]).schema
     return _Blocks(refs, schema, nbytes, num_rows)
+
+
+def _has_pandas_blocks(ds: Any) -> bool:
+    """Whether a materialized dataset's blocks are pandas DataFrames (its schema, from
+    metadata, is not an Arrow schema)."""
+    schema = ds.schema()
+    schema = getattr(schema, "base_schema", schema)
+    return schema is not None and not isinstance(schema, pa.Schema)
+
+
+def _same_batch(batch: pa.Table) -> pa.Table:
+    return batch
 
 
 def _arrow_schema(schema: Any) -> pa.Schema | None:

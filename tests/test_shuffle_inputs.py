@@ -270,6 +270,25 @@ def test_sort_runs_while_other_work_holds_every_cpu(ray_local, tmp_path):
         ray_local.kill(holder)
 
 
+def test_datasets_of_pandas_blocks_shuffle_exactly(ray_local, tmp_path):
+    """ray.data.from_pandas (and map_batches(batch_format="pandas")) make pandas blocks,
+    which every public operation failed on with AttributeError ('DataFrame' object has no
+    attribute 'schema')."""
+    import pandas as pd
+
+    cfg = base_config(tmp_path)
+    frame = pd.DataFrame({"k": np.arange(3_000) % 17, "v": np.arange(3_000)[::-1].copy()})
+    ds = ray_local.data.from_pandas([frame.iloc[:1_000], frame.iloc[1_000:]])
+    expected = pa.Table.from_pandas(frame, preserve_index=False)
+    out = outputs(ray_local, hybrid_ray.repartition(ds, 4, keys=["k"], config=cfg))
+    assert row_fingerprint(out) == row_fingerprint([expected])
+    keys_seen = [set(t["k"].to_pylist()) for t in out]
+    assert sum(len(k) for k in keys_seen) == 17  # each key in one partition
+    ordered = pa.concat_tables(outputs(ray_local, hybrid_ray.sort(ds, "v", config=cfg)))
+    assert ordered["v"].to_pylist() == list(range(3_000))
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_sort_places_nulls_last_ascending_and_first_descending(ray_local, tmp_path):
     cfg = base_config(tmp_path)
     rng = np.random.default_rng(16)
