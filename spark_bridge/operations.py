@@ -13,8 +13,9 @@
 
 The operations that run through the shuffle manager need a session started by
 ``init_spark(..., hybrid_shuffle=True)`` (the default); the manager uses the session's
-``shuffle_config``. A ``config`` given to a call applies to the direct parquet path; on the
-manager's path it must be the session's (or None), as one session has one manager.
+``shuffle_config``. A ``config`` given to a call applies to the direct parquet path (None:
+the session's); on the manager's path it must be the session's (or None), as one session
+has one manager.
 
 Call ``release(df)`` when a direct-path result is no longer needed (``stop_spark`` releases
 all); the manager's shuffles are released by Spark (its ContextCleaner, or ``stop_spark``).
@@ -108,6 +109,13 @@ def repartition(df: Any, num_partitions: int, *cols: str,
     if not cols:
         raise ConfigError("repartition needs at least one column to partition by")
     keys = _check_columns(df, cols, "repartition")
+    if config is None:
+        # The session's config (its namespace, spill dirs, remote tier), not the defaults:
+        # with those the direct path started a second set of actors, with their own
+        # memory budget, in the default namespace and spilled to /tmp.
+        from spark_bridge.session import session_shuffle_config
+
+        config = session_shuffle_config()
     checked = exchange.check_config(config)
     if direct_scan:
         scan, _ = parquet_scan.plan_scan(df, checked.map_chunk_bytes)

@@ -361,6 +361,23 @@ def test_plain_parquet_scan_is_read_by_writers_and_matches_spark(spark, tmp_path
         out.collect()
 
 
+def test_the_direct_path_without_a_config_uses_the_session_s(spark, tmp_path):
+    """With config=None the direct parquet path ran with a default ShuffleConfig: a second
+    set of actors in namespace hybrid_ray (their own memory budget), spilling to /tmp,
+    without the session's remote tier. It uses the session's config now."""
+    from conftest import SPARK_EXCHANGE_NAMESPACE
+    from hybrid_ray.actors import get_master
+
+    df, _ = _typed_scan(spark, tmp_path)
+    out = spark_bridge.repartition(df, 3, "name")
+    held = spark_bridge.held_shuffles()
+    assert len(held) == 1
+    live = ray.get(get_master(SPARK_EXCHANGE_NAMESPACE).live_shuffles.remote())
+    assert held[0] in live
+    assert sorted(out.collect()) == sorted(df.collect())
+    assert spark_bridge.release(out) == 1
+
+
 def test_scans_spark_must_read_itself_go_through_spark(spark, tmp_path):
     """Cached, projected, partitioned, option-carrying, timestamped or gap-filled scans are
     read by Spark; the report says why, and the rows are still Spark's."""
