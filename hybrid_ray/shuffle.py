@@ -337,7 +337,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     ``ShuffleFailedError`` (after removing all of the shuffle's data) if a map or reduce
     task fails beyond its retries.
     """
-    config = config or ShuffleConfig()
+    config = check_config(config)
     check_num_partitions(num_partitions)
     if not isinstance(schema, pa.Schema):
         raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
@@ -528,6 +528,17 @@ def check_remote_tier(config: ShuffleConfig) -> None:
         open_remote_tier(config, check_reachable=True).close()
 
 
+def check_config(config: Any) -> ShuffleConfig:
+    """``config``, or the default ``ShuffleConfig()`` for None; anything else is refused
+    (a dict was taken for the defaults when empty and failed deep inside otherwise)."""
+    if config is None:
+        return ShuffleConfig()
+    if not isinstance(config, ShuffleConfig):
+        raise ConfigError(f"config must be a hybrid_ray.ShuffleConfig, got "
+                          f"{type(config).__name__}: build one with ShuffleConfig(...)")
+    return config
+
+
 def check_num_partitions(num_partitions: Any) -> None:
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
             or num_partitions <= 0:
@@ -683,8 +694,12 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
     available from ``hybrid_ray.last_report()``.
     """
     check_num_partitions(num_partitions)
+    config = check_config(config)
     if isinstance(keys, str):
         keys = [keys]
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"keys must be a column name or a list of column names, got "
+                          f"{keys!r}")
     if not keys:
         raise ConfigError("keys must name at least one column to partition by")
     blocks = _dataset_blocks(ds)
@@ -708,10 +723,12 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
     """
     if not isinstance(key, str):
         raise ConfigError(f"sort key must be a column name, got {key!r}")
+    if not isinstance(descending, bool):
+        raise ConfigError(f"descending must be True or False, got {descending!r}")
+    config = check_config(config)
     _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
     _check_columns(blocks.schema, [key], "sort key")
-    config = config or ShuffleConfig()
     if not blocks.refs:
         return _empty_dataset(num_partitions or 1, blocks.schema)
     n = num_partitions or _default_partitions(blocks.refs, config)
@@ -748,9 +765,9 @@ def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
                              or not 0 <= seed < MAX_SEED):
         raise ConfigError(f"seed must be None or an integer with 0 <= seed < 2**63, got "
                           f"{seed!r}")
+    config = check_config(config)
     _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
-    config = config or ShuffleConfig()
     if not blocks.refs:
         return _empty_dataset(num_partitions or 1, blocks.schema)
     if seed is None:

@@ -191,6 +191,19 @@ def test_bad_input_is_explained(dataset, tmp_path):
         hybrid_ray.sort(ds, "nope")
     with pytest.raises(TypeError, match="ray.data.Dataset"):
         hybrid_ray.repartition(pa.table({"a": [1]}), 2, keys=["a"])
+    # A dict for config was taken for the defaults when empty and failed deep inside
+    # otherwise; a string for descending sorted descending; a generator of keys was used
+    # up by the column check and failed the maps.
+    for call in (lambda: hybrid_ray.repartition(ds, 2, keys=["key"], config={}),
+                 lambda: hybrid_ray.sort(ds, "key", config={"mode": "blocking"}),
+                 lambda: hybrid_ray.random_shuffle(ds, config={})):
+        with pytest.raises(ConfigError, match="config must be a hybrid_ray.ShuffleConfig, "
+                                              "got dict"):
+            call()
+    with pytest.raises(ConfigError, match="descending must be True or False, got 'False'"):
+        hybrid_ray.sort(ds, "key", descending="False")
+    with pytest.raises(ConfigError, match="keys must be a column name or a list of column"):
+        hybrid_ray.repartition(ds, 2, keys=(k for k in ["key"]))
     with pytest.raises(RemoteTierError, match="not writable"):
         hybrid_ray.repartition(ds, 2, keys=["key"], config=base_config(
             tmp_path, remote_path="s3://bucket/x", storage_options={
