@@ -307,16 +307,23 @@ def unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> p
     """The one schema blocks with ``schemas`` are shuffled as.
 
     Blocks may differ only in representation: a column dictionary-encoded in some blocks
-    and not in others (decoded to its value type) or nullable in some (nullable).
-    Anything else is refused with both differing fields named, and the fix.
+    and not in others (decoded to its value type), nullable in some (nullable), or of
+    Arrow's null type in some (a block whose values are all None, as Ray Data infers
+    from_items and JSON: the other blocks' type). Anything else is refused with both
+    differing fields named, and the fix.
     """
     first = schemas[0]
     fields = list(first)
+
+    def compatible(a: pa.Field, b: pa.Field) -> bool:
+        return _decoded(a) == _decoded(b) or pa.types.is_null(a.type) \
+            or pa.types.is_null(b.type)
+
     for i, other in enumerate(schemas[1:], 1):
         if other.equals(first, check_metadata=False):
             continue
-        if other.names != first.names or any(
-                _decoded(a) != _decoded(b) for a, b in zip(other, fields)):
+        if other.names != first.names or not all(
+                compatible(a, b) for a, b in zip(other, fields)):
             raise ConfigError(
                 f"the blocks to shuffle have different schemas: {what(i)} differs from "
                 f"{what(0)} in {_schema_difference(other, first)}. Cast every block to one "
@@ -324,7 +331,10 @@ def unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> p
                 "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
         for k, (a, b) in enumerate(zip(other, fields)):
             if not a.equals(b):
-                fields[k] = pa.field(b.name, _decoded(b), b.nullable or a.nullable)
+                kind = _decoded(a) if pa.types.is_null(b.type) else _decoded(b)
+                nullable = b.nullable or a.nullable or pa.types.is_null(a.type) \
+                    or pa.types.is_null(b.type)
+                fields[k] = pa.field(b.name, kind, nullable)
     return pa.schema(fields, metadata=first.metadata)
 
 

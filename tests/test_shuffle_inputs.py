@@ -289,6 +289,21 @@ def test_datasets_of_pandas_blocks_shuffle_exactly(ray_local, tmp_path):
     assert_no_leftovers(cfg, ray_local)
 
 
+def test_a_block_whose_column_is_all_null_shuffles_with_typed_blocks(ray_local, tmp_path):
+    """Ray Data types a column of a block whose values are all None as Arrow's null type
+    (from_items, JSON): such a block was refused as of 'different schemas' beside blocks
+    of the real type; it now takes the other blocks' type."""
+    cfg = base_config(tmp_path)
+    typed = pa.table({"k": pa.array([1, 2, 3], pa.int64()), "v": ["a", "b", "c"]})
+    all_null = pa.table({"k": pa.nulls(2), "v": ["d", "e"]})
+    ds = ray_local.data.from_arrow([all_null, typed]).materialize()
+    out = outputs(ray_local, hybrid_ray.repartition(ds, 2, keys=["v"], config=cfg))
+    assert all(t.schema.field("k").type == pa.int64() for t in out)
+    rows = sorted((r["k"] or -1, r["v"]) for t in out for r in t.to_pylist())
+    assert rows == [(-1, "d"), (-1, "e"), (1, "a"), (2, "b"), (3, "c")]
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_sort_places_nulls_last_ascending_and_first_descending(ray_local, tmp_path):
     cfg = base_config(tmp_path)
     rng = np.random.default_rng(16)
