@@ -295,10 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a spill dir (repeatable); {node_id} matches every node's")
     cleanup.add_argument("--remote-path")
     cleanup.add_argument("--storage-options", help="JSON of fsspec options")
-    cleanup.add_argument("--address", default=None,
+    # One or the other: --no-cluster silently won over a given --address before.
+    cluster = cleanup.add_mutually_exclusive_group()
+    cluster.add_argument("--address", default=None,
                          help="the Ray cluster whose masters say which shuffles are live "
                               "(default: auto)")
-    cleanup.add_argument("--no-cluster", action="store_true",
+    cluster.add_argument("--no-cluster", action="store_true",
                          help="no cluster uses these paths: remove without asking one")
     cleanup.add_argument("--timeout", type=_parse_duration, default=DEFAULT_TIMEOUT_S,
                          help="bound on connecting and on each call (default 15s)")

@@ -116,3 +116,12 @@ def test_demo_runs_on_a_ray_of_its_own_and_leaves_nothing(tmp_path):
     tiers = {line.split()[1] for line in proc.stdout.splitlines()
              if len(line.split()) == 4 and line.split()[1] in ("memory", "disk", "remote")}
     assert tiers == {"memory", "disk", "remote"}, proc.stdout
+
+
+def test_cleanup_refuses_an_address_together_with_no_cluster(tmp_path):
+    """--no-cluster silently won over a given --address: the cluster named was never
+    asked which shuffles are live."""
+    proc, _ = _cli("cleanup", "--spill-dir", str(tmp_path), "--address", "127.0.0.1:1",
+                   "--no-cluster")
+    assert proc.returncode == 2
+    assert "not allowed with argument" in proc.stderr and "--address" in proc.stderr
