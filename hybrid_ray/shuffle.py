@@ -634,15 +634,24 @@ def _check_columns(schema: pa.Schema | None, columns: Sequence[str], what: str) 
                           f"{schema.names}")
 
 
-def _empty_dataset(num_partitions: int, schema: pa.Schema | None) -> ray.data.Dataset:
+def _empty_dataset(num_partitions: int, schema: pa.Schema | None, operation: str,
+                   config: ShuffleConfig) -> ray.data.Dataset:
     """The result of shuffling no rows: ``num_partitions`` empty blocks of ``schema``, or,
-    with the schema unknown, a dataset with no blocks (and so no schema either)."""
+    with the schema unknown, a dataset with no blocks (and so no schema either). Its report
+    (``report_of``, ``last_report``) says so: no shuffle ran, nothing was stored."""
     if schema is None:
-        return _materialized_dataset([], [])
-    empty = schema.empty_table()
-    ref = ray.put(empty)
-    return _materialized_dataset([ref] * num_partitions,
-                                 [(0, 0, schema)] * num_partitions)
+        ds = _materialized_dataset([], [])
+    else:
+        ref = ray.put(schema.empty_table())
+        ds = _materialized_dataset([ref] * num_partitions, [(0, 0, schema)] * num_partitions)
+    report = ShuffleReport(
+        shuffle_id="", operation=operation, mode=config.mode.value,
+        spilling=config.spilling.value, num_maps=0, num_partitions=num_partitions, rows=0,
+        input_bytes=0, wall_time_s=0.0, per_node_tier={}, tier_switches=0, spill_events=0,
+        superseded_attempts=0, hybrid_overlap=False)
+    _set_last_report(report)
+    setattr(ds, _REPORT_ATTR, report)
+    return ds
 
 
 def _check_optional_partitions(num_partitions: Any) -> None:
@@ -705,7 +714,7 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
     blocks = _dataset_blocks(ds)
     _check_columns(blocks.schema, keys, "repartition keys")
     if not blocks.refs:
-        return _empty_dataset(num_partitions, blocks.schema)
+        return _empty_dataset(num_partitions, blocks.schema, "repartition", config)
     result = run_shuffle(blocks.refs, num_partitions, HashPartitioner(keys), blocks.schema,
                          config, "repartition")
     return _to_dataset(result, blocks.nbytes)
@@ -730,7 +739,7 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
     blocks = _dataset_blocks(ds)
     _check_columns(blocks.schema, [key], "sort key")
     if not blocks.refs:
-        return _empty_dataset(num_partitions or 1, blocks.schema)
+        return _empty_dataset(num_partitions or 1, blocks.schema, "sort", config)
     n = num_partitions or _default_partitions(blocks.refs, config)
     groups = _plan_maps(_block_locations(blocks.refs)[1], config)
     try:
@@ -769,7 +778,7 @@ def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
     _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
     if not blocks.refs:
-        return _empty_dataset(num_partitions or 1, blocks.schema)
+        return _empty_dataset(num_partitions or 1, blocks.schema, "random_shuffle", config)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % MAX_SEED)
     n = num_partitions or _default_partitions(blocks.refs, config)

@@ -96,6 +96,16 @@ def test_a_dataset_filtered_to_no_rows_shuffles_to_an_empty_result(ray_local, tm
     assert [p.schema.names for p in parts] == [["id"]] * 3
     assert hybrid_ray.sort(known, "id", descending=True, config=cfg).count() == 0
     assert hybrid_ray.random_shuffle(known, config=cfg, num_partitions=2).count() == 0
+    # Its report says no rows moved (last_report() kept the previous shuffle's, and
+    # report_of refused the result as "not produced by a hybrid_ray shuffle").
+    hybrid_ray.repartition(base, 2, keys=["id"], config=cfg)
+    assert hybrid_ray.last_report().rows == 100
+    empty = hybrid_ray.sort(known, "id", config=cfg, num_partitions=4)
+    report = hybrid_ray.report_of(empty)
+    assert hybrid_ray.last_report() is report
+    assert (report.operation, report.rows, report.num_maps, report.num_partitions) == \
+        ("sort", 0, 0, 4)
+    assert sum(report.bytes_per_tier().values()) == 0
     with pytest.raises(ConfigError, match=r"unknown column\(s\) \['nope'\]; the dataset has "
                                           r"columns \['id'\]"):
         hybrid_ray.repartition(known, 3, keys=["nope"], config=cfg)
