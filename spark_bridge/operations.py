@@ -61,6 +61,15 @@ def _check_columns(df: Any, cols: Sequence[Any], what: str) -> list[str]:
     return names
 
 
+def _column(name: str) -> Any:
+    """The column named exactly ``name``: quoted, as Spark parses a bare "a.b" as field b of
+    a struct column a (a column literally named "a.b" was refused as unresolved, or, beside
+    a struct a with a field b, the wrong column was used)."""
+    from pyspark.sql import functions as F
+
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
 def _through_manager(df: Any, config: Any, what: str) -> None:
     """Check that ``df``'s session sends its exchanges through hybrid_ray's shuffle
     manager, with ``config`` (if given) being the manager's; else a ConfigError with the fix."""
@@ -128,7 +137,7 @@ def repartition(df: Any, num_partitions: int, *cols: str,
                     yield table
             return exchange.reduce_frame(df.sparkSession, [shuffle], passthrough, df.schema)
     _through_manager(df, config, "repartition")
-    return df.repartition(num_partitions, *keys)
+    return df.repartition(num_partitions, *[_column(k) for k in keys])
 
 
 # ---- sort -----------------------------------------------------------------------------------------------
@@ -141,7 +150,6 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
     ``num_partitions`` the result has exactly that many partitions (Spark's
     ``repartitionByRange`` then ``sortWithinPartitions``), else Spark picks them.
     """
-    from pyspark.sql import functions as F
 
     _check_dataframe(df)
     if not cols:
@@ -155,7 +163,7 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
                           f"({len(keys)}), got {ascending!r}")
     _check_partitions(num_partitions)
     _through_manager(df, config, "sort")
-    order = [F.col(k).asc() if a else F.col(k).desc() for k, a in zip(keys, ascending)]
+    order = [_column(k).asc() if a else _column(k).desc() for k, a in zip(keys, ascending)]
     if num_partitions is None:
         return df.orderBy(*order)
     return df.repartitionByRange(num_partitions, *order).sortWithinPartitions(*order)
@@ -171,7 +179,7 @@ def _agg_column(col: str, fn: str) -> Any:
     if col == "*":
         return F.count(F.lit(1))
     return {"sum": F.sum, "count": F.count, "min": F.min, "max": F.max, "mean": F.avg,
-            "avg": F.avg, "count_distinct": F.count_distinct}[fn](F.col(col))
+            "avg": F.avg, "count_distinct": F.count_distinct}[fn](_column(col))
 
 
 def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, str]],
@@ -210,9 +218,10 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
         columns.append(_agg_column(col, fn).alias(alias))
     _check_partitions(num_partitions)
     _through_manager(df, config, "aggregate")
+    by = [_column(k) for k in keys]
     if num_partitions is not None:
-        df = df.repartition(num_partitions, *keys)
-    return df.groupBy(*keys).agg(*columns)
+        df = df.repartition(num_partitions, *by)
+    return df.groupBy(*by).agg(*columns)
 
 
 # ---- join --------------------------------------------------------------------------------------------------
@@ -245,6 +254,6 @@ def join(left: Any, right: Any, on: str | Sequence[str], how: str = "inner",
     _check_partitions(num_partitions)
     _through_manager(left, config, "join")
     if num_partitions is not None:
-        left = left.repartition(num_partitions, *keys)
-        right = right.repartition(num_partitions, *keys)
+        left = left.repartition(num_partitions, *[_column(k) for k in keys])
+        right = right.repartition(num_partitions, *[_column(k) for k in keys])
     return left.join(right, keys, how.lower())

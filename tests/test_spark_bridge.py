@@ -132,6 +132,25 @@ def test_outer_and_anti_joins_match_spark(spark, tmp_path, how):
     assert sorted(out.collect(), key=repr) == sorted(want.collect(), key=repr)
 
 
+def test_columns_named_with_a_dot_are_the_columns_of_that_name(spark):
+    """A column literally named "a.b" passed the name check, then Spark parsed it as field b
+    of a struct a: refused as unresolved, or, with such a struct beside it, the struct's
+    field used instead. The operations quote the names now."""
+    df = spark.range(0, 300, numPartitions=3).selectExpr(
+        "cast(id % 7 as int) as `a.b`", "named_struct('b', cast(id % 2 as int)) as a",
+        "id as v")
+    ordered = spark_bridge.sort(df, "a.b", num_partitions=3).collect()
+    assert [r["a.b"] for r in ordered] == sorted(i % 7 for i in range(300))
+    by_key = {r["a.b"]: r["n"] for r in spark_bridge.aggregate(
+        df, "a.b", {"n": ("v", "count")}, num_partitions=2).collect()}
+    assert by_key == {k: sum(1 for i in range(300) if i % 7 == k) for k in range(7)}
+    split = spark_bridge.repartition(df, 4, "a.b", direct_scan=False)
+    assert sorted(r["v"] for r in split.collect()) == list(range(300))
+    joined = spark_bridge.join(df, df.selectExpr("`a.b`").distinct().selectExpr(
+        "`a.b`", "`a.b` * 10 as w"), "a.b", num_partitions=2)
+    assert joined.count() == 300
+
+
 def test_aggregate_without_combine_matches_spark_on_sums_and_means(spark, orders, tmp_path):
     from pyspark.sql import functions as F
 

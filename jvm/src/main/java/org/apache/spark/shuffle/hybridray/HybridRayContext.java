@@ -235,6 +235,22 @@ public final class HybridRayContext {
     return handle;
   }
 
+  /**
+   * The running tier manager of {@code node}, or empty; never starts one (a reader asking
+   * another node for a segment must not start a tier manager whose books know none of it).
+   * Cached like {@link #tierManager}: a lookup by name is a round trip to Ray's GCS, and a
+   * reader asked once per segment on another node.
+   */
+  Optional<PyActorHandle> existingTierManager(String node) {
+    PyActorHandle handle = tierManagers.get(node);
+    if (handle != null) {
+      return Optional.of(handle);
+    }
+    Optional<PyActorHandle> found = Ray.getActor(TIER_MANAGER_PREFIX + node, namespace);
+    found.ifPresent(h -> tierManagers.put(node, h));
+    return found;
+  }
+
   /** The tier manager of {@code node}, started by the master if it is not running yet. */
   PyActorHandle tierManager(String node) throws IOException {
     PyActorHandle handle = tierManagers.get(node);

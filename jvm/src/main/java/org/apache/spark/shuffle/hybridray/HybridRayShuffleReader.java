@@ -502,8 +502,7 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         throw new LocalSegmentFiles.UnsafeSegmentPathException(what + ": " + e.getMessage());
       }
     }
-    Optional<PyActorHandle> owner =
-        Ray.getActor(HybridRayContext.TIER_MANAGER_PREFIX + node, ctx.namespace);
+    Optional<PyActorHandle> owner = ctx.existingTierManager(node);
     if (owner.isEmpty()) {
       throw new IOException(what + ": node " + node + "'s tier manager is gone (node lost?)");
     }
