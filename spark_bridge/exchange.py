@@ -37,7 +37,7 @@ import ray
 
 from hybrid_ray.actors import get_master, get_writers
 from hybrid_ray.config import ShuffleConfig
-from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleNotFoundError
+from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ShuffleReport
 from hybrid_ray import lifecycle
@@ -258,15 +258,6 @@ def _explain_spark_failure(exc: BaseException) -> str:
         if line.strip():
             return line.strip()[:1000]
     return type(exc).__name__
-
-
-def check_config(config: Any) -> ShuffleConfig:
-    if config is None:
-        return ShuffleConfig()
-    if not isinstance(config, ShuffleConfig):
-        raise ConfigError(f"config must be a hybrid_ray.ShuffleConfig, got "
-                          f"{type(config).__name__}")
-    return config
 
 
 def run_map_stage(df: Any, num_partitions: int, partitioner: Partitioner,

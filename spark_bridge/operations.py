@@ -31,7 +31,7 @@ import pyarrow as pa
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError
 from hybrid_ray.partitioning import HashPartitioner
-from hybrid_ray.shuffle import check_num_partitions
+from hybrid_ray.shuffle import check_config, check_num_partitions
 from spark_bridge import exchange, parquet_scan
 
 
@@ -83,7 +83,7 @@ def _through_manager(df: Any, config: Any, what: str) -> None:
             f"spark_bridge.{what} runs Spark's operator with hybrid_ray's shuffle manager, but "
             f"this session uses spark.shuffle.manager={manager}: start it with "
             "spark_bridge.init_spark(..., hybrid_shuffle=True) (the default)")
-    if config is not None and exchange.check_config(config) != session_config:
+    if config is not None and check_config(config) != session_config:
         raise ConfigError(
             f"spark_bridge.{what}: config= applies only where hybrid_ray's writers read a "
             "plain parquet scan themselves; this DataFrame's exchanges go through the "
@@ -125,7 +125,7 @@ def repartition(df: Any, num_partitions: int, *cols: str,
         from spark_bridge.session import session_shuffle_config
 
         config = session_shuffle_config()
-    checked = exchange.check_config(config)
+    checked = check_config(config)
     if direct_scan:
         scan, _ = parquet_scan.plan_scan(df, checked.map_chunk_bytes)
         if scan is not None:

@@ -231,14 +231,12 @@ def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tm
     ray.get(master.release.remote("shf-batch"))
 
 
-def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ray_local,
-                                                                              tmp_path):
-    """The master keeps tier-manager handles (a lookup by name per deletion was a GCS
-    round trip). A handle whose actor died must be dropped: a tier manager started again
-    on the node gets the deletions, which would otherwise fail for good."""
+def _a_map_on_disk(tmp_path, prefix):
+    """A shuffle of one map over two subpartitions, written to the disk tier only, in a
+    namespace of its own: (namespace, node, master, shuffle id)."""
     from hybrid_ray.map_task import write_map_partition
 
-    namespace = f"tmcache-{uuid.uuid4().hex[:6]}"
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
                         namespace=namespace, memory_fraction=0.0)
     node = ray.get_runtime_context().get_node_id()
@@ -247,6 +245,15 @@ def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ra
     ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
     table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
     write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+    return namespace, node, master, shuffle_id
+
+
+def test_master_finds_a_tier_manager_started_again_after_its_kept_handle_died(ray_local,
+                                                                              tmp_path):
+    """The master keeps tier-manager handles (a lookup by name per deletion was a GCS
+    round trip). A handle whose actor died must be dropped: a tier manager started again
+    on the node gets the deletions, which would otherwise fail for good."""
+    namespace, node, master, shuffle_id = _a_map_on_disk(tmp_path, "tmcache")
     files = {sub: [m.location for m in ray.get(master.segments.remote(shuffle_id))
                    if m.id.subpartition == sub] for sub in (0, 1)}
     assert files[0] and files[1] and all(os.path.exists(f) for f in files[0] + files[1])
@@ -278,17 +285,7 @@ def test_a_release_reaches_the_files_of_a_tier_manager_that_died(ray_local, tmp_
     skipped nodes without a tier manager (and a new one knew none of the shuffle's disks),
     so the release counted as done and the spill files stayed for good. It now starts a
     tier manager on the alive node and sends the shuffle's config with the release."""
-    from hybrid_ray.map_task import write_map_partition
-
-    namespace = f"tmdied-{uuid.uuid4().hex[:6]}"
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
-                        namespace=namespace, memory_fraction=0.0)
-    node = ray.get_runtime_context().get_node_id()
-    master = get_master(namespace)
-    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
-    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
-    write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+    namespace, node, master, shuffle_id = _a_map_on_disk(tmp_path, "tmdied")
     files = [m.location for m in ray.get(master.segments.remote(shuffle_id))]
     assert files and all(os.path.exists(f) for f in files)
     ray.kill(get_tier_manager(node, namespace), no_restart=True)

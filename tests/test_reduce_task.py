@@ -158,16 +158,22 @@ class _ReadsOnlyNewAttempts:
             yield pa.table({"map": [meta.id.map_partition]})
 
 
-def test_maps_lost_together_each_get_their_own_wait_for_a_new_attempt(ray_local, tmp_path,
-                                                                      monkeypatch):
+@pytest.fixture
+def reduce_task(monkeypatch):
+    """hybrid_ray.reduce_task reading through ``_ReadsOnlyNewAttempts`` (no real tiers)."""
+    from hybrid_ray import reduce_task as module
+
+    monkeypatch.setattr(module, "ReadClient", _ReadsOnlyNewAttempts)
+    monkeypatch.setattr(module, "io_tiers_for", lambda *args, **kwargs: {})
+    return module
+
+
+def test_maps_lost_together_each_get_their_own_wait_for_a_new_attempt(
+        ray_local, tmp_path, reduce_task):
     """Two maps of one dead writer are found gone one after the other (the reader stops at
     the first, and meets the second once the first is back). Each re-run takes 0.8 s of a
     1.2 s wait: the reader must get both, in map order. It shared one wait across the
     maps and failed a shuffle that was recovering (1.6 s > 1.2 s)."""
-    from hybrid_ray import reduce_task
-
-    monkeypatch.setattr(reduce_task, "ReadClient", _ReadsOnlyNewAttempts)
-    monkeypatch.setattr(reduce_task, "io_tiers_for", lambda *args, **kwargs: {})
     master = _LostMapsMaster(rerun_s=0.8)
     tables = reduce_task.read_subpartition("shf-lost", 0, base_config(tmp_path), master,
                                            missing_wait_s=1.2)
@@ -175,16 +181,12 @@ def test_maps_lost_together_each_get_their_own_wait_for_a_new_attempt(ray_local,
     assert sorted(master.rerun_at) == [0, 1]
 
 
-def test_a_re_run_that_waits_long_for_a_writer_is_still_waited_for(ray_local, tmp_path,
-                                                                   monkeypatch):
+def test_a_re_run_that_waits_long_for_a_writer_is_still_waited_for(
+        ray_local, tmp_path, reduce_task):
     """A lost map's re-run may queue behind long maps for a free writer. The reader gave
     up after missing_wait_s although the master still counted the map unfinished, and a
     recovering shuffle failed. Past that wait it now asks the master once and waits on,
     up to the shuffle's stall bound."""
-    from hybrid_ray import reduce_task
-
-    monkeypatch.setattr(reduce_task, "ReadClient", _ReadsOnlyNewAttempts)
-    monkeypatch.setattr(reduce_task, "io_tiers_for", lambda *args, **kwargs: {})
     master = _LostMapsMaster(rerun_s=1.5)
     tables = reduce_task.read_subpartition("shf-lost", 0, base_config(tmp_path), master,
                                            missing_wait_s=0.5)
@@ -192,17 +194,14 @@ def test_a_re_run_that_waits_long_for_a_writer_is_still_waited_for(ray_local, tm
     assert master.progress_asks == 2  # once per lost map, not once per poll
 
 
-def test_a_re_run_that_never_begins_fails_the_reader_at_the_stall_bound(ray_local, tmp_path,
-                                                                       monkeypatch):
+def test_a_re_run_that_never_begins_fails_the_reader_at_the_stall_bound(
+        ray_local, tmp_path, reduce_task):
     """The longer wait is bounded: a map that never runs again fails the reader once the
     shuffle's stall_timeout_s has passed, naming the segment."""
     import time
 
-    from hybrid_ray import reduce_task
     from hybrid_ray.errors import SegmentNotFoundError
 
-    monkeypatch.setattr(reduce_task, "ReadClient", _ReadsOnlyNewAttempts)
-    monkeypatch.setattr(reduce_task, "io_tiers_for", lambda *args, **kwargs: {})
     master = _LostMapsMaster(rerun_s=3600)
     config = dataclasses.replace(base_config(tmp_path), stall_timeout_s=1.5)
     started = time.monotonic()

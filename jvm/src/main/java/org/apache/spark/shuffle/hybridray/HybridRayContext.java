@@ -284,9 +284,17 @@ public final class HybridRayContext {
 
   /** Whether {@code e}, or one of its causes, says the called actor died. */
   static boolean isActorGone(Throwable e) {
+    return causedBy(e, RayActorException.class);
+  }
+
+  /** Whether {@code e} or one of its causes is an instance of one of {@code types}. */
+  @SafeVarargs
+  static boolean causedBy(Throwable e, Class<? extends Throwable>... types) {
     for (Throwable t = e; t != null; t = t.getCause() == t ? null : t.getCause()) {
-      if (t instanceof RayActorException) {
-        return true;
+      for (Class<? extends Throwable> type : types) {
+        if (type.isInstance(t)) {
+          return true;
+        }
       }
     }
     return false;

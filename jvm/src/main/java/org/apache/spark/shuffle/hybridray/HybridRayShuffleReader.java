@@ -515,12 +515,7 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
    * map outputs, so it must not blame an executor with a FetchFailedException.
    */
   static boolean isControlPlaneFault(Throwable e) {
-    for (Throwable t = e; t != null; t = t.getCause() == t ? null : t.getCause()) {
-      if (t instanceof RayTimeoutException || t instanceof RayActorException) {
-        return true;
-      }
-    }
-    return false;
+    return HybridRayContext.causedBy(e, RayTimeoutException.class, RayActorException.class);
   }
 
   @SuppressWarnings("unchecked")

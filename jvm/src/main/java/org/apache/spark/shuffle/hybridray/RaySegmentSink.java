@@ -327,12 +327,7 @@ final class RaySegmentSink implements SegmentSink {
 
   /** Whether {@code e} is a call that ran out of time (its answer may still come). */
   static boolean timedOut(Throwable e) {
-    for (Throwable t = e; t != null; t = t.getCause()) {
-      if (t instanceof RayTimeoutException) {
-        return true;
-      }
-    }
-    return false;
+    return HybridRayContext.causedBy(e, RayTimeoutException.class);
   }
 
   /** What became of a grant: its tier, size and target as granted, and the bytes written
