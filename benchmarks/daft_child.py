@@ -6,9 +6,10 @@ It starts its own local Ray (the suite has none running meanwhile), generates th
 workload's rows with ``benchmarks.workloads`` (the same function, seed and sizes as every
 other case), puts them in the object store as a Daft DataFrame (``daft.from_arrow``, as
 Ray Data's cases start from a materialized Dataset), selects the shuffle with
-``daft.set_execution_config(shuffle_algorithm=...)``, runs an untimed warm-up (as the
-suite's ``_warm_up_ray``) and then ``--rounds`` timed ``df.repartition(n, col("key"))
-.collect()``; each round's output is checksummed outside the timing. The result is one
+``daft.set_execution_config(shuffle_algorithm=...)`` and runs ``--rounds`` timed
+``df.repartition(n, col("key")).collect()``, the first of them Daft's first shuffle on
+its fresh Ray (no warm-up shuffle: the suite's first calls are every system's real
+first call); each round's output is checksummed outside the timing. The result is one
 line on stdout: ``HR_DAFT_RESULT <json>`` (parsed by ``daft_peer.parse_daft_output``).
 """
 
@@ -85,11 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
         def shuffle(df):
             return df.repartition(args.partitions, col("key"))
-
-        # Untimed: start the workers and import the modules on both sides.
-        warm = daft.from_arrow(workloads.generate("gensort", 4_000_000, args.seed + 1))
-        shuffle(warm).collect()
-        del warm
 
         blocks = workloads.generate(args.workload, args.size, args.seed)
         out["expected"] = list(workloads.checksum(blocks))
