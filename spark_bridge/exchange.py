@@ -41,7 +41,8 @@ from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ShuffleReport
 from hybrid_ray import lifecycle
-from hybrid_ray.lifecycle import AttemptPolicy, ShuffleLifecycle
+from hybrid_ray import metrics
+from hybrid_ray.lifecycle import AttemptPolicy, ShuffleLifecycle, error_kind
 from hybrid_ray.map_task import write_map_partition
 from hybrid_ray.reduce_task import read_subpartition
 from hybrid_ray.shuffle import check_remote_tier
@@ -342,6 +343,8 @@ def _map_stage(shuffle: BridgeShuffle, life: ShuffleLifecycle,
         map_input, input_bytes = run()
         shuffle._report = life.report(input_bytes=input_bytes, map_input=map_input)
     except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):  # counted as ShuffleLifecycle.fail does
+            metrics.record_error(error_kind(exc))
         if life.released:
             # Released by the user (release(df), release_all, stop_spark) while the maps
             # ran: that, not the maps' resulting "unknown shuffle", is what happened.

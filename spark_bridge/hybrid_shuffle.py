@@ -113,14 +113,17 @@ def reports(namespace: str, prefix: str) -> list[ShuffleReport]:
 
 
 def _report(summary: dict[str, Any]) -> ShuffleReport:
+    """A Spark exchange's report from the master's summary. What the master knows is what
+    was stored: bytes and segments per node and tier. Rows, input bytes and wall time are
+    Spark's (its UI has them) and read 0 here: the stored (compressed) bytes as input and
+    the shuffle's age as wall time gave a throughput that fell the longer one waited."""
     per_node = {node: {tier: (int(v[0]), int(v[1])) for tier, v in tiers.items()}
                 for node, tiers in summary["per_node_tier"].items()}
-    total = sum(v[0] for tiers in per_node.values() for v in tiers.values())
     return ShuffleReport(
         shuffle_id=summary["shuffle_id"], operation="spark exchange", mode="blocking",
         spilling=summary["spilling"], num_maps=summary["num_maps"],
-        num_partitions=summary["num_partitions"], rows=0, input_bytes=total,
-        wall_time_s=summary["age_s"], per_node_tier=per_node, tier_switches=0,
+        num_partitions=summary["num_partitions"], rows=0, input_bytes=0,
+        wall_time_s=0.0, per_node_tier=per_node, tier_switches=0,
         spill_events=0, superseded_attempts=summary["superseded_attempts"],
         hybrid_overlap=False,
         map_input=(f"Spark's own shuffle (fallback: {summary['fallback']})"

@@ -98,3 +98,17 @@ def test_session_token_and_config_are_checked():
         sessions.open("../x", ShuffleConfig(progress=False))
     with pytest.raises(ConfigError, match="must be a ShuffleConfig"):
         sessions.open("s1", {"remote_path": "s3://b"})
+
+
+def test_a_spark_exchange_report_gives_what_was_stored_and_no_made_up_throughput():
+    """The master knows the stored bytes per node and tier, not the input or the wall time:
+    those read 0 (the stored bytes as input and the shuffle's age as wall time gave a
+    throughput that fell the longer one waited)."""
+    summary = {"shuffle_id": "spark-app-1-2", "spilling": "selective", "num_maps": 3,
+               "num_partitions": 4, "age_s": 120.0, "superseded_attempts": 0,
+               "per_node_tier": {"n1": {"memory": [1000, 2], "disk": [500, 1]},
+                                 "n2": {"remote": [250, 1]}}}
+    report = hybrid_shuffle._report(summary)
+    assert report.bytes_per_tier() == {"memory": 1000, "disk": 500, "remote": 250}
+    assert (report.input_bytes, report.wall_time_s, report.throughput_mb_s) == (0, 0.0, 0.0)
+    assert report.map_input == "spark executors (JVM shuffle manager)"

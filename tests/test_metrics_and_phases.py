@@ -157,6 +157,29 @@ def test_a_failed_shuffle_counts_one_error_of_its_kind(ray_local, tmp_path):
     assert after["hybrid_ray_shuffles_completed"] == before["hybrid_ray_shuffles_completed"]
 
 
+def test_a_failed_spark_bridge_map_stage_counts_one_error_of_its_kind(monkeypatch, tmp_path):
+    """The bridge's map stages record their report in the metrics when they complete; a
+    failed one is counted as an error too (it was not: an error-rate panel read 0%)."""
+    import types
+
+    from hybrid_ray.errors import OutOfSpaceError
+    from spark_bridge import exchange
+
+    monkeypatch.setattr(exchange, "_release_failed", lambda shuffle_id, why: "")
+    shuffle = exchange.BridgeShuffle("shf-x", 2, base_config(tmp_path), pa.schema([]))
+    life = types.SimpleNamespace(released=False, operation="spark_repartition")
+
+    def run():
+        raise OutOfSpaceError("no tier can take a segment")
+    before = metrics.snapshot()
+    exchange._map_stage(shuffle, life, run)
+    after = metrics.snapshot()
+    assert _diff(after["hybrid_ray_shuffle_errors"], before["hybrid_ray_shuffle_errors"]) \
+        == {"OutOfSpaceError": 1}
+    with pytest.raises(ShuffleFailedError, match="no tier can take a segment"):
+        shuffle.report
+
+
 class Refuses:
     """A metrics backend that fails every call, the way a broken exporter would."""
 
