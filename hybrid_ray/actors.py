@@ -691,7 +691,9 @@ class ShuffleMasterActor:
             return self._spark_sessions.get(token)
 
     def spark_abort(self, request: str) -> str:
-        with self._lock:
+        # Wakes readers waiting for this attempt (``spark_await_blocks``): it will not
+        # finish now, so they stop waiting at once (they slept to their bound).
+        with self._changing():
             spark_jvm.abort(self.registry, json.loads(request))
         self._queued()
         return "ok"

@@ -165,6 +165,11 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     shuffle_id = state.shuffle_id
     registry.heartbeat(shuffle_id)
     map_id, map_index, node = int(request["map_id"]), int(request["map_index"]), request["node"]
+    if map_id in state.spark_finished:
+        # A commit of an attempt already finished can only be its last commit delivered
+        # again (a retried call): its segments are the published ones. Taken as a refused
+        # commit, they were queued for deletion: the files of an attempt Spark accepted.
+        return
     entry = state.spark_attempts.get(map_id)
     if entry is None:
         attempt = registry.begin_map(shuffle_id, map_index, node, 0)

@@ -487,6 +487,18 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
             "node": "n1", "final": True, "segments": [[0, 0, "no-such-tier", 10, "x"]]})))
     assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False}
     assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the failed commit
+
+    # An attempt that committed part of its output and then failed: its abort wakes the
+    # readers waiting for it too (they slept to their bound).
+    ray.get(master.spark_commit.remote(json.dumps({
+        "shuffle": shuffle, "num_partitions": 2, "map_index": 1, "map_id": 103,
+        "node": "n1", "final": False, "segments": [[0, 0, "memory", 10, "ref103"]]})))
+    start = time.monotonic()
+    held = ask(103, MAX_POLL_WAIT_S)
+    time.sleep(0.3)
+    ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 103})))
+    assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False}
+    assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the abort
     ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybrid_ray.master import ShuffleRegistry
-from hybrid_ray.spark_jvm import abort, commit, locate
+from hybrid_ray.spark_jvm import abort, commit, locate, register
 
 SHUFFLE = "spark-app-1-0"
 
@@ -193,3 +193,39 @@ def test_a_failed_commit_aborts_its_attempt_so_readers_do_not_wait_for_it() -> N
     # An attempt never aborted is still waited for.
     assert awaited(registry, {"shuffle": SHUFFLE, "blocks": [[101, 0]]},
                    {"blocks": [None]}) is True
+
+
+def _deleting_registry() -> tuple[ShuffleRegistry, list[str]]:
+    deleted: list[str] = []
+    registry = ShuffleRegistry(
+        lambda state, metas: deleted.extend(m.location for m in metas), lambda state: None)
+    return registry, deleted
+
+
+def test_a_last_commit_delivered_twice_deletes_nothing_of_the_finished_attempt() -> None:
+    """A repeated delivery of a map attempt's last commit (a retried call) found the
+    attempt finished, took its segments for a refused commit and queued them for deletion:
+    the files of an attempt Spark accepted."""
+    registry, deleted = _deleting_registry()
+    _commit(registry, 0, 100, [_seg(0, 0, "a")], final=False)
+    _commit(registry, 0, 100, [_seg(0, 1, "b")])
+    _commit(registry, 0, 100, [_seg(0, 1, "b")])  # the same last commit again
+    assert deleted == []
+    assert _range(registry, (0, 1), (0, 1)) == [
+        [100, 0, [["memory", 10, "n1", "a"], ["memory", 10, "n1", "b"]]]]
+
+
+def test_a_commit_the_writer_gave_up_on_is_deleted_by_its_abort_whenever_it_lands() -> None:
+    """A writer whose first commit timed out aborts the attempt, not knowing whether the
+    master applied it: an abort before the commit, or after it, leaves nothing readable
+    and the segments deleted (the master's half of the JVM's abort-after-timeout)."""
+    for abort_first in (True, False):
+        registry, deleted = _deleting_registry()
+        register(registry, {"shuffle": SHUFFLE, "num_partitions": 4}, lambda token: None)
+        if abort_first:
+            abort(registry, {"shuffle": SHUFFLE, "map_id": 100})
+        _commit(registry, 0, 100, [_seg(0, 0, "a")], final=False)
+        if not abort_first:
+            abort(registry, {"shuffle": SHUFFLE, "map_id": 100})
+        assert deleted == ["a"]
+        assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[100, 0]]})["blocks"] == [None]

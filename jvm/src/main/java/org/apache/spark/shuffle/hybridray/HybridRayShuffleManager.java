@@ -166,6 +166,14 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     if (enabled.test("spark.shuffle.push.enabled")) {
       return "push-based shuffle (spark.shuffle.push.enabled) is on";
     }
+    if (enabled.test("spark.shuffle.service.enabled")) {
+      // An external shuffle service serves Spark's files after their executor is gone, and
+      // dynamic allocation then removes idle executors. Memory-tier segments die with their
+      // executor: every reduce over them would fail its fetch and recompute, again and
+      // again.
+      return "the external shuffle service (spark.shuffle.service.enabled) is on: it "
+          + "serves Spark's own shuffle files";
+    }
     if (enabled.test("spark.shuffle.useOldFetchProtocol")) {
       // Spark then gives every attempt of a map the same map id (its partition id), and
       // hybrid_ray tells attempts apart by it: a retry's commits would be taken for the

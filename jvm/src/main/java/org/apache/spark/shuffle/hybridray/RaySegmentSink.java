@@ -53,7 +53,11 @@ final class RaySegmentSink implements SegmentSink {
   // Grants whose settling changes the tier manager's books, not sent yet.
   private final List<Settlement> settlements = new ArrayList<>();
   private final List<Path> uncommittedFiles = new ArrayList<>();
-  private boolean committedAny;
+  // A commit of this attempt went to the master: it may be in the master's books even if
+  // its call failed (timed out), so an abort must tell the master. (Set only once a call
+  // succeeded, a first commit that timed out and was applied later was never aborted:
+  // its segments stayed counted on the node until the shuffle's release.)
+  private boolean commitSent;
   // The memory lease asked for when the task started (startLease), until its answer is
   // taken; then the lease itself (null: none asked for, refused, or closed).
   private ObjectRef<String> pendingLease;
@@ -227,6 +231,7 @@ final class RaySegmentSink implements SegmentSink {
     commit.put("node", node);
     commit.put("final", last);
     commit.set("segments", stored);
+    commitSent = true;
     try {
       if (last) {
         // Not waited for: the task's MapStatus usually reaches a reader long after this
@@ -255,7 +260,6 @@ final class RaySegmentSink implements SegmentSink {
     if (batchPlacements != null) {
       settle(segments, batchPlacements, batchUsed);
     }
-    committedAny = true;
     uncommittedFiles.clear();
     if (last) {
       takeLease(ctx.callTimeoutMs);  // (a task with no segments never took its answer)
@@ -354,7 +358,7 @@ final class RaySegmentSink implements SegmentSink {
       if (!settlements.isEmpty()) {
         sendSettlements(ctx.tierManager(ctx.nodeId()));
       }
-      if (committedAny) {
+      if (commitSent) {
         ObjectNode request = ctx.json.createObjectNode();
         request.put("shuffle", shuffleKey);
         request.put("map_id", mapId);

@@ -21,5 +21,8 @@ class HybridRayShuffleManagerTest {
     // Every attempt of a map would share one map id, which tells attempts apart.
     assertTrue(HybridRayShuffleManager.fallbackReason(false,
         Set.of("spark.shuffle.useOldFetchProtocol")::contains).contains("useOldFetchProtocol"));
+    // Memory-tier segments die with their executor; the service would not serve them.
+    assertTrue(HybridRayShuffleManager.fallbackReason(false,
+        Set.of("spark.shuffle.service.enabled")::contains).contains("external shuffle service"));
   }
 }
