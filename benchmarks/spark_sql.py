@@ -16,7 +16,9 @@ first tasks), later rounds are warm. The two processes stay up side by side and 
 query by query (which mode goes first alternates), so both modes' runs of a query meet the
 same moment of a shared, noisy machine; the mode not running is stopped (SIGSTOP of its
 whole process tree: no JIT, GC or heartbeats of its own meanwhile). Warm times are the
-median of the warm rounds.
+median of the warm rounds. A first call is one sample: single first calls of one query
+moved by 30% between runs here, so ``--sessions N`` repeats the whole run with fresh
+sessions and takes the median of each query's N first calls.
 Both modes must return the same rows for every query (a row-multiset fingerprint), or the
 run fails. The capped-disk case puts Spark's local dir
 and hybrid_ray's spill dir on one small tmpfs (root only): a wide repartition fails there
@@ -466,6 +468,39 @@ def run_interleaved(paths: dict[str, str], rounds: int, timeout: float) -> dict[
     return results
 
 
+def run_sessions(paths: dict[str, str], rounds: int, timeout: float,
+                 sessions: int) -> dict[str, dict]:
+    """``run_interleaved`` ``sessions`` times, each pair of modes started fresh; per mode
+    and query, ``runs`` holds each session's seconds (its first is that session's first
+    call), ``seconds`` all of them in order; ``startup_s`` is the median start-up. Any
+    session's error or fingerprints stay with the query."""
+    merged: dict[str, dict] = {}
+    for k in range(sessions):
+        if sessions > 1:
+            print(f"session {k + 1} of {sessions} ...", flush=True)
+        one = run_interleaved(paths, rounds, timeout)
+        for mode, result in one.items():
+            into = merged.setdefault(mode, {"mode": mode, "queries": {}, "startups": []})
+            if "startup_s" in result:
+                into["startups"].append(result["startup_s"])
+            for key, value in result.items():
+                if key not in ("mode", "queries", "startup_s"):
+                    into[key] = value  # the last session's tier bytes, stop errors
+            for name, entry in result["queries"].items():
+                q = into["queries"].setdefault(name, {"seconds": [], "runs": [],
+                                                      "fingerprints": []})
+                if entry.get("seconds"):
+                    q["runs"].append(list(entry["seconds"]))
+                q["seconds"] += entry.get("seconds", [])
+                q["fingerprints"] += entry.get("fingerprints", [])
+                q.update({k2: v for k2, v in entry.items()
+                          if k2 not in ("seconds", "fingerprints")})
+    for result in merged.values():
+        result["startup_s"] = (statistics.median(result["startups"])
+                               if result["startups"] else 0.0)
+    return merged
+
+
 def _spawn(mode: str, args: argparse.Namespace, paths: dict[str, str], **capped: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
@@ -504,10 +539,16 @@ def summarize(own: dict, ours: dict) -> dict[str, Any]:
         same = len(prints) == 1
         if not same:
             mismatches.append(name)
-        first_a, first_b = a["seconds"][0], b["seconds"][0]
+        # Per session (``runs``; one session: ``seconds``), the first round is the first
+        # call: the median of the sessions' first calls, and of all their warm rounds.
+        runs_a, runs_b = a.get("runs") or [a["seconds"]], b.get("runs") or [b["seconds"]]
+        first_a = statistics.median(r[0] for r in runs_a)
+        first_b = statistics.median(r[0] for r in runs_b)
+        warm_runs_a = [x for r in runs_a for x in r[1:]]
+        warm_runs_b = [x for r in runs_b for x in r[1:]]
         # With one round there is no warm round: warm is not measured (it read the first).
-        warm_a = statistics.median(a["seconds"][1:]) if len(a["seconds"]) > 1 else None
-        warm_b = statistics.median(b["seconds"][1:]) if len(b["seconds"]) > 1 else None
+        warm_a = statistics.median(warm_runs_a) if warm_runs_a else None
+        warm_b = statistics.median(warm_runs_b) if warm_runs_b else None
         for key, value in (("spark_first", first_a), ("ours_first", first_b),
                            ("spark_warm", warm_a), ("ours_warm", warm_b)):
             totals[key] += value or 0.0
@@ -541,7 +582,10 @@ def markdown(summary: dict, meta: dict, capped: dict | None) -> str:
              "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: "
              f"{meta['cpus']} cores; scale {meta['scale']} ({meta['lineitems']:,} lineitems); "
              f"{meta['rounds']} rounds per query (the first call, then the median of the warm "
-             "rounds); both modes side by side, taking turns query by query.", "",
+             "rounds)"
+             + (f" in each of {meta['sessions']} fresh sessions per mode (first call: the "
+                "median of the sessions' first calls)" if meta.get("sessions", 1) > 1 else "")
+             + "; both modes side by side, taking turns query by query.", "",
              "| query | rows | same rows | Spark first s | hybrid_ray first s | speed-up first "
              "| Spark warm s | hybrid_ray warm s | speed-up warm |",
              "|---|---:|:-:|---:|---:|---:|---:|---:|---:|"]
@@ -588,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=float, default=0.1, help="1.0 = 6M lineitems (default 0.1)")
     p.add_argument("--rounds", type=int, default=2, help="runs per query (first + warm)")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="fresh Spark sessions per mode, one after another: a query's first "
+                        "call is the median of its first calls in them (one first call is "
+                        "one sample on a noisy machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capped-disk-mib", type=int, default=0,
                    help="also run the capped-disk contrast on a tmpfs of this size (root)")
@@ -607,8 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         return _child(args)
-    if args.scale <= 0 or args.rounds < 1:
-        p.error("--scale must be > 0 and --rounds >= 1")
+    if args.scale <= 0 or args.rounds < 1 or args.sessions < 1:
+        p.error("--scale must be > 0, --rounds >= 1 and --sessions >= 1")
     with tempfile.TemporaryDirectory(prefix="hr-sql-bench-") as data_dir:
         print(f"generating TPC-H-like data at scale {args.scale} ...", flush=True)
         paths = generate(data_dir, args.scale, args.seed)
@@ -619,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         # resumes and stops the paused modes instead of leaving them stopped for good.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
-            results = run_interleaved(paths, args.rounds, args.timeout)
+            results = run_sessions(paths, args.rounds, args.timeout, args.sessions)
         except RuntimeError as exc:
             print(f"failed: {exc}", file=sys.stderr)
             return 1
@@ -628,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m benchmarks.spark_sql " + " ".join(argv or sys.argv[1:]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
             "scale": args.scale, "lineitems": lineitems, "rounds": args.rounds,
+            "sessions": args.sessions,
             "startup_spark_s": results["spark"]["startup_s"],
             "startup_ours_s": results["hybrid_ray"]["startup_s"],
             "tier_bytes": results["hybrid_ray"].get("tier_bytes")}

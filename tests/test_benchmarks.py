@@ -508,6 +508,40 @@ def test_sql_summary_checks_every_round_s_rows_and_never_judges_what_it_did_not_
     assert "| 1.00 | 2.00 | 0.50x | - | - | - |" in text
 
 
+def test_sql_summary_takes_the_median_first_call_over_fresh_sessions():
+    """With several sessions each query has one first call per session: the median of
+    them counts, and the warm time is the median of every session's warm rounds."""
+    from benchmarks.spark_sql import QUERIES, summarize
+
+    def mode(runs):
+        return {"queries": {q: {"seconds": [x for r in runs for x in r], "runs": runs,
+                                "rows": 1, "fingerprint": "f", "fingerprints": ["f"]}
+                            for q in QUERIES}}
+    own = mode([[3.0, 1.0], [5.0, 1.0], [4.0, 1.0]])
+    ours = mode([[9.0, 1.0], [4.0, 2.0], [4.0, 2.0]])  # one bad first call of three
+    row = summarize(own, ours)["queries"][0]
+    assert (row["spark_first_s"], row["ours_first_s"]) == (4.0, 4.0)
+    assert (row["spark_warm_s"], row["ours_warm_s"]) == (1.0, 2.0)
+
+
+def test_sql_sessions_are_merged_per_query_with_their_first_calls_apart(monkeypatch):
+    from benchmarks import spark_sql
+
+    calls = iter([
+        {"spark": {"mode": "spark", "startup_s": 10.0, "queries": {
+            "q": {"seconds": [3.0, 1.0], "fingerprint": "f", "fingerprints": ["f", "f"],
+                  "rows": 1}}}},
+        {"spark": {"mode": "spark", "startup_s": 14.0, "tier_bytes": {"memory": 1},
+                   "queries": {"q": {"seconds": [5.0, 2.0], "fingerprint": "g",
+                                     "fingerprints": ["g", "f"], "rows": 1}}}}])
+    monkeypatch.setattr(spark_sql, "run_interleaved", lambda *a: next(calls))
+    merged = spark_sql.run_sessions({}, 2, 60.0, 2)["spark"]
+    assert merged["startup_s"] == 12.0 and merged["tier_bytes"] == {"memory": 1}
+    q = merged["queries"]["q"]
+    assert q["runs"] == [[3.0, 1.0], [5.0, 2.0]] and q["seconds"] == [3.0, 1.0, 5.0, 2.0]
+    assert q["fingerprints"] == ["f", "f", "g", "f"]  # a wrong round stays visible
+
+
 # ---- what the suite verifies and how it judges ------------------------------------------------
 def _results_table(blocks):
     return [pa.table({"key": pa.array(k, pa.int64()), "payload": pa.array(k, pa.int64())})
