@@ -116,10 +116,17 @@ def executor_actor_cpus(num_executors: int, executor_cores: int, cluster_cpus: f
 
 def spark_configs(num_executors: int, executor_cores: int,
                   configs: Mapping[str, str] | None,
-                  cluster_cpus: float = 0.0) -> dict[str, str]:
+                  cluster_cpus: float = 0.0, ray_logs_dir: str | None = None) -> dict[str, str]:
     """Spark configs for RayDP: our defaults, the caller's configs over them, and the
     ``--add-opens`` flags appended to whatever Java options the caller gave.
-    ``cluster_cpus`` sizes the executors' claim on Ray's CPUs (``executor_actor_cpus``)."""
+    ``cluster_cpus`` sizes the executors' claim on Ray's CPUs (``executor_actor_cpus``).
+
+    ``ray_logs_dir``: the running Ray session's logs directory, given to the Spark
+    driver's JVM as ``ray.logging.dir``. RayDP's Java agent redirects that JVM's output
+    into it and, without the property, uses ``/tmp/ray/session_latest/logs``: a link that
+    ``ray.init`` does not move and that points nowhere once old sessions under /tmp/ray
+    are removed (a tmp cleaner, an operator freeing disk). The driver then died at start
+    ("Error create log dir.") and ``init_spark`` failed with JAVA_GATEWAY_EXITED."""
     merged = {
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
@@ -137,7 +144,23 @@ def spark_configs(num_executors: int, executor_cores: int,
         merged[key] = str(value)
     for key in JAVA_OPTION_KEYS:
         merged[key] = f"{merged.get(key, '')} {ADD_OPENS}".strip()
+    driver = "spark.driver.extraJavaOptions"
+    if ray_logs_dir and "-Dray.logging.dir=" not in merged[driver]:
+        merged[driver] += f" -Dray.logging.dir={ray_logs_dir}"
     return merged
+
+
+def ray_logs_dir() -> str | None:
+    """The logs directory of the Ray session this process is connected to, if it has one
+    on this machine (the driver's node): where RayDP's agent should put the Spark driver's
+    output."""
+    import ray
+
+    try:
+        path = ray._private.worker._global_node.get_logs_dir_path()  # noqa: SLF001
+    except AttributeError:  # a Ray without this private API, or a client connection
+        return None
+    return path if path and os.path.isdir(path) and " " not in path else None
 
 
 # The running session's hybrid_ray Spark shuffles: (namespace, shuffle id prefix), or None.
@@ -243,7 +266,8 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
         session = raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
                                    configs=spark_configs(num_executors, executor_cores,
-                                                         configs, cluster_cpus))
+                                                         configs, cluster_cpus,
+                                                         ray_logs_dir()))
     except Exception as exc:  # RayDP raises bare Exceptions and Py4J errors
         text = str(exc)
         if "has inited" in text:

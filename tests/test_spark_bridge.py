@@ -48,6 +48,15 @@ def _new_manager_reports(before: int) -> list:
     return spark_bridge.spark_shuffle_reports()[before:]
 
 
+def test_the_session_s_driver_was_told_the_running_ray_session_s_logs_dir(spark):
+    from spark_bridge.session import ray_logs_dir
+
+    logs = ray_logs_dir()
+    assert logs and os.path.isdir(logs)
+    options = spark.sparkContext.getConf().get("spark.driver.extraJavaOptions")
+    assert f"-Dray.logging.dir={logs}" in options
+
+
 def test_repartition_matches_spark_and_partitions_by_key(spark, orders, tmp_path):
     """Not a parquet scan: Spark's repartition, its exchange carried by the manager."""
     from pyspark.sql import functions as F

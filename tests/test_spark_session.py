@@ -31,6 +31,22 @@ def test_spark_configs_keep_user_values_and_append_java_flags():
     assert spark_configs(2, 1, {EXECUTOR_ACTOR_CPU_KEY: "1"}, 2.0)[EXECUTOR_ACTOR_CPU_KEY] == "1"
 
 
+def test_the_spark_driver_logs_into_the_running_ray_session_not_session_latest():
+    """RayDP's agent sends the Spark driver JVM's output to ``ray.logging.dir``, else to
+    /tmp/ray/session_latest/logs, which ray.init does not move: once old sessions were
+    removed from /tmp/ray the link pointed nowhere, the driver died at start ("Error create
+    log dir.") and init_spark failed with JAVA_GATEWAY_EXITED (seen here). The running
+    session's logs dir is now given to the driver; a caller's own value is kept."""
+    configs = spark_configs(2, 1, None, 2.0, ray_logs_dir="/tmp/ray/session_x/logs")
+    assert configs["spark.driver.extraJavaOptions"].endswith(
+        " -Dray.logging.dir=/tmp/ray/session_x/logs")
+    assert "ray.logging.dir" not in configs["spark.executor.extraJavaOptions"]
+    own = spark_configs(2, 1, {"spark.driver.extraJavaOptions": "-Dray.logging.dir=/mine"},
+                        2.0, ray_logs_dir="/tmp/ray/session_x/logs")
+    assert own["spark.driver.extraJavaOptions"].count("ray.logging.dir") == 1
+    assert "ray.logging.dir" not in spark_configs(2, 1, None, 2.0)["spark.driver.extraJavaOptions"]
+
+
 @pytest.mark.parametrize("key", ["spark.hybridray.config", "spark.hybridray.namespace"])
 def test_init_spark_refuses_configs_that_it_derives_from_shuffle_config(key):
     """A user's own spark.hybridray.config (say, copied from another session) carried no
