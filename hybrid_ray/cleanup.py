@@ -32,6 +32,7 @@ from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import (
     DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_marked_tree,
+    unsafe_spill_dir,
 )
 from hybrid_ray.tiers.remote import (
     call_deadline_s, filesystem_options, remove_remote_tree,
@@ -105,15 +106,20 @@ def expand_spill_dirs(patterns: Iterable[str]) -> list[str]:
 
 
 def _newest_mtime(path: str) -> float:
-    """Newest mtime of ``path`` and everything below it, without following symlinks."""
-    newest = os.lstat(path).st_mtime
-    for root, dirs, files in os.walk(path):
-        for n in dirs + files:
+    """Newest mtime of the files below ``path`` (its marker and segments), without
+    following symlinks; the directory's own if it holds none. Directories do not count:
+    a removal that failed part-way (a file it could not unlink) made the directory's
+    mtime "now", so the next run, after the cause was fixed, kept the rest as recent for
+    ``--older-than`` (6 h by default) and reported success."""
+    newest = None
+    for root, _dirs, files in os.walk(path):
+        for n in files:
             try:
-                newest = max(newest, os.lstat(os.path.join(root, n)).st_mtime)
+                mtime = os.lstat(os.path.join(root, n)).st_mtime
             except FileNotFoundError:
-                pass
-    return newest
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+    return os.lstat(path).st_mtime if newest is None else newest
 
 
 def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> Plan:
@@ -124,6 +130,15 @@ def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> P
         data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
         if os.path.islink(data_dir) or not os.path.isdir(data_dir):
             continue  # not ours, or nothing there (a symlinked data dir is not followed)
+        unsafe = unsafe_spill_dir(spill_dir)
+        if unsafe is not None:
+            # Another user could swap a shuffle directory for a symlink while it is being
+            # removed (the removal then continues wherever the link points): a data dir
+            # that is not this user's 0700 directory, in a spill dir held to the same
+            # rules as a shuffle's own writes, is reported and left alone.
+            plan.errors.append((data_dir, f"not swept: {unsafe} (run cleanup as the user "
+                                          "that ran the shuffles)"))
+            continue
         root = os.path.realpath(data_dir)
         try:
             entries = list(os.scandir(data_dir))
@@ -166,6 +181,37 @@ def _dir_names(fs: Any, path: str, call: Mapping[str, Any]) -> list[str]:
         return []
     return [posixpath.basename(e["name"].rstrip("/")) for e in listing
             if e.get("type") == "directory"]
+
+
+def _local_tree_problem(root: str, job_path: str, shuffle_path: str) -> str | None:
+    """For a remote tier on the local filesystem (``file://``, a shared mount): why its
+    shuffle tree must not be removed, or None. fsspec removes file by file, following a
+    directory that another user swapped for a symlink meanwhile; only someone who can write
+    a directory on the way can swap what is in it, so the root must be this user's or
+    root's and not world-writable without the sticky bit, and the job and shuffle
+    directories this user's, writable by nobody else, and real directories."""
+    import stat
+
+    uid = os.geteuid()
+    st = os.stat(root)
+    if st.st_uid not in (uid, 0):
+        return f"{root} is owned by uid {st.st_uid}, another user"
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return f"{root} is world-writable without the sticky bit"
+    for path in (job_path, shuffle_path):
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a real directory"
+        if st.st_uid != uid:
+            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _is_local(fs: Any) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"file", "local"} & set(protocols))
 
 
 def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | None = None,
@@ -222,6 +268,12 @@ def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | N
                 marker = parse_shuffle_marker(fs.cat_file(marker_path, **call))
                 if marker is None or marker["shuffle_id"] != name \
                         or marker.get("job_id") != job:
+                    continue
+                unsafe = _local_tree_problem(root, job_path, path) if _is_local(fs) else None
+                if unsafe is not None:
+                    plan.errors.append((redactor.scrub(path), redactor.scrub(
+                        f"not swept: {unsafe} (another user could redirect the removal; "
+                        "run cleanup as the user that ran the shuffles)")))
                     continue
                 # A whole tree: no per-request deadline (see remove_remote_tree).
                 infos = fs.find(path, detail=True)

@@ -16,6 +16,16 @@ import time
 from typing import Any
 
 
+def _parse_timeout(text: str) -> float:
+    """A duration above 0 (a 0 s timeout made every connection attempt fail at once, and
+    the user was told no cluster was reachable)."""
+    value = _parse_duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: it must be above 0, "
+                                         "e.g. 30s")
+    return value
+
+
 def _parse_duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
@@ -228,6 +238,18 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         raise CliError(f"hybrid-ray: --storage-options is not JSON: {exc}", 2) from None
     if not isinstance(options, dict):
         raise CliError("hybrid-ray: --storage-options must be a JSON object", 2)
+    if args.remote_path is not None and not args.remote_path.strip():
+        raise CliError("hybrid-ray cleanup: --remote-path is empty; give the remote tier's "
+                       "URL (e.g. s3://bucket/prefix) or leave the option out", 2)
+    for given in args.spill_dir or ():
+        # A typo'd spill dir (or a {node_id} pattern matching nothing) examined nothing
+        # and reported success; an empty one swept ./hybrid_ray of the current directory.
+        if not given.strip():
+            raise CliError("hybrid-ray cleanup: --spill-dir is empty; give a spill dir", 2)
+        if not any(os.path.isdir(d) for d in cleanup.expand_spill_dirs([given])):
+            what = "matches no directory" if "{node_id}" in given else "is not a directory"
+            raise CliError(f"hybrid-ray cleanup: --spill-dir {given} {what}; check the path "
+                           "(nothing was removed)", 2)
     spill_dirs = args.spill_dir or [default_spill_dir()]
     # Candidates first, live shuffles next: a shuffle registered after the question has
     # no directory in the list, so it cannot be removed by mistake.
@@ -281,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default=None)
     status.add_argument("--namespace", default="hybrid_ray")
     status.add_argument("--json", action="store_true")
-    status.add_argument("--timeout", type=_parse_duration, default=DEFAULT_TIMEOUT_S,
+    status.add_argument("--timeout", type=_parse_timeout, default=DEFAULT_TIMEOUT_S,
                         help="bound on connecting and on each call (default 15s)")
     status.set_defaults(func=cmd_status)
     cleanup = sub.add_parser(
@@ -302,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: auto)")
     cluster.add_argument("--no-cluster", action="store_true",
                          help="no cluster uses these paths: remove without asking one")
-    cleanup.add_argument("--timeout", type=_parse_duration, default=DEFAULT_TIMEOUT_S,
+    cleanup.add_argument("--timeout", type=_parse_timeout, default=DEFAULT_TIMEOUT_S,
                          help="bound on connecting and on each call (default 15s)")
     cleanup.set_defaults(func=cmd_cleanup)
     return parser

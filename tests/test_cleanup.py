@@ -272,7 +272,7 @@ def test_a_remote_path_with_glob_characters_is_refused_before_anything_is_delete
     assert fs.cat_file(f"{other}/team1/job-a/shf-1/sub-00000/theirs.seg") == b"not ours"
 
 
-def test_cleanup_shows_no_credential_of_the_remote_path(capsys):
+def test_cleanup_shows_no_credential_of_the_remote_path(capsys, tmp_path):
     """Errors of `hybrid-ray cleanup` quoted the remote path and the library's message
     as they were: credentials in the URL were printed to the terminal."""
     from hybrid_ray.cleanup import find_remote_orphans
@@ -284,7 +284,7 @@ def test_cleanup_shows_no_credential_of_the_remote_path(capsys):
     plan = find_remote_orphans(url, options)
     assert plan.errors and plan.candidates == []
     assert "SuperSecretValue" not in repr(plan.errors)
-    assert main(["cleanup", "--no-cluster", "--spill-dir", "/nonexistent-hr-spill",
+    assert main(["cleanup", "--no-cluster", "--spill-dir", str(tmp_path),
                  "--remote-path", url, "--storage-options", json.dumps(options)]) == 1
     out = capsys.readouterr()
     assert "could not remove" in out.err
@@ -375,3 +375,69 @@ def test_a_remote_removal_cut_short_keeps_the_marker_so_cleanup_finds_it_again(t
     assert [c.path for c in again.candidates] == [candidate.path]
     assert remove(again, older_than_s=0).removed == [candidate.path]
     assert not fs.exists(candidate.path)
+
+
+# ---- what another user could do; a removal cut short ----------------------------------------
+def test_a_spill_data_dir_others_can_write_is_reported_not_swept(tmp_path):
+    """Cleanup (often run as root) removed marked directories of any ``hybrid_ray`` data
+    dir, whoever could write it: another user could then swap a shuffle directory for a
+    symlink while it was being removed and have the removal go on elsewhere. Such a data
+    dir is held to the rules a shuffle's own writes are held to, and left alone."""
+    from hybrid_ray.cleanup import find_spill_orphans, remove
+
+    spill = str(tmp_path / "spill")
+    shuffle = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(spill, shuffle)
+    data_dir = os.path.join(spill, "hybrid_ray")
+    os.chmod(data_dir, 0o777)
+    plan = find_spill_orphans([spill])
+    assert plan.candidates == []
+    [(path, why)] = plan.errors
+    assert path == data_dir and why.startswith("not swept: ") and "mode 777" in why
+    assert remove(plan, 0).errors == plan.errors  # reported: the command fails
+    assert os.path.isdir(os.path.join(data_dir, shuffle, "sub-00000"))
+    os.chmod(data_dir, 0o700)
+    assert [c.shuffle_id for c in find_spill_orphans([spill]).candidates] == [shuffle]
+
+
+def test_a_local_remote_tree_others_can_write_is_reported_not_swept(tmp_path):
+    """The same for a remote tier on the local filesystem (a shared mount): fsspec removes
+    file by file and follows a directory swapped for a symlink meanwhile."""
+    from hybrid_ray.cleanup import find_remote_orphans
+
+    root = tmp_path / "remote"
+    shuffle = f"shf-{uuid.uuid4().hex[:12]}"
+    tier = _remote_tier(f"file://{root}", "job-cafe")
+    tier.write(SegmentId(shuffle, 0, 0, 0), _payload())
+    shuffle_dir = root / "job-cafe" / shuffle
+    assert [c.shuffle_id for c in find_remote_orphans(f"file://{root}").candidates] == [shuffle]
+    os.chmod(shuffle_dir, 0o777)
+    plan = find_remote_orphans(f"file://{root}")
+    assert plan.candidates == []
+    [(path, why)] = plan.errors
+    assert path.rstrip("/").endswith(f"job-cafe/{shuffle}")
+    assert "writable by other users (mode 777)" in why
+
+
+def test_a_removal_cut_short_is_finished_by_the_next_run_whatever_its_age_limit(tmp_path):
+    """A removal that failed part-way unlinked some files, which made the shuffle
+    directory's mtime "now": the next run, once the cause was fixed, kept the rest as
+    recent for --older-than (6 h by default) and reported success. Age is the newest
+    file's, not a directory's."""
+    from hybrid_ray.cleanup import find_spill_orphans, remove
+
+    spill = str(tmp_path / "spill")
+    shuffle = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(spill, shuffle, subs=3)
+    tree = os.path.join(spill, "hybrid_ray", shuffle)
+    day_ago = os.path.getmtime(tree) - 86400
+    for d, dirs, files in os.walk(tree):
+        for name in dirs + files:
+            os.utime(os.path.join(d, name), (day_ago, day_ago))
+    os.utime(tree, (day_ago, day_ago))
+    # What a first, failed run leaves: one subpartition gone, the directory touched now.
+    shutil.rmtree(os.path.join(tree, "sub-00000"))
+    result = remove(find_spill_orphans([spill]), older_than_s=6 * 3600)
+    assert result.kept_recent == [] and result.errors == []
+    assert [os.path.basename(p) for p in result.removed] == [shuffle]
+    assert not os.path.exists(tree)

@@ -125,3 +125,32 @@ def test_cleanup_refuses_an_address_together_with_no_cluster(tmp_path):
                    "--no-cluster")
     assert proc.returncode == 2
     assert "not allowed with argument" in proc.stderr and "--address" in proc.stderr
+
+
+def test_cleanup_refuses_arguments_that_would_examine_nothing_or_the_wrong_place(tmp_path,
+                                                                                 capsys):
+    """Each was accepted: a typo'd spill dir (or a {node_id} pattern matching nothing)
+    examined nothing and exited 0; an empty one swept ./hybrid_ray of the current
+    directory; an empty remote path skipped the remote tier; a 0 s timeout made every
+    connection fail at once and told the user no cluster was reachable."""
+    from hybrid_ray.cli import main
+
+    def refused(*argv: str) -> str:
+        capsys.readouterr()
+        try:
+            code = main(["cleanup", *argv])
+        except SystemExit as exc:  # argparse's refusal
+            code = exc.code
+        assert code == 2, f"accepted {argv}: exit {code}"
+        return capsys.readouterr().err
+
+    missing = str(tmp_path / "no-such-dir")
+    assert f"--spill-dir {missing} is not a directory" in refused(
+        "--spill-dir", missing, "--no-cluster")
+    assert "matches no directory" in refused(
+        "--spill-dir", str(tmp_path / "spill-{node_id}"), "--no-cluster")
+    assert "--spill-dir is empty" in refused("--spill-dir", "", "--no-cluster")
+    assert "--remote-path is empty" in refused(
+        "--spill-dir", str(tmp_path), "--remote-path", " ", "--no-cluster")
+    assert "invalid timeout '0': it must be above 0" in refused(
+        "--spill-dir", str(tmp_path), "--timeout", "0")

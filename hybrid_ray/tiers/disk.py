@@ -84,7 +84,6 @@ def check_spill_dir(spill_dir: str) -> str:
       mode 0700 (no group or other access): shuffle rows are private.
     """
     uid = os.geteuid()
-    trusted = (uid, 0)
 
     def refuse(path: str, problem: str, fix: str) -> SpillDirError:
         return SpillDirError(f"spill dir {spill_dir} cannot be used: {path} {problem}; {fix}")
@@ -92,30 +91,12 @@ def check_spill_dir(spill_dir: str) -> str:
     try:
         if not os.path.lexists(spill_dir):
             make_private_dir(spill_dir)
-        link = os.lstat(spill_dir)
-        if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
-            raise refuse(spill_dir, f"is a symlink owned by uid {link.st_uid} (another user, "
-                         "who could point it elsewhere)",
-                         "use the directory it points to, or a directory of your own")
-        st = os.stat(spill_dir)
-    except SpillDirError:
-        raise
+        problem = _spill_dir_problem(spill_dir, uid)
     except OSError as exc:
         raise refuse(spill_dir, f"cannot be created or read ({exc.strerror or exc})",
                      "point spill_dirs at a writable directory") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise refuse(spill_dir, "is not a directory",
-                     "point spill_dirs at a directory (it is created if missing)")
-    if st.st_uid not in trusted:
-        raise refuse(spill_dir, f"is owned by uid {st.st_uid}, another user who could "
-                     "replace hybrid_ray's data dir in it",
-                     "use a directory you own (if this is the default spill dir, another "
-                     "user created it first: set ShuffleConfig(spill_dirs=[...]))")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise refuse(spill_dir, f"is world-writable without the sticky bit "
-                     f"(mode {stat.S_IMODE(st.st_mode):o}), so anyone can replace hybrid_ray's "
-                     "data dir in it", f"run 'chmod o-w {spill_dir}' or 'chmod +t "
-                     f"{spill_dir}', or use another directory")
+    if problem is not None:
+        raise refuse(spill_dir, *problem)
     data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
     try:
         os.mkdir(data_dir, 0o700)
@@ -129,6 +110,46 @@ def check_spill_dir(spill_dir: str) -> str:
         raise refuse(data_dir, problem, f"remove {data_dir} (hybrid_ray recreates it) or "
                      "use another spill dir")
     return data_dir
+
+
+def _spill_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
+    """(problem, fix) if the existing ``spill_dir`` is not safe for ``uid``'s data dir (see
+    ``check_spill_dir``'s rules), else None; ``OSError`` if it cannot be read."""
+    trusted = (uid, 0)
+    link = os.lstat(spill_dir)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
+        return (f"is a symlink owned by uid {link.st_uid} (another user, who could point it "
+                "elsewhere)", "use the directory it points to, or a directory of your own")
+    st = os.stat(spill_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory", "point spill_dirs at a directory (it is created if missing)"
+    if st.st_uid not in trusted:
+        return (f"is owned by uid {st.st_uid}, another user who could replace hybrid_ray's "
+                "data dir in it", "use a directory you own (if this is the default spill dir, "
+                "another user created it first: set ShuffleConfig(spill_dirs=[...]))")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        return (f"is world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}),"
+                " so anyone can replace hybrid_ray's data dir in it",
+                f"run 'chmod o-w {spill_dir}' or 'chmod +t {spill_dir}', or use another "
+                "directory")
+    return None
+
+
+def unsafe_spill_dir(spill_dir: str) -> str | None:
+    """Why hybrid_ray must not delete under the existing ``spill_dir`` (its data dir, or
+    the dir itself, could be swapped by another user while a removal runs, sending the
+    removal elsewhere), or None; nothing is created. For ``hybrid-ray cleanup``, which
+    must hold a directory to the rules a shuffle's own writes are held to."""
+    uid = os.geteuid()
+    try:
+        problem = _spill_dir_problem(spill_dir, uid)
+    except OSError as exc:
+        return f"{spill_dir} cannot be read ({exc.strerror or exc})"
+    if problem is not None:
+        return f"{spill_dir} {problem[0]}"
+    data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
+    problem_of_data = _private_dir_problem(data_dir, uid)
+    return None if problem_of_data is None else f"{data_dir} {problem_of_data}"
 
 
 def _private_dir_problem(path: str, uid: int) -> str | None:
