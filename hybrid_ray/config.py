@@ -115,6 +115,14 @@ def default_spill_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"hybrid_ray_spill_{os.getuid()}")
 
 
+# Bounds of segment and map-chunk sizes (see ShuffleConfig.__post_init__).
+MIN_SEGMENT_BYTES = 4 * 1024
+MAX_SEGMENT_BYTES = 1 << 30
+# The longest wait or TTL taken (about 31 years): beyond it, Ray's millisecond timeouts
+# overflow; use a long finite value where "never" is meant.
+MAX_DURATION_S = 1e9
+
+
 def _require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
@@ -123,6 +131,12 @@ def _require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: b
         bracket = "]" if hi_inclusive else ")"
         raise ConfigError(f"{name} must be in [{lo}, {hi}{bracket}, got {value!r}")
     return float(value)
+
+
+def _require_at_most(name: str, value: float, limit: float, why: str) -> None:
+    """A number ``_require_number`` took, refused above ``limit``."""
+    if value > limit:
+        raise ConfigError(f"{name} must be at most {limit:g}, got {value!r}: {why}")
 
 
 def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
@@ -222,20 +236,30 @@ class ShuffleConfig:
         _require_number("min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False)
         # Finite: an infinite weight makes every quota inf/inf = NaN on the node.
         _require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), False)
+        _require_at_most("memory_weight", self.memory_weight, 1e9,
+                         "weights are relative: 1 is a fair share, 2 twice that")
         if not isinstance(self.orphan_ttl_s, bool) and isinstance(self.orphan_ttl_s, (int, float)) \
                 and self.orphan_ttl_s < MIN_ORPHAN_TTL_S:
             raise ConfigError(
                 f"orphan_ttl_s must be >= {MIN_ORPHAN_TTL_S:g} s (3 driver heartbeats of "
                 f"{DRIVER_HEARTBEAT_S:g} s), got {self.orphan_ttl_s!r}: with a shorter TTL "
                 "the master releases live shuffles whose heartbeat is merely late")
+        # Finite: the JVM's JSON parser refuses Infinity, which broke every Spark exchange
+        # of a session with orphan_ttl_s=inf (never expire: give a long TTL instead).
         _require_number("orphan_ttl_s", self.orphan_ttl_s, MIN_ORPHAN_TTL_S, float("inf"), True)
+        _require_at_most("orphan_ttl_s", self.orphan_ttl_s, MAX_DURATION_S,
+                         "use a long finite TTL, e.g. 30 * 86400, where 'never' is meant")
         if self.memory_capacity_bytes is not None:
             _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes)
         if self.disk_capacity_bytes is not None:
             _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes)
-        _require_bytes("map_chunk_bytes", self.map_chunk_bytes, 1)
+        # At least a few KiB: a chunk of a few bytes (someone meaning MiB) made one commit
+        # per row, a shuffle that ran for hours or stalled.
+        _require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES)
         _require_count("remote_transfers", self.remote_transfers)
         _require_number("stall_timeout_s", self.stall_timeout_s, 1.0, float("inf"), False)
+        _require_at_most("stall_timeout_s", self.stall_timeout_s, MAX_DURATION_S,
+                         "Ray's timeouts overflow beyond it")
         if self.max_concurrent_reducers is not None:
             _require_count("max_concurrent_reducers", self.max_concurrent_reducers)
 
@@ -268,14 +292,30 @@ class ShuffleConfig:
                 "segment_bytes must be a mapping {tier: bytes}, e.g. {'disk': 8 * MiB}"
             )
         for tier, size in self.segment_bytes.items():
-            sizes[TierName.parse(tier)] = _require_bytes(f"segment_bytes[{tier!r}]", size, 1)
+            # Bounded both ways: a few bytes (someone meaning MiB) cut one segment per row,
+            # millions of files; above 1 GiB the JVM's int sizes wrapped (4 GiB became 0).
+            sizes[TierName.parse(tier)] = _require_bytes(f"segment_bytes[{tier!r}]", size,
+                                                         MIN_SEGMENT_BYTES)
+            if size > MAX_SEGMENT_BYTES:
+                raise ConfigError(f"segment_bytes[{tier!r}] must be at most 1 GiB, got "
+                                  f"{size!r}: segments of a few MiB (e.g. 8 * MiB) serve best")
         set_("segment_bytes", sizes)
 
-        if not isinstance(self.storage_options, Mapping):
-            raise ConfigError("storage_options must be a mapping of fsspec options")
+        if not isinstance(self.storage_options, Mapping) \
+                or not all(isinstance(k, str) for k in self.storage_options):
+            raise ConfigError("storage_options must be a mapping of fsspec options with "
+                              "string keys, e.g. {'key': ..., 'secret': ...}")
         set_("storage_options", dict(self.storage_options))
         if self.remote_path is not None:
             set_("remote_path", validate_remote_path(self.remote_path))
+            if self.remote_path.split("://", 1)[0] == "memory":
+                # fsspec's memory filesystem lives inside one process: readers would never
+                # see what writers stored, and the data would outlive its release.
+                raise ConfigError("remote_path memory://... cannot be a remote tier: it lives "
+                                  "inside one process; use a shared store, e.g. "
+                                  "file:///mnt/shared/shuffle or s3://bucket/prefix")
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"progress must be True or False, got {self.progress!r}")
         if self.job_id is None:
             set_("job_id", _PROCESS_JOB_ID)
         check_id("job_id", self.job_id)
@@ -348,6 +388,16 @@ def _validate_spill_dir(index: int, value: Any) -> str:
         raise ConfigError(f"{name} is an empty path; name a directory such as '/mnt/nvme0'")
     if "\0" in value:
         raise ConfigError(f"{name} {value!r} contains a NUL character")
+    if value.startswith("~"):
+        raise ConfigError(f"{name} {value!r} starts with '~', which is not expanded (it "
+                          "would be a directory named '~'): use os.path.expanduser(...)")
+    if not os.path.isabs(value):
+        raise ConfigError(f"{name} {value!r} is relative: the same path is used on every "
+                          "node, where the driver's working directory means nothing; give "
+                          "an absolute path (os.path.abspath(...))")
+    if NODE_ID_PLACEHOLDER in value and NODE_ID_PLACEHOLDER not in os.path.normpath(value):
+        raise ConfigError(f"{name} {value!r} loses its {NODE_ID_PLACEHOLDER} when normalised "
+                          "('..' after it): every node would share one directory")
     path = os.path.abspath(value)
     if NODE_ID_PLACEHOLDER not in path and os.path.lexists(path) and not os.path.isdir(path):
         raise ConfigError(f"{name} {path} exists and is not a directory; point spill_dirs "

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from hybrid_ray.errors import ConfigError
+
 # splitmix64 constants: a cheap, well-mixing 64-bit hash for integer keys.
 _MIX1, _MIX2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), \
     np.uint64(0x9E3779B97F4A7C15)
@@ -391,6 +393,14 @@ class HashPartitioner(Partitioner):
     which values are equal)."""
 
     def __init__(self, keys: Sequence[str]) -> None:
+        # A bare string was taken as the sequence of its characters: HashPartitioner("ab")
+        # partitioned by columns "a" and "b" where they existed.
+        if isinstance(keys, str):
+            keys = [keys]
+        if isinstance(keys, (bytes, dict)) or not isinstance(keys, Sequence) \
+                or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ConfigError(f"HashPartitioner takes a non-empty list of column names, got "
+                              f"{keys!r}: e.g. HashPartitioner(['user_id'])")
         self.keys = list(keys)
 
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
@@ -426,6 +436,22 @@ class RangePartitioner(Partitioner):
             boundaries = boundaries[[b is not None for b in boundaries]]
         elif boundaries.dtype.kind == "f":
             boundaries = boundaries[~np.isnan(boundaries)]
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"RangePartitioner's key must be a column name, got {key!r}")
+        if boundaries.ndim != 1:
+            raise ConfigError(f"RangePartitioner's boundaries must be a flat sequence of key "
+                              f"values, got an array of shape {boundaries.shape}")
+        # Assignment binary-searches the boundaries: unsorted ones sent keys to the wrong
+        # partitions and the concatenated output was silently out of order.
+        try:
+            ascending = bool(np.all(boundaries[:-1] <= boundaries[1:]))
+        except TypeError as exc:
+            raise ConfigError(f"RangePartitioner's boundaries cannot be compared with each "
+                              f"other: {exc}") from None
+        if not ascending:
+            raise ConfigError("RangePartitioner's boundaries must be in ascending order (also "
+                              "with descending=True, which reverses the partitions): sort "
+                              "them, e.g. sorted(boundaries)")
         self.boundaries = boundaries
         self.descending = descending
         self.nulls_first = descending if nulls_first is None else nulls_first
@@ -479,7 +505,9 @@ class RandomPartitioner(Partitioner):
     reproducible random shuffle."""
 
     def __init__(self, seed: int) -> None:
-        self.seed = seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(f"RandomPartitioner's seed must be an integer >= 0, got {seed!r}")
+        self.seed = int(seed)
         # map index -> its random stream, continued chunk after chunk. A stream started
         # afresh for every chunk gave row i of each chunk of a map the same subpartition
         # (rows a chunk apart always stayed together: not a uniform shuffle). Each map run

@@ -339,6 +339,18 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     """
     config = check_config(config)
     check_num_partitions(num_partitions)
+    # Checked before any actor starts: tables, a generator or a partitioner class failed
+    # only later, deep inside the dispatch or a map.
+    if isinstance(blocks, (ray.ObjectRef, pa.Table)) or not isinstance(blocks, Sequence):
+        raise ConfigError(f"blocks must be a list of ObjectRefs of Arrow tables (ray.put(table) "
+                          f"or a Dataset's to_arrow_refs()), got {type(blocks).__name__}")
+    wrong = next((b for b in blocks if not isinstance(b, ray.ObjectRef)), None)
+    if wrong is not None:
+        raise ConfigError(f"blocks must be ObjectRefs of Arrow tables (ray.put(table)), got a "
+                          f"{type(wrong).__name__} among them")
+    if not isinstance(partitioner, Partitioner):
+        raise ConfigError(f"partitioner must be a hybrid_ray Partitioner instance (e.g. "
+                          f"HashPartitioner(['key'])), got {partitioner!r}")
     if not isinstance(schema, pa.Schema):
         raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
     if len(schema) == 0:
@@ -502,6 +514,22 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
             ready = set()
             time.sleep(0.01)
     return _Reduced(table_refs, stats_refs, start, end, times, shuffle.summary())
+
+
+def _check_sortable(schema: pa.Schema | None, key: str) -> None:
+    """Refuse a sort key whose values have no order Arrow sorts by (nested, union,
+    interval), before anything runs: a struct key failed in the driver's sampling with
+    NumPy's "'<' not supported", a list key in every reducer after the whole map phase."""
+    if schema is None:
+        return
+    t = schema.field(key).type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_nested(t) or pa.types.is_union(t) or pa.types.is_interval(t) \
+            or isinstance(t, pa.ExtensionType):
+        raise ConfigError(f"cannot sort by column {key!r} of type {t}: its values have no "
+                          "order; sort by a column of numbers, strings, binary, dates, times "
+                          "or decimals (e.g. a struct's field, selected into a column)")
 
 
 def _reducer_window(config: ShuffleConfig) -> int:
@@ -738,6 +766,7 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
     _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
     _check_columns(blocks.schema, [key], "sort key")
+    _check_sortable(blocks.schema, key)
     if not blocks.refs:
         return _empty_dataset(num_partitions or 1, blocks.schema, "sort", config)
     n = num_partitions or _default_partitions(blocks.refs, config)

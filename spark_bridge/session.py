@@ -253,6 +253,13 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     import raydp
 
     global _session_shuffles, _session_config
+    if hybrid_shuffle:
+        # A wrong endpoint or credentials surfaced only inside Spark tasks, once data
+        # spilled to the remote tier, after Spark's retries: probe it now, as a Ray
+        # shuffle does before it runs.
+        from hybrid_ray.shuffle import check_remote_tier
+
+        check_remote_tier(shuffle_config)
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     if hybrid_shuffle:

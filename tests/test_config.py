@@ -59,6 +59,20 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("spill_dirs", [b"/tmp/x"], "spill_dirs[0] must be a directory path (str or os.PathLike of str), got bytes"),
     ("spill_dirs", ["  "], "spill_dirs[0] is an empty path"),
     ("spill_dirs", 5, "spill_dirs must be a list of directories"),
+    # Accepted before, each failing late, hanging or landing somewhere unexpected.
+    ("segment_bytes", {"disk": 8}, "segment_bytes['disk'] must be an integer number of "
+                                   "bytes >= 4096"),
+    ("segment_bytes", {"memory": 4 * 1024**3}, "segment_bytes['memory'] must be at most 1 GiB"),
+    ("map_chunk_bytes", 32, "map_chunk_bytes must be an integer number of bytes >= 4096"),
+    ("orphan_ttl_s", float("inf"), "orphan_ttl_s must be at most 1e+09"),
+    ("stall_timeout_s", 1e17, "stall_timeout_s must be at most 1e+09"),
+    ("memory_weight", 1e308, "memory_weight must be at most 1e+09"),
+    ("spill_dirs", ["~/spill"], "starts with '~', which is not expanded"),
+    ("spill_dirs", ["spill"], "'spill' is relative"),
+    ("spill_dirs", ["/d/{node_id}/.."], "loses its {node_id}"),
+    ("remote_path", "memory://bkt/x", "cannot be a remote tier: it lives inside one process"),
+    ("storage_options", {1: "x"}, "with string keys"),
+    ("progress", "no", "progress must be True or False"),
 ])
 def test_bad_values_name_the_field(field, value, needle):
     with pytest.raises(ConfigError, match=None) as info:

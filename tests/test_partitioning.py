@@ -252,3 +252,22 @@ def test_a_partitioner_that_labels_too_few_rows_or_out_of_range_is_refused():
         _checked_assignment(Scripted(np.array([0] * 9 + [4])), chunk, 3, 4)
     good = np.arange(10) % 4
     assert np.array_equal(_checked_assignment(Scripted(list(good)), chunk, 3, 4), good)
+
+
+def test_partitioners_refuse_arguments_that_would_partition_wrongly():
+    """Each was accepted: unsorted range boundaries sent keys to the wrong partitions (the
+    sorted output was silently out of order); a bare key string was split into its
+    characters (partitioning by columns "a" and "b" where they existed); an empty key
+    list and a negative seed failed only inside the maps."""
+    from hybrid_ray import ConfigError, HashPartitioner, RandomPartitioner, RangePartitioner
+
+    with pytest.raises(ConfigError, match="boundaries must be in ascending order"):
+        RangePartitioner("k", [30, 20, 10], descending=True)
+    with pytest.raises(ConfigError, match="boundaries must be in ascending order"):
+        RangePartitioner("k", [4, 6, 17, 8, 5])
+    assert list(RangePartitioner("k", ["a", "b", "b", "c"]).boundaries) == ["a", "b", "b", "c"]
+    assert HashPartitioner("ab").keys == ["ab"]
+    with pytest.raises(ConfigError, match="non-empty list of column names"):
+        HashPartitioner([])
+    with pytest.raises(ConfigError, match="seed must be an integer >= 0"):
+        RandomPartitioner(-1)

@@ -340,3 +340,22 @@ def test_sort_places_nulls_last_ascending_and_first_descending(ray_local, tmp_pa
         expected = values + ["nan"] * nans + [None] * none
         assert got == (expected[::-1] if descending else expected)
     assert_no_leftovers(cfg, ray_local)
+
+
+def test_run_shuffle_and_sort_refuse_inputs_that_failed_only_inside_the_maps(ray_local):
+    """Tables instead of refs, or a partitioner class instead of an instance, failed deep
+    inside the dispatch or a map after the actors started; a sort by a struct or list key
+    failed in the driver's sampling or in every reducer after the map phase."""
+    from hybrid_ray import HashPartitioner
+
+    table = pa.table({"a": [1, 2, 3]})
+    with pytest.raises(ConfigError, match="ObjectRefs of Arrow tables"):
+        hybrid_ray.run_shuffle([table], 2, HashPartitioner(["a"]), table.schema)
+    with pytest.raises(ConfigError, match="list of ObjectRefs"):
+        hybrid_ray.run_shuffle(ray_local.put(table), 2, HashPartitioner(["a"]), table.schema)
+    with pytest.raises(ConfigError, match="Partitioner instance"):
+        hybrid_ray.run_shuffle([ray_local.put(table)], 2, HashPartitioner, table.schema)
+    for column in (pa.array([[1], [2]]), pa.array([{"x": 1}, {"x": 2}])):
+        ds = ray_local.data.from_arrow(pa.table({"k": column, "v": [1, 2]}))
+        with pytest.raises(ConfigError, match="cannot sort by column 'k' of type"):
+            hybrid_ray.sort(ds, "k")

@@ -58,3 +58,17 @@ def test_init_spark_refuses_configs_that_it_derives_from_shuffle_config(key):
 
     with pytest.raises(ConfigError, match=f"configs sets {key}.*pass a hybrid_ray.ShuffleConfig"):
         init_spark(configs={key: "{}"})
+
+
+def test_init_spark_probes_the_remote_tier_before_starting_anything(tmp_path):
+    """A wrong remote tier surfaced only inside Spark tasks, once data spilled there,
+    after Spark's retries; it is refused before Ray or Spark starts."""
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.errors import RemoteTierError
+
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)],
+                           remote_path="file:///proc/hybrid_ray_unwritable")
+    from spark_bridge import init_spark
+
+    with pytest.raises(RemoteTierError, match="hybrid_ray_unwritable"):
+        init_spark(shuffle_config=config)
