@@ -195,15 +195,30 @@ class WriteClient:
                 pass
         self._uploads.clear()
         self._held = []
-        self._settle_changes()
+        # The deletions run whatever the settle does: a settle call that failed (the tier
+        # manager busy or restarting) skipped them, and the files and their bytes stayed
+        # until the shuffle's release. The first error is raised once all was tried.
+        errors: list[BaseException] = []
+        try:
+            self._settle_changes()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the deletions
+            errors.append(exc)
         local = [m for m in self.written if m.tier != TierName.REMOTE]
-        if local:
-            self.storage.free_segments(self.shuffle_id, local)
+        try:
+            if local:
+                self.storage.free_segments(self.shuffle_id, local)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
         for meta in self.written:
             if meta.tier == TierName.REMOTE:
-                self.io_tiers[TierName.REMOTE].delete(meta)
+                try:
+                    self.io_tiers[TierName.REMOTE].delete(meta)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
         self.written, self._uncommitted = [], []
         self._closed = True
+        if errors:
+            raise errors[0]
 
     # ---- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:

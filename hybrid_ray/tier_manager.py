@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import os
 import time
 from collections.abc import Sequence
@@ -214,17 +215,32 @@ class TierManager:
             self.register_shuffle(shuffle_id, register)
         self.settle(shuffle_id, settled)
         tiers = self._local_tiers(shuffle_id)
-        placements = []
-        for nbytes in sizes:
-            refusals = []
-            for tier in tiers:
-                grant = tier.try_reserve(shuffle_id, nbytes)
-                if grant is not None:
-                    placements.append(Placement(grant))
-                    break
-                refusals.append(tier.describe_refusal(nbytes))
-            else:
-                placements.append(Placement(None, tuple(refusals)))
+        bad = [n for n in sizes
+               if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0]
+        if bad:
+            # A negative size lowered the books (reserving -8 MiB let 9 MiB in under a
+            # 10 MiB cap beside 8 MiB already used).
+            raise ConfigError(f"segment sizes to reserve must be positive integers, got "
+                              f"{bad[:5]}")
+        placements: list[Placement] = []
+        try:
+            for nbytes in sizes:
+                refusals = []
+                for tier in tiers:
+                    grant = tier.try_reserve(shuffle_id, nbytes)
+                    if grant is not None:
+                        placements.append(Placement(grant))
+                        break
+                    refusals.append(tier.describe_refusal(nbytes))
+                else:
+                    placements.append(Placement(None, tuple(refusals)))
+        except BaseException:
+            # A tier that failed part-way (statvfs raising): the grants this call made
+            # never reach the writer, so they go back now (they stayed counted until the
+            # shuffle's release).
+            self.settle(shuffle_id, [(p.grant, None) for p in placements
+                                     if p.grant is not None])
+            raise
         return placements
 
     def lease_memory(self, shuffle_id: str, nbytes: int) -> Grant | None:
@@ -273,11 +289,16 @@ class TierManager:
                     refused.append(str(exc))
                     continue
                 unlink_quietly(location)
-            freed.add(meta.id)
             if registered:
                 tier = self._tier(shuffle_id, meta.tier)
-                tier.delete(meta)
+                if meta.tier != TierName.DISK:  # (a disk file is gone already: unlinked above)
+                    tier.delete(meta)
                 tier.free(shuffle_id, meta.nbytes)
+            # Marked freed last: a deletion that raised before its bytes were freed is
+            # done again by the master's retry (it was skipped as done, its bytes counted
+            # until the shuffle's release; DiskTier.delete's literal-prefix check raised
+            # for a file _deletable_segment_file had accepted through a symlinked dir).
+            freed.add(meta.id)
         if not registered and shuffle_id in self._released:
             # A late writer reserved before the release and wrote after it, creating the
             # shuffle's directories (and marker) again: they go with its files.

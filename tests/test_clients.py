@@ -428,3 +428,46 @@ def test_a_map_s_registered_attempt_is_used_by_its_first_run_only(monkeypatch):
     assert not map_task._first_run_of("shf-a", 7, 0)
     monkeypatch.setattr(actors, "_RESTARTED_WORKER", False)
     assert map_task._first_run_of("shf-a", 8, 0)
+
+
+def test_abort_deletes_what_it_wrote_even_when_its_settle_call_fails(ray_local, tmp_path):
+    """abort() settled first, and a settle call that raised (the tier manager busy or
+    restarting) skipped every deletion: the files and their bytes stayed until the
+    shuffle's release."""
+    spill = str(tmp_path / "spill")
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[spill], compression="none",
+                        segment_bytes={"disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"as-{uuid.uuid4().hex[:6]}"
+    storage = CountingStorage(tm)
+    tm.register_shuffle(shuffle, cfg)
+    client = WriteClient(shuffle, 0, 3, cfg, storage, build_io_tiers(cfg))
+    client.write_many((s, random_table(20_000, seed=s)) for s in range(3))
+    assert segment_files_under(spill)
+
+    def settle_fails(shuffle_id, settled):
+        raise ConnectionError("injected: the tier manager did not answer")
+    storage.settle = settle_fails
+    assert client._unsettled  # written disk grants: abort settles them first
+    with pytest.raises(ConnectionError, match="injected"):
+        client.abort()
+    assert segment_files_under(spill) == []
+    assert "free" in storage.calls
+
+
+def test_a_full_disk_refusing_a_segment_directory_is_out_of_space_not_a_failed_map(
+        tmp_path, monkeypatch):
+    """Creating a subpartition's directory can meet ENOSPC too: it failed the map with a
+    raw OSError instead of OutOfSpaceError, which sends the segment to the next tier."""
+    import errno
+
+    from hybrid_ray import OutOfSpaceError
+    from hybrid_ray.tiers import DiskTier, disk as disk_module
+
+    tier = DiskTier(MiB, [str(tmp_path)])
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    monkeypatch.setattr(disk_module, "make_private_dir", full)
+    with pytest.raises(OutOfSpaceError, match="no space left in spill dir"):
+        tier.write(SegmentId("shf-full", 0, 0, 0), b"x" * 100)

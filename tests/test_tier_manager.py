@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hybrid_ray import (
-    SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, TierName,
+    MiB, SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, TierName,
 )
 from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, TierManager
 
@@ -258,3 +258,57 @@ def test_a_release_that_cannot_remove_a_file_says_so_and_keeps_the_marker(tmp_pa
     assert tm.remove_late_files() == ["shf-1"]
     assert not os.path.exists(shuffle_dir(spill, "shf-1"))
     tm.release_shuffle("shf-1")  # the master's retry: nothing left, no error
+
+
+def test_a_deletion_that_failed_before_freeing_its_bytes_is_done_again(tmp_path, monkeypatch):
+    """A segment was marked freed before its tier freed its bytes: a deletion that raised
+    in between was skipped as done by the master's retry, and the bytes stayed counted
+    until the shuffle's release."""
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("a", ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path)]))
+    [placement] = tm.reserve("a", [100])
+    disk = tm._tier("a", TierName.DISK)
+    tm.settle("a", [(placement.grant, 100)])
+    meta = SegmentMeta(SegmentId("a", 0, 0, 0, 0), TierName.DISK, 100, 1, "n1",
+                       os.path.join(str(tmp_path), "hybrid_ray", "a", "sub-00000", "x.seg"))
+    real_free, calls = disk.free, []
+
+    def fails_once(shuffle_id, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise OSError("injected: the tier failed mid-deletion")
+        return real_free(shuffle_id, nbytes)
+    monkeypatch.setattr(disk, "free", fails_once)
+    with pytest.raises(OSError, match="injected"):
+        tm.free_segments("a", [meta])
+    assert disk.used_by("a") == 100
+    tm.free_segments("a", [meta])  # the master's retry
+    assert disk.used_by("a") == 0
+
+
+def test_a_reservation_refuses_sizes_that_are_not_positive_and_gives_back_a_failed_call_s_grants(
+        tmp_path, monkeypatch):
+    """A negative size lowered the books (and let a segment in over the cap); a tier that
+    raised part-way through a call kept the grants it had made, unknown to any writer."""
+    from hybrid_ray import ConfigError
+
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("a", ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path)],
+                                           disk_capacity_bytes=10 * MiB))
+    for bad in ([-8 * MiB], [0], [1.5]):
+        with pytest.raises(ConfigError, match="must be positive integers"):
+            tm.reserve("a", bad)
+    disk = tm._tier("a", TierName.DISK)
+    real = os.statvfs
+    calls = []
+
+    def fails_on_second(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("injected: statvfs failed")
+        return real(path)
+    monkeypatch.setattr(os, "statvfs", fails_on_second)
+    with pytest.raises(OSError, match="injected"):
+        tm.reserve("a", [MiB, MiB])
+    monkeypatch.setattr(os, "statvfs", real)
+    assert disk.used_by("a") == 0 and disk.usage().used_bytes == 0

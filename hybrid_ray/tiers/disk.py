@@ -293,8 +293,10 @@ class DiskTier(Tier):
             raise UnsafePathError(f"refusing to write {segment} to {spill_dir}: not one of "
                                   f"this disk tier's spill dirs {list(self.spill_dirs)}")
         path = segment_path(spill_dir, segment)  # the shuffle id is checked here
-        make_private_dir(os.path.dirname(path))
         try:
+            # (Inside: a full disk refusing the directory is out of space too, for the
+            # writer to place the segment in the next tier, not a failed map.)
+            make_private_dir(os.path.dirname(path))
             write_shuffle_marker(shuffle_dir(spill_dir, segment.shuffle_id),
                                  segment.shuffle_id)
             write_private_file(path, payload)
