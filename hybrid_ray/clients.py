@@ -118,6 +118,10 @@ class WriteClient:
         self._buffers: list[list[pa.Table]] = [[] for _ in range(num_subpartitions)]
         self._buffered_bytes = [0] * num_subpartitions
         self._current_tier = [self._top_tier] * num_subpartitions
+        # The tier whose segment size the next cut of each subpartition uses: where its
+        # last segment landed, or a faster tier the tier manager says has room for a
+        # segment of its size (``Placement.faster``: how writing switches back up).
+        self._size_tier = [self._top_tier] * num_subpartitions
         self._next_index = [0] * num_subpartitions
         self._unsettled: list[tuple[Grant, int | None]] = []
         # Full segments kept for close (``write_many(place=False)``), not written yet.
@@ -241,7 +245,7 @@ class WriteClient:
             self.storage.settle(self.shuffle_id, changed)
 
     def _segment_bytes(self, subpartition: int) -> int:
-        return self.config.segment_bytes[self._current_tier[subpartition]]
+        return self.config.segment_bytes[self._size_tier[subpartition]]
 
     def _cut(self, sub: int, final: bool) -> list[tuple[int, pa.Table]]:
         """Take full segments (and, if ``final``, the tail) out of a subpartition's buffer."""
@@ -326,6 +330,8 @@ class WriteClient:
             else:
                 self._count(sub, meta.tier, meta.nbytes, table.num_rows)
                 self._keep(meta)
+            if placement.faster is not None:
+                self._size_tier[sub] = placement.faster
 
     def _encode(self, table: pa.Table, sid: SegmentId, arena: ScratchArena) -> memoryview:
         """Encode segment ``sid``, compressing only while compression pays (see
@@ -382,6 +388,7 @@ class WriteClient:
 
     def _count(self, sub: int, tier: TierName, nbytes: int, rows: int) -> None:
         """Account a placed segment: stats, and the tier the subpartition is now on."""
+        self._size_tier[sub] = tier
         if tier != self._current_tier[sub]:
             self.stats.tier_switches += 1
             self._current_tier[sub] = tier

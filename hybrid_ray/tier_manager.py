@@ -40,6 +40,12 @@ class Placement:
 
     grant: Grant | None
     refusals: tuple[str, ...] = ()
+    # A faster local tier than the one that took the segment (or than the remote tier,
+    # for a refused one) that has room for a segment of its own, smaller size: the
+    # writer cuts its next segment of that subpartition at that size, so writing switches
+    # back up. (Cut at the slower tier's size, 16 MiB remote segments never fit a disk
+    # capped at 12 MiB, and every later segment stayed remote on an empty disk.)
+    faster: TierName | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +130,7 @@ class TierManager:
             "disk": disk_key, "remote": remote_key, "memory": uses_memory,
             "weight": config.memory_weight,
             "budget": config.memory_budget(self.object_store_bytes) if uses_memory else 0,
+            "segment_bytes": dict(config.segment_bytes),
         }
         self._rebalance_quotas()
         return self.memory.quota(shuffle_id) if uses_memory else 0
@@ -223,17 +230,19 @@ class TierManager:
             raise ConfigError(f"segment sizes to reserve must be positive integers, got "
                               f"{bad[:5]}")
         placements: list[Placement] = []
+        segment_bytes = self._shuffles[shuffle_id]["segment_bytes"]
         try:
             for nbytes in sizes:
                 refusals = []
-                for tier in tiers:
+                for placed_at, tier in enumerate(tiers):
                     grant = tier.try_reserve(shuffle_id, nbytes)
                     if grant is not None:
-                        placements.append(Placement(grant))
                         break
                     refusals.append(tier.describe_refusal(nbytes))
                 else:
-                    placements.append(Placement(None, tuple(refusals)))
+                    grant, placed_at = None, len(tiers)
+                faster = self._room_above(shuffle_id, tiers[:placed_at], nbytes, segment_bytes)
+                placements.append(Placement(grant, () if grant else tuple(refusals), faster))
         except BaseException:
             # A tier that failed part-way (statvfs raising): the grants this call made
             # never reach the writer, so they go back now (they stayed counted until the
@@ -242,6 +251,21 @@ class TierManager:
                                      if p.grant is not None])
             raise
         return placements
+
+    @staticmethod
+    def _room_above(shuffle_id: str, faster: Sequence[Tier], nbytes: int,
+                    segment_bytes: dict[TierName, int]) -> TierName | None:
+        """The first of the ``faster`` tiers (which refused ``nbytes``) with room for a
+        segment of its own, smaller size, probed without keeping a grant; else None."""
+        for tier in faster:
+            own = segment_bytes.get(tier.name, nbytes)
+            if own >= nbytes:
+                continue  # it refused this segment; it cannot take a larger one
+            grant = tier.try_reserve(shuffle_id, own)
+            if grant is not None:
+                tier.settle(shuffle_id, grant, None)  # a probe: give it back at once
+                return tier.name
+        return None
 
     def lease_memory(self, shuffle_id: str, nbytes: int) -> Grant | None:
         """One memory grant of ``nbytes`` for many segments to come (a JVM map task asks

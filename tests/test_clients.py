@@ -471,3 +471,37 @@ def test_a_full_disk_refusing_a_segment_directory_is_out_of_space_not_a_failed_m
     monkeypatch.setattr(disk_module, "make_private_dir", full)
     with pytest.raises(OutOfSpaceError, match="no space left in spill dir"):
         tier.write(SegmentId("shf-full", 0, 0, 0), b"x" * 100)
+
+
+def test_writing_switches_back_to_a_faster_tier_smaller_than_the_slower_tier_s_segments(
+        ray_local, tmp_path):
+    """Segments are cut at the size of the tier the subpartition is on. Once on the remote
+    tier (16 MiB segments), a disk capped at 12 MiB never fit one again: every later
+    segment went remote on an empty disk. The tier manager now says when a faster tier has
+    room for a segment of its own size, and the next cut uses that size."""
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                        disk_capacity_bytes=12 * MiB, compression="none",
+                        remote_path=f"file://{tmp_path / 'remote'}",
+                        segment_bytes={"disk": 8 * MiB, "remote": 16 * MiB})
+    tm = TierManager("node-a", 0)
+    shuffle = f"sb-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle)
+    rng = np.random.default_rng(3)
+
+    def four_mib() -> pa.Table:
+        return pa.table({"x": rng.integers(0, 1 << 60, 4 * MiB // 8, dtype=np.int64)})
+    for _ in range(4):
+        client.write(0, four_mib())
+    client.flush(wait_uploads=True)
+    first = list(client.written)
+    assert first[-1].tier == TierName.REMOTE  # the disk (12 MiB) filled
+    tm.free_segments(shuffle, [m for m in first if m.tier == TierName.DISK])  # consumed
+    assert tm._tier(shuffle, TierName.DISK).used_by(shuffle) == 0
+    for _ in range(8):
+        client.write(0, four_mib())
+    later = client.close()[len(first):]
+    # Was: [remote 16 MiB, remote 16 MiB] on an empty disk.
+    assert TierName.DISK in {m.tier for m in later}, \
+        [(m.tier.value, m.nbytes >> 20) for m in later]
+    tm.release_shuffle(shuffle)
+    io[TierName.REMOTE].release_shuffle(shuffle)
