@@ -94,6 +94,9 @@ class TierManager:
         self.owner = owner
         self.memory = MemoryTier(0, 0, owner)
         self._disks: dict[tuple, DiskTier] = {}
+        # Bytes granted on each spill directory and not yet written, shared by every disk
+        # tier of this node (see DiskTier): statvfs sees only what is written.
+        self._disk_in_flight: dict[tuple[str, str], int] = {}
         self._remotes: dict[tuple, RemoteTier] = {}
         self._shuffles: dict[str, dict[str, Any]] = {}
         # Segments already freed, per shuffle: a failed attempt's segments are freed by its
@@ -142,7 +145,8 @@ class TierManager:
         if disk_key not in self._disks:
             self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
                                              spill_dirs, config.min_reserve_fraction,
-                                             config.disk_capacity_bytes)
+                                             config.disk_capacity_bytes,
+                                             in_flight=self._disk_in_flight)
         return disk_key
 
     def _remote_key(self, config: ShuffleConfig) -> tuple | None:

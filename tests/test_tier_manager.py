@@ -312,3 +312,22 @@ def test_a_reservation_refuses_sizes_that_are_not_positive_and_gives_back_a_fail
         tm.reserve("a", [MiB, MiB])
     monkeypatch.setattr(os, "statvfs", real)
     assert disk.used_by("a") == 0 and disk.usage().used_bytes == 0
+
+
+def test_disk_tiers_of_different_configs_on_one_directory_see_each_other_s_grants(
+        tmp_path, monkeypatch):
+    """Each config gets a disk tier of its own; each counted only its own grants not yet
+    written against the directory's free space: two configs differing only in their
+    reserve were granted 29 MiB on 20 MiB free, and the writes then met ENOSPC."""
+    import collections
+
+    fs = collections.namedtuple("fs", "f_bavail f_frsize f_blocks")
+    monkeypatch.setattr(os, "statvfs", lambda path: fs(20 * MiB // 4096, 4096, 100 * MiB // 4096))
+    tm = TierManager("n1", object_store_bytes=0)
+    granted = 0
+    for shuffle, reserve in (("c", 0.05), ("d", 0.06)):
+        tm.register_shuffle(shuffle, ShuffleConfig(memory_capacity_bytes=0,
+                                                   spill_dirs=[str(tmp_path)],
+                                                   min_reserve_fraction=reserve))
+        granted += sum(p.grant is not None for p in tm.reserve(shuffle, [MiB] * 20))
+    assert granted == 15  # 20 MiB free less the first config's 5 MiB reserve; none left for d

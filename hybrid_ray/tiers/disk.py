@@ -181,7 +181,8 @@ class DiskTier(Tier):
     name = TierName.DISK
 
     def __init__(self, segment_bytes: int, spill_dirs: Sequence[str],
-                 min_reserve_fraction: float = 0.05, capacity_bytes: int | None = None) -> None:
+                 min_reserve_fraction: float = 0.05, capacity_bytes: int | None = None,
+                 in_flight: dict[tuple[str, str], int] | None = None) -> None:
         super().__init__(segment_bytes)
         if not spill_dirs:
             raise ValueError("spill_dirs must name at least one directory")
@@ -190,7 +191,10 @@ class DiskTier(Tier):
         self._capacity = capacity_bytes
         # Bytes granted but not yet written, per (directory, shuffle): statvfs cannot see
         # them yet. Per shuffle so a dead writer's grants are dropped with its shuffle.
-        self._in_flight: dict[tuple[str, str], int] = {}
+        # ``in_flight``: a node's book shared by all its disk tiers (one per config), so
+        # tiers over the same directory see each other's grants (each saw only its own,
+        # and two configs differing only in their reserve granted 29 MiB on 20 MiB free).
+        self._in_flight: dict[tuple[str, str], int] = {} if in_flight is None else in_flight
         self._next_dir = itertools.cycle(range(len(self.spill_dirs)))
         self._uid = os.geteuid()
         # Checked once, here (before any shuffle writes); reservations re-check with one
