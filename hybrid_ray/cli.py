@@ -241,16 +241,27 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     if args.remote_path is not None and not args.remote_path.strip():
         raise CliError("hybrid-ray cleanup: --remote-path is empty; give the remote tier's "
                        "URL (e.g. s3://bucket/prefix) or leave the option out", 2)
+    # A typo'd spill dir (or a {node_id} pattern matching nothing) examined nothing and
+    # reported success; an empty one swept ./hybrid_ray of the current directory. One
+    # missing beside others (the same command run on every node; a node that never spilled
+    # has no spill dir) is skipped with a warning; all missing, with no remote path to
+    # sweep either, is an error.
+    missing: dict[str, str] = {}  # spill dir as given -> why it is skipped
     for given in args.spill_dir or ():
-        # A typo'd spill dir (or a {node_id} pattern matching nothing) examined nothing
-        # and reported success; an empty one swept ./hybrid_ray of the current directory.
         if not given.strip():
             raise CliError("hybrid-ray cleanup: --spill-dir is empty; give a spill dir", 2)
         if not any(os.path.isdir(d) for d in cleanup.expand_spill_dirs([given])):
-            what = "matches no directory" if "{node_id}" in given else "is not a directory"
-            raise CliError(f"hybrid-ray cleanup: --spill-dir {given} {what}; check the path "
-                           "(nothing was removed)", 2)
-    spill_dirs = args.spill_dir or [default_spill_dir()]
+            missing[given] = "matches no directory" if "{node_id}" in given \
+                else "is not a directory"
+    if missing and len(missing) == len(set(args.spill_dir)) and not args.remote_path:
+        raise CliError("hybrid-ray cleanup: " + "; ".join(
+            f"--spill-dir {d} {why}" for d, why in missing.items())
+            + "; check the path (nothing was removed)", 2)
+    for given, why in missing.items():
+        print(f"hybrid-ray cleanup: skipped --spill-dir {given}: it {why} here",
+              file=sys.stderr)
+    spill_dirs = [d for d in args.spill_dir if d not in missing] if args.spill_dir \
+        else [default_spill_dir()]
     # Candidates first, live shuffles next: a shuffle registered after the question has
     # no directory in the list, so it cannot be removed by mistake.
     try:

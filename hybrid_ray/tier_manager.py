@@ -263,9 +263,14 @@ class TierManager:
         segment of its own, smaller size, probed without keeping a grant; else None."""
         for tier in faster:
             own = segment_bytes.get(tier.name, nbytes)
-            if own >= nbytes:
-                continue  # it refused this segment; it cannot take a larger one
-            grant = tier.try_reserve(shuffle_id, own)
+            # A segment cut at ``own`` encodes a little larger (IPC framing, uneven rows):
+            # probed at ``own`` alone, a tier with room in between took none of them, and
+            # the writer cut every segment small for nothing (a review's experiment: all
+            # 16 went remote at the disk's size). The probe asks for that margin too.
+            probe = own + own // 8 + 4096
+            if probe >= nbytes:
+                continue  # it refused this segment; it cannot take one that large
+            grant = tier.try_reserve(shuffle_id, probe)
             if grant is not None:
                 tier.settle(shuffle_id, grant, None)  # a probe: give it back at once
                 return tier.name

@@ -154,3 +154,13 @@ def test_cleanup_refuses_arguments_that_would_examine_nothing_or_the_wrong_place
         "--spill-dir", str(tmp_path), "--remote-path", " ", "--no-cluster")
     assert "invalid timeout '0': it must be above 0" in refused(
         "--spill-dir", str(tmp_path), "--timeout", "0")
+    # One missing beside one that exists (the same command on every node; a node that
+    # never spilled has no spill dir): skipped with a warning, the rest swept.
+    spill = str(tmp_path / "spill")
+    orphan = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(spill, orphan)
+    capsys.readouterr()
+    assert main(["cleanup", "--spill-dir", missing, "--spill-dir", spill, "--older-than", "0s",
+                 "--no-cluster"]) == 0
+    assert f"skipped --spill-dir {missing}: it is not a directory here" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import files_under, row_fingerprint, segment_files_under
 from hybrid_ray import (
-    MiB, OutOfSpaceError, ReadClient, SegmentId, ShuffleConfig, TierManager, TierName, WriteClient,
+    KiB, MiB, OutOfSpaceError, ReadClient, SegmentId, ShuffleConfig, TierManager, TierName, WriteClient,
     build_io_tiers,
 )
 from hybrid_ray.errors import RemoteTierError, SegmentNotFoundError
@@ -503,5 +503,28 @@ def test_writing_switches_back_to_a_faster_tier_smaller_than_the_slower_tier_s_s
     # Was: [remote 16 MiB, remote 16 MiB] on an empty disk.
     assert TierName.DISK in {m.tier for m in later}, \
         [(m.tier.value, m.nbytes >> 20) for m in later]
+    tm.release_shuffle(shuffle)
+    io[TierName.REMOTE].release_shuffle(shuffle)
+
+
+def test_a_faster_tier_with_room_for_just_its_nominal_size_does_not_make_segments_small(
+        tmp_path):
+    """The switch-back probe asked for the faster tier's nominal segment size, but a
+    segment cut at that size encodes a little larger: a disk with room just above its
+    segment size refused every one, and the writer kept cutting at the disk's size, all
+    16 remote objects half the remote size (a review's experiment)."""
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                        disk_capacity_bytes=64 * KiB + 64, compression="none",
+                        remote_path=f"file://{tmp_path / 'remote'}",
+                        segment_bytes={"disk": 64 * KiB, "remote": 128 * KiB})
+    tm = TierManager("node-a", 0)
+    shuffle = f"pp-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle)
+    rng = np.random.default_rng(0)
+    for _ in range(16):
+        client.write(0, pa.table({"x": rng.integers(0, 1 << 60, 8 * KiB, dtype=np.int64)}))
+    metas = client.close()
+    assert {m.tier for m in metas} == {TierName.REMOTE}
+    assert len(metas) <= 9, [m.nbytes for m in metas]  # one at the disk's size, then 128 KiB
     tm.release_shuffle(shuffle)
     io[TierName.REMOTE].release_shuffle(shuffle)
