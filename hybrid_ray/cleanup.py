@@ -32,7 +32,7 @@ from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import (
     DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_marked_tree,
-    unsafe_spill_dir,
+    trusted_dir_problem, unsafe_spill_dir,
 )
 from hybrid_ray.tiers.remote import (
     call_deadline_s, filesystem_options, remove_remote_tree,
@@ -193,11 +193,9 @@ def _local_tree_problem(root: str, job_path: str, shuffle_path: str) -> str | No
     import stat
 
     uid = os.geteuid()
-    st = os.stat(root)
-    if st.st_uid not in (uid, 0):
-        return f"{root} is owned by uid {st.st_uid}, another user"
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        return f"{root} is world-writable without the sticky bit"
+    problem = trusted_dir_problem(root, uid)  # the rule a spill dir is held to
+    if problem is not None:
+        return f"{root} {problem[0]}"
     for path in (job_path, shuffle_path):
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):

@@ -473,19 +473,28 @@ def test_a_full_disk_refusing_a_segment_directory_is_out_of_space_not_a_failed_m
         tier.write(SegmentId("shf-full", 0, 0, 0), b"x" * 100)
 
 
+def _capped_disk_then_remote(tmp_path, disk_cap: int, disk_segment: int,
+                             remote_segment: int):
+    """(tier manager, shuffle id, write client, io tiers) of a shuffle with no memory tier,
+    a disk capped at ``disk_cap`` and a local remote tier, uncompressed."""
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                        disk_capacity_bytes=disk_cap, compression="none",
+                        remote_path=f"file://{tmp_path / 'remote'}",
+                        segment_bytes={"disk": disk_segment, "remote": remote_segment})
+    tm = TierManager("node-a", 0)
+    shuffle = f"cd-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle)
+    return tm, shuffle, client, io
+
+
 def test_writing_switches_back_to_a_faster_tier_smaller_than_the_slower_tier_s_segments(
         ray_local, tmp_path):
     """Segments are cut at the size of the tier the subpartition is on. Once on the remote
     tier (16 MiB segments), a disk capped at 12 MiB never fit one again: every later
     segment went remote on an empty disk. The tier manager now says when a faster tier has
     room for a segment of its own size, and the next cut uses that size."""
-    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
-                        disk_capacity_bytes=12 * MiB, compression="none",
-                        remote_path=f"file://{tmp_path / 'remote'}",
-                        segment_bytes={"disk": 8 * MiB, "remote": 16 * MiB})
-    tm = TierManager("node-a", 0)
-    shuffle = f"sb-{uuid.uuid4().hex[:6]}"
-    client, io = make_client(cfg, tm, shuffle)
+    tm, shuffle, client, io = _capped_disk_then_remote(
+        tmp_path, disk_cap=12 * MiB, disk_segment=8 * MiB, remote_segment=16 * MiB)
     rng = np.random.default_rng(3)
 
     def four_mib() -> pa.Table:
@@ -513,13 +522,8 @@ def test_a_faster_tier_with_room_for_just_its_nominal_size_does_not_make_segment
     segment cut at that size encodes a little larger: a disk with room just above its
     segment size refused every one, and the writer kept cutting at the disk's size, all
     16 remote objects half the remote size (a review's experiment)."""
-    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
-                        disk_capacity_bytes=64 * KiB + 64, compression="none",
-                        remote_path=f"file://{tmp_path / 'remote'}",
-                        segment_bytes={"disk": 64 * KiB, "remote": 128 * KiB})
-    tm = TierManager("node-a", 0)
-    shuffle = f"pp-{uuid.uuid4().hex[:6]}"
-    client, io = make_client(cfg, tm, shuffle)
+    tm, shuffle, client, io = _capped_disk_then_remote(
+        tmp_path, disk_cap=64 * KiB + 64, disk_segment=64 * KiB, remote_segment=128 * KiB)
     rng = np.random.default_rng(0)
     for _ in range(16):
         client.write(0, pa.table({"x": rng.integers(0, 1 << 60, 8 * KiB, dtype=np.int64)}))

@@ -91,7 +91,7 @@ def check_spill_dir(spill_dir: str) -> str:
     try:
         if not os.path.lexists(spill_dir):
             make_private_dir(spill_dir)
-        problem = _spill_dir_problem(spill_dir, uid)
+        problem = trusted_dir_problem(spill_dir, uid)
     except OSError as exc:
         raise refuse(spill_dir, f"cannot be created or read ({exc.strerror or exc})",
                      "point spill_dirs at a writable directory") from None
@@ -112,9 +112,11 @@ def check_spill_dir(spill_dir: str) -> str:
     return data_dir
 
 
-def _spill_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
+def trusted_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
     """(problem, fix) if the existing ``spill_dir`` is not safe for ``uid``'s data dir (see
-    ``check_spill_dir``'s rules), else None; ``OSError`` if it cannot be read."""
+    ``check_spill_dir``'s rules: a directory of ``uid`` or root that nobody else can swap
+    entries in), else None; ``OSError`` if it cannot be read. Also the rule for the root of
+    a local remote tier (``hybrid_ray.cleanup``)."""
     trusted = (uid, 0)
     link = os.lstat(spill_dir)
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
@@ -142,7 +144,7 @@ def unsafe_spill_dir(spill_dir: str) -> str | None:
     must hold a directory to the rules a shuffle's own writes are held to."""
     uid = os.geteuid()
     try:
-        problem = _spill_dir_problem(spill_dir, uid)
+        problem = trusted_dir_problem(spill_dir, uid)
     except OSError as exc:
         return f"{spill_dir} cannot be read ({exc.strerror or exc})"
     if problem is not None:
