@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -245,21 +246,46 @@ def _abort_keeping_the_cause(client: WriteClient) -> None:
         pass
 
 
-def map_block(shuffle_id: str, map_index: int, block: pa.Table | Sequence[ray.ObjectRef],
+@dataclasses.dataclass(frozen=True)
+class BlockPiece:
+    """The input of a map that partitions one piece of a large input block: rows
+    ``[n * index // count, n * (index + 1) // count)`` of the block's ``n``, so the pieces
+    ``0 .. count-1`` (consecutive maps) hold every row once, in order."""
+
+    block: ray.ObjectRef
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"piece {self.index} of {self.count}: index must be in "
+                             f"[0, {self.count})")
+
+    def rows_of(self, table: pa.Table) -> pa.Table:
+        """This piece's rows of ``table`` (the whole block), zero-copy."""
+        n = table.num_rows
+        start = n * self.index // self.count
+        return table.slice(start, n * (self.index + 1) // self.count - start)
+
+
+def map_block(shuffle_id: str, map_index: int,
+              block: pa.Table | Sequence[ray.ObjectRef] | BlockPiece,
               num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
               master: Any, schema: pa.Schema | None = None,
               attempt: int | None = None) -> dict:
     """One map of ``run_shuffle``, run by a writer actor (``get_writers``) that owns the
     memory-tier segments it writes.
 
-    ``block`` is one table, or the references of a group of small input blocks (see
-    ``_group_blocks``) that this map reads and partitions as one table. Every block must
-    have ``schema`` (when given): a block that differs fails the map, before it writes
-    anything, with both schemas' differing fields named. ``attempt``: see
-    ``write_map_partition``.
+    ``block`` is one table, the references of a group of small input blocks (see
+    ``_group_blocks``) that this map reads and partitions as one table, or one piece of a
+    large block (``BlockPiece``, see ``_split_tail``). Every block must have ``schema``
+    (when given): a block that differs fails the map, before it writes anything, with
+    both schemas' differing fields named. ``attempt``: see ``write_map_partition``.
     """
     if isinstance(block, pa.Table):
         tables = [block]
+    elif isinstance(block, BlockPiece):
+        tables = [block.rows_of(ray.get(block.block))]
     else:
         tables = ray.get(list(block))
     if schema is not None:

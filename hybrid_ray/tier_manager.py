@@ -18,7 +18,9 @@ from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ConfigError, ShuffleNotFoundError, UnsafePathError
-from hybrid_ray.ids import check_id, is_inside
+from hybrid_ray.ids import (
+    check_id, is_below_resolved, is_inside, realpath_cached, resolved_dir,
+)
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
@@ -312,12 +314,13 @@ class TierManager:
         registered = shuffle_id in self._shuffles
         freed = self._freed.setdefault(shuffle_id, set()) if registered else set()
         refused = []
+        resolved: dict[str, str] = {}  # this call's resolved directories (realpath_cached)
         for meta in metas:
             if meta.tier == TierName.REMOTE or meta.id in freed:
                 continue
             if meta.tier == TierName.DISK:
                 try:
-                    location = self._deletable_segment_file(shuffle_id, meta)
+                    location = self._deletable_segment_file(shuffle_id, meta, resolved)
                 except UnsafePathError as exc:
                     refused.append(str(exc))
                     continue
@@ -342,7 +345,8 @@ class TierManager:
             self.last_refused_deletion = refused[-1][:500]
         return refused
 
-    def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta) -> str:
+    def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta,
+                                resolved_dirs: dict[str, str] | None = None) -> str:
         """The file of disk segment ``meta`` if this node may delete it for ``shuffle_id``,
         else ``UnsafePathError``. A location comes from another process (the master's books,
         a JVM's commit), so it must be a segment file of that very shuffle (segment id and
@@ -350,7 +354,8 @@ class TierManager:
         for a data dir this tier manager does not know (it was started again since), in a
         directory that carries hybrid_ray's marker for that shuffle (Python writers and
         the grants of JVM disk reservations write it) and that the file does not lead out
-        of through a symlink. Never a file hybrid_ray did not write."""
+        of through a symlink. Never a file hybrid_ray did not write. ``resolved_dirs``:
+        see ``require_own_segment_file``."""
         location = require_segment_file(meta.location, "delete")
         shuffle_directory = os.path.dirname(os.path.dirname(location))
         if meta.id.shuffle_id != shuffle_id or os.path.basename(shuffle_directory) != shuffle_id:
@@ -359,7 +364,7 @@ class TierManager:
                 f"({meta.id}) or its path names another shuffle. This is a bug in the "
                 "caller; please report it")
         try:
-            return self.require_own_segment_file(location, "delete")
+            return self.require_own_segment_file(location, "delete", resolved_dirs)
         except UnsafePathError as not_in_our_dirs:
             marker = read_shuffle_marker(shuffle_directory)
             if marker is not None and marker.get("shuffle_id") == shuffle_id \
@@ -450,14 +455,19 @@ class TierManager:
         self.require_own_segment_file(meta.location, "serve")
         return read_segment_file(meta)
 
-    def require_own_segment_file(self, location: str, action: str) -> str:
+    def require_own_segment_file(self, location: str, action: str,
+                                 resolved_dirs: dict[str, str] | None = None) -> str:
         """``location`` if it is a segment file inside the data dir of one of this node's
         disk tiers (symlinks resolved), else ``UnsafePathError``. A location comes from
         another process (the master's books, a Spark reader); the shape check alone would
-        let a bad one name any ``.../hybrid_ray/<id>/sub-<n>/<file>`` on this node."""
+        let a bad one name any ``.../hybrid_ray/<id>/sub-<n>/<file>`` on this node.
+        ``resolved_dirs``: a cache of resolved directories for a batch of locations checked
+        at once (see ``ids.realpath_cached``), including the data dirs."""
         require_segment_file(location, action)
+        cache = {} if resolved_dirs is None else resolved_dirs
         roots = sorted({d for disk in self._disks.values() for d in disk.data_dirs()})
-        if not any(is_inside(root, location) for root in roots):
+        real = realpath_cached(location, cache)
+        if not any(is_below_resolved(resolved_dir(root, cache), real) for root in roots):
             raise UnsafePathError(
                 f"refusing to {action} {location!r}: it is not inside the data dir of a "
                 f"spill dir of this node's disk tier ({', '.join(roots) or 'none registered'}"

@@ -468,3 +468,29 @@ def test_a_lost_map_goes_to_the_next_free_writer_whatever_its_node(monkeypatch):
     runner._lost_asked = runner._lost_interval = 0
     runner.poll({y.runs[0][2]})  # y is free: it must take lost map 0, not its local map 3
     assert [m for m, _, _ in y.runs] == [2, 0] and list(runner._queue) == [3]
+
+
+def test_frees_of_the_last_reducers_are_sent_at_once_with_those_held_back():
+    """Frees are batched (FREE_BATCH_S), but those of a shuffle's last reducers go at
+    once, with every free held back: left for the release, their deletion kept the
+    driver and the cores waiting at the end of each shuffle."""
+    class Calls:
+        def __init__(self):
+            self.sent = []
+
+        def remote(self, shuffle_id, subpartitions):
+            self.sent.append(list(subpartitions))
+            return None
+
+    class Master:
+        free_subpartitions = Calls()
+
+    from hybrid_ray.config import ShuffleConfig
+
+    shuffle = ShuffleLifecycle(ShuffleConfig(), 4, "test", master=Master())
+    shuffle.free_subpartition(0)  # the first batch goes at once
+    shuffle.free_subpartition(1)  # held back: within FREE_BATCH_S of the first
+    shuffle.free_subpartition(2)
+    assert Master.free_subpartitions.sent == [[0]]
+    shuffle.free_subpartition(3, now=True)
+    assert Master.free_subpartitions.sent == [[0], [1, 2, 3]]

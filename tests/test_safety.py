@@ -437,3 +437,51 @@ def test_tier_manager_serves_only_files_inside_its_own_data_dirs(tmp_path):
     real = inside_dir / "m00001-a0000-s00000.seg"
     real.write_bytes(b"x")
     assert tm.require_own_segment_file(str(real), "serve") == str(real)
+
+
+def test_realpath_cached_resolves_as_realpath_does(tmp_path):
+    """The batch deletion resolves each directory once (``realpath_cached``): it must
+    give ``os.path.realpath``'s answer for a symlinked directory, a symlinked file and a
+    file that does not exist, and keep the directory in the caller's cache."""
+    from hybrid_ray.ids import realpath_cached
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "f.seg").write_bytes(b"x")
+    (tmp_path / "linkdir").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "link.seg").symlink_to(tmp_path / "outside.txt")
+    cache: dict[str, str] = {}
+    for path in (tmp_path / "linkdir" / "f.seg", tmp_path / "linkdir" / "link.seg",
+                 tmp_path / "linkdir" / "missing.seg", tmp_path / "real" / "f.seg"):
+        assert realpath_cached(str(path), cache) == os.path.realpath(path), path
+    assert cache[str(tmp_path / "linkdir")] == str(tmp_path / "real")
+
+
+def test_batch_deletion_through_a_symlinked_subpartition_dir_touches_nothing_outside(
+        tmp_path):
+    """free_segments checks a batch of files with each directory resolved once: files in a
+    subpartition directory swapped for a symlink to elsewhere are all refused (the user's
+    files stay), those in a real one of the same batch are deleted."""
+    tm = TierManager("node-a", 0)
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
+    tm.register_shuffle("shf-1", cfg)
+    shuffle_dir = tmp_path / "spill" / "hybrid_ray" / "shf-1"
+    real_dir = shuffle_dir / "sub-00001"
+    real_dir.mkdir(parents=True)
+    outside = tmp_path / "user"
+    kept = [victim(outside)]
+    (shuffle_dir / "sub-00000").symlink_to(outside)
+    metas = []
+    for m in range(2):
+        name = f"m{m:05d}-a0000-s00000.seg"
+        (outside / name).write_bytes(b"user's")
+        kept.append(str(outside / name))
+        metas.append(SegmentMeta(SegmentId("shf-1", m, 0, 0), TierName.DISK, 6, 1, "node-a",
+                                 str(shuffle_dir / "sub-00000" / name)))
+        (real_dir / name).write_bytes(b"ours")
+        metas.append(SegmentMeta(SegmentId("shf-1", m, 1, 0), TierName.DISK, 4, 1, "node-a",
+                                 str(real_dir / name)))
+    refused = tm.free_segments("shf-1", metas)
+    assert len(refused) == 2 and all("refusing to delete" in r for r in refused)
+    for name in kept:
+        assert os.path.exists(name), name
+    assert os.listdir(real_dir) == []

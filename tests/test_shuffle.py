@@ -475,3 +475,46 @@ def test_a_reducer_queued_behind_one_that_crashes_its_reader_gets_retries_of_its
     assert os.path.getsize(tmp_path / "crashes-0") == WORKER_MAX_RETRIES
     assert os.path.getsize(tmp_path / "crashes-1") == 1
     assert_no_leftovers(cfg, ray_local)
+
+
+def test_the_last_large_maps_are_cut_in_pieces_one_per_writer():
+    """The map stage's tail (see TAIL_PIECES): the last large single-block maps, one per
+    writer, are each cut into consecutive pieces; small, grouped and unknown-size maps
+    never are, nor are the maps of a shuffle with no more maps than writers."""
+    from hybrid_ray.shuffle import TAIL_PIECES, _split_tail
+
+    assert TAIL_PIECES == 2
+    sizes = [100, 100, None, 100, 100, 10, 10]
+    groups = [[0], [1], [2], [3], [4], [5, 6]]
+    assert _split_tail(groups, sizes, target_bytes=25, writers=2) == [
+        ([0], 0, 1), ([1], 0, 1), ([2], 0, 1), ([3], 0, 2), ([3], 1, 2), ([4], 0, 2),
+        ([4], 1, 2), ([5, 6], 0, 1)]
+    # Below TAIL_SPLIT_MIN_FACTOR x the target a map stays whole.
+    assert _split_tail(groups, sizes, target_bytes=26, writers=2) == \
+        [(g, 0, 1) for g in groups]
+    assert _split_tail(groups[:2], sizes, target_bytes=1, writers=2) == \
+        [([0], 0, 1), ([1], 0, 1)]
+
+
+def test_pieces_of_a_split_map_keep_every_row_once_in_input_order(ray_local, tmp_path):
+    """Four 1,000-row blocks on two writers: the last two are cut in two maps each (six
+    maps), and every output partition still holds each of its rows once, in input order
+    (consecutive pieces are consecutive maps; readers read in map order)."""
+    from hybrid_ray.map_task import BlockPiece
+
+    ids = np.arange(4_000, dtype=np.int64)
+    table = pa.table({"id": ids, "key": ids % 7, "pad": pa.array([b"x" * 100] * len(ids))})
+    refs = [ray_local.put(table.slice(i * 1_000, 1_000)) for i in range(4)]
+    cfg = base_config(tmp_path, map_chunk_bytes=64 * 1024)
+    res = hybrid_ray.run_shuffle(refs, 3, hybrid_ray.HashPartitioner(["key"]), table.schema,
+                                 cfg)
+    assert res.report.num_maps == 6
+    parts = ray_local.get(res.refs)
+    assert row_fingerprint(parts) == row_fingerprint([table])
+    for part in parts:
+        got = part["id"].to_numpy()
+        assert (np.diff(got) > 0).all(), "rows out of input order"
+    assert BlockPiece(refs[0], 1, 2).rows_of(table)["id"][0].as_py() == 2_000
+    with pytest.raises(ValueError, match=r"piece 2 of 2: index must be in \[0, 2\)"):
+        BlockPiece(refs[0], 2, 2)
+    assert_no_leftovers(cfg, ray_local)
