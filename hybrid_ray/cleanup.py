@@ -31,8 +31,8 @@ from hybrid_ray.ids import require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
 from hybrid_ray.tiers.disk import (
-    DATA_DIR_NAME, MAX_MARKER_BYTES, read_shuffle_marker, remove_marked_tree,
-    trusted_dir_problem, unsafe_spill_dir,
+    DATA_DIR_NAME, MAX_MARKER_BYTES, local_tree_problem, read_shuffle_marker,
+    remove_marked_tree, unsafe_spill_dir,
 )
 from hybrid_ray.tiers.remote import (
     call_deadline_s, filesystem_options, remove_remote_tree,
@@ -183,28 +183,22 @@ def _dir_names(fs: Any, path: str, call: Mapping[str, Any]) -> list[str]:
             if e.get("type") == "directory"]
 
 
-def _local_tree_problem(root: str, job_path: str, shuffle_path: str) -> str | None:
-    """For a remote tier on the local filesystem (``file://``, a shared mount): why its
-    shuffle tree must not be removed, or None. fsspec removes file by file, following a
-    directory that another user swapped for a symlink meanwhile; only someone who can write
-    a directory on the way can swap what is in it, so the root must be this user's or
-    root's and not world-writable without the sticky bit, and the job and shuffle
-    directories this user's, writable by nobody else, and real directories."""
+def _is_regular_file(path: str) -> bool:
+    """Whether local ``path`` is a regular file itself (``lstat``: a symlink is not)."""
     import stat
 
-    uid = os.geteuid()
-    problem = trusted_dir_problem(root, uid)  # the rule a spill dir is held to
-    if problem is not None:
-        return f"{root} {problem[0]}"
-    for path in (job_path, shuffle_path):
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            return f"{path} is not a real directory"
-        if st.st_uid != uid:
-            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
-        if st.st_mode & 0o022:
-            return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _marker_names(fs: Any, marker_path: str, call: Mapping[str, Any], shuffle: str,
+                  job: str) -> bool:
+    """Whether the marker at ``marker_path`` is hybrid_ray's for ``job``/``shuffle``."""
+    marker = parse_shuffle_marker(fs.cat_file(marker_path, **call))
+    return marker is not None and marker["shuffle_id"] == shuffle \
+        and marker.get("job_id") == job
 
 
 def _is_local(fs: Any) -> bool:
@@ -260,18 +254,23 @@ def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | N
             path = posixpath.join(job_path, name)
             try:
                 marker_path = posixpath.join(path, SHUFFLE_MARKER_NAME)
+                local = _is_local(fs)
+                if local and not _is_regular_file(marker_path):
+                    # Never opened unless a plain file: a FIFO or /dev/zero planted as the
+                    # marker (or a symlink to one) blocked the sweep forever.
+                    continue
                 if not fs.exists(marker_path, **call) \
                         or fs.size(marker_path, **call) > MAX_MARKER_BYTES:
                     continue
-                marker = parse_shuffle_marker(fs.cat_file(marker_path, **call))
-                if marker is None or marker["shuffle_id"] != name \
-                        or marker.get("job_id") != job:
-                    continue
-                unsafe = _local_tree_problem(root, job_path, path) if _is_local(fs) else None
-                if unsafe is not None:
+                # The tree is checked before the marker is read: once its directories are
+                # known to be this user's alone, nobody can swap the marker meanwhile.
+                unsafe = local_tree_problem(root, [job_path, path]) if local else None
+                if unsafe is not None:  # reported, its marker not even read (see above)
                     plan.errors.append((redactor.scrub(path), redactor.scrub(
                         f"not swept: {unsafe} (another user could redirect the removal; "
                         "run cleanup as the user that ran the shuffles)")))
+                    continue
+                if not _marker_names(fs, marker_path, call, name, job):
                     continue
                 # A whole tree: no per-request deadline (see remove_remote_tree).
                 infos = fs.find(path, detail=True)

@@ -122,3 +122,17 @@ def require_inside_remote(root: str, path: str, action: str, shown_root: str = "
             f"{shown_root or root} (hybrid_ray only ever writes and deletes below it). This "
             "is a bug in the caller; please report it")
     return path
+
+
+def require_normal_remote_path(path: str, action: str, shown_root: str) -> str:
+    """Raise ``UnsafePathError`` if remote ``path`` has an empty, ``.`` or ``..``
+    component. ``require_inside_remote`` is lexical, but the call that follows acts on
+    ``path`` as given: s3fs takes the first component of 'other/../bucket/key' for the
+    bucket, and a local filesystem resolves 'link/..' through the link."""
+    components = path[1:].split("/") if path.startswith("/") else path.split("/")
+    if any(c in ("", ".", "..") for c in components):
+        raise UnsafePathError(
+            f"refusing to {action} a remote path below {shown_root}: it has an empty, '.' "
+            "or '..' component, so the storage could resolve it elsewhere than it reads. "
+            "This is a bug in the caller; please report it")
+    return path

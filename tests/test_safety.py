@@ -485,3 +485,73 @@ def test_batch_deletion_through_a_symlinked_subpartition_dir_touches_nothing_out
     for name in kept:
         assert os.path.exists(name), name
     assert os.listdir(real_dir) == []
+
+
+def _remote_segment(tier: RemoteTier, shuffle: str, m: int = 0) -> SegmentId:
+    sid = SegmentId(shuffle, m, 0, 0, 0, tier.job_id)
+    tier.write(sid, bytes(encode_segment(pa.table({"x": [1]}), sid)))
+    return sid
+
+
+def test_local_remote_tier_refuses_a_job_dir_others_can_write(tmp_path):
+    """A file:// remote tier kept a job directory another user created first (a
+    predictable job id) or could write: they swapped the shuffle directory for a symlink
+    and the release removed every file behind it. Such a directory is now refused for
+    writes, and the release refuses to follow a swapped shuffle directory."""
+    root = tmp_path / "remote"
+    (root / "job-etl").mkdir(parents=True)
+    os.chmod(root / "job-etl", 0o777)
+    tier = RemoteTier(MiB, f"file://{root}", "job-etl", check_reachable=False)
+    with pytest.raises(UnsafePathError, match=r"job-etl is writable by other users \(mode 777\)"):
+        _remote_segment(tier, "shf-a")
+    assert files_under(str(root)) == []
+    # A job dir of our own, then its shuffle directory swapped for a symlink.
+    os.chmod(root / "job-etl", 0o700)
+    _remote_segment(tier, "shf-a")
+    precious = victim(tmp_path / "user")
+    os.rename(root / "job-etl" / "shf-a", root / "job-etl" / "moved")
+    os.symlink(tmp_path / "user", root / "job-etl" / "shf-a")
+    with pytest.raises(UnsafePathError, match="shf-a is not a real directory"):
+        tier.remove_shuffle_data("shf-a")
+    assert_intact(precious)
+
+
+def test_remote_paths_with_dot_components_are_refused_before_any_call(tmp_path):
+    """delete and read_frame checked the normalised path but handed the raw one to the
+    storage: 'lnk/../store/...' resolved through a symlink on a local filesystem (and
+    s3fs takes 'other/../bucket/key' as bucket 'other'), reaching another user's files."""
+    root = tmp_path / "remote"
+    tier = RemoteTier(MiB, f"file://{root}", "job-1", check_reachable=False)
+    sid = _remote_segment(tier, "shf-a")
+    elsewhere = tmp_path / "elsewhere" / "store" / "job-1" / "shf-a" / "sub-00000"
+    elsewhere.mkdir(parents=True)
+    theirs = elsewhere / sid.file_name
+    theirs.write_bytes(b"not ours")
+    os.symlink(tmp_path / "elsewhere", root / "job-1" / "shf-a" / "lnk")
+    forged = f"{root}/job-1/shf-a/lnk/../sub-00000/{sid.file_name}"
+    meta = SegmentMeta(sid, TierName.REMOTE, 8, 1, "", forged)
+    with pytest.raises(UnsafePathError, match=r"empty, '\.' or '\.\.' component"):
+        tier.delete(meta)
+    with pytest.raises(UnsafePathError, match=r"empty, '\.' or '\.\.' component"):
+        tier.read_frame(forged, 8, "x")
+    assert theirs.read_bytes() == b"not ours"
+
+
+def test_cleanup_never_opens_a_marker_that_is_not_a_plain_file(tmp_path):
+    """A FIFO planted as a shuffle's marker in a file:// remote blocked `hybrid-ray
+    cleanup` forever (the marker was read before anything else was checked)."""
+    import threading
+
+    from hybrid_ray.cleanup import find_remote_orphans
+    from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME
+
+    shuffle_dir = tmp_path / "remote" / "job-x" / "shf-x"
+    shuffle_dir.mkdir(parents=True)
+    os.mkfifo(shuffle_dir / SHUFFLE_MARKER_NAME)
+    result = []
+    sweep = threading.Thread(target=lambda: result.append(
+        find_remote_orphans(f"file://{tmp_path}/remote")), daemon=True)
+    sweep.start()
+    sweep.join(20)
+    assert result, "cleanup blocked on a FIFO marker"
+    assert result[0].candidates == []

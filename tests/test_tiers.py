@@ -391,3 +391,91 @@ def test_a_long_lived_process_keeps_a_bounded_number_of_tier_sets(tmp_path):
     assert all(t._pool is not None for t in opened[-io_tiers.IO_CACHE_SIZE:])
 
 
+
+
+def _one_segment(tier: RemoteTier, shuffle: str, m: int) -> SegmentId:
+    sid = SegmentId(shuffle, m, 0, 0, 0, tier.job_id)
+    tier.write(sid, bytes(encode_segment(pa.table({"x": [m]}), sid)))
+    return sid
+
+
+def test_a_late_remote_write_after_the_release_marks_its_directory_again(tmp_path):
+    """The remote tier remembered per process that it had marked a shuffle, so a write
+    landing after the release (which removes the marker) left an unmarked directory that
+    `hybrid-ray cleanup` never finds."""
+    from hybrid_ray.cleanup import find_remote_orphans
+
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    _one_segment(tier, "shf-a", 0)
+    tier.remove_shuffle_data("shf-a")
+    assert files_under(str(tmp_path / "remote")) == []
+    _one_segment(tier, "shf-a", 1)  # a map's upload still in flight at the release
+    plan = find_remote_orphans(f"file://{tmp_path}/remote")
+    assert [c.shuffle_id for c in plan.candidates] == ["shf-a"]
+
+
+def test_a_remote_removal_that_leaves_objects_is_retried_then_raises(tmp_path, monkeypatch):
+    """A local rm stops at the first file that vanished meanwhile, and S3's DeleteObjects
+    answers 200 with per-key errors: either way the release reported success and the
+    master dropped the deletion, leaving the data for good. The removal now checks that
+    nothing is left: a vanished file is retried over, a store that keeps the objects
+    raises RemoteTierError."""
+    from hybrid_ray.tiers import remote as remote_mod
+
+    monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    for m in range(3):
+        _one_segment(tier, "shf-a", m)
+    real_find = tier.fs.find
+    vanished = f"{tier.shuffle_path('shf-a')}/sub-00000/gone.seg.1-2.inprogress"
+    calls = []
+
+    def find_with_a_vanished_file(path, **kw):
+        calls.append(path)
+        found = sorted(real_find(path, **kw))
+        return found[:1] + [vanished] + found[1:] if len(calls) == 1 else found
+
+    monkeypatch.setattr(tier.fs, "find", find_with_a_vanished_file)
+    tier.remove_shuffle_data("shf-a")
+    assert files_under(str(tmp_path / "remote")) == []
+    for m in range(2):
+        _one_segment(tier, "shf-b", m)
+    monkeypatch.setattr(tier.fs, "rm", lambda *a, **k: None)  # "200 OK", nothing deleted
+    with pytest.raises(RemoteTierError, match=r"removing shuffle shf-b .* still under"):
+        tier.remove_shuffle_data("shf-b")
+
+
+def test_concurrent_probes_of_one_remote_tier_do_not_fail_each_other(tmp_path, monkeypatch):
+    """Every shuffle of a driver probes its remote tier at one shared path: a probe
+    whose file another probe had removed failed as "not writable"."""
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    other = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    real_rm = tier.fs.rm_file  # (both tiers share fsspec's cached filesystem)
+    interleaved = []
+
+    def rm_after_the_other_probe(path, **kw):
+        if not interleaved:  # the other probe runs to its end between this one's write and rm
+            interleaved.append(path)
+            other.check_reachable()
+        return real_rm(path, **kw)
+
+    monkeypatch.setattr(tier.fs, "rm_file", rm_after_the_other_probe)
+    tier.check_reachable()
+
+
+def test_a_failed_remote_delete_is_a_scrubbed_remote_tier_error(tmp_path, monkeypatch):
+    """Errors other than OSError from deleting a segment (botocore's HTTPClientError)
+    crossed raw, bypassing the scrubber, into the master's last_error."""
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    sid = _one_segment(tier, "shf-a", 0)
+    meta = SegmentMeta(sid, TierName.REMOTE, 1, 1, "", tier.segment_path(sid))
+
+    class HTTPClientError(Exception):
+        pass
+
+    def fail(path, **kw):
+        raise HTTPClientError("connection reset")
+
+    monkeypatch.setattr(tier.fs, "rm_file", fail)
+    with pytest.raises(RemoteTierError, match="deleting .* failed: HTTPClientError"):
+        tier.delete(meta)

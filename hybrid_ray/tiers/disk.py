@@ -137,6 +137,35 @@ def trusted_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
     return None
 
 
+def local_tree_problem(root: str, directories: Sequence[str]) -> str | None:
+    """For a remote tier on the local filesystem (``file://``, a shared mount): why
+    hybrid_ray must not write or remove below ``directories`` (its job, shuffle and
+    subpartition directories under ``root``), or None. Removals go file by file and follow
+    a directory another user swapped for a symlink meanwhile; only someone who can write a
+    directory on the way can swap what is in it, so ``root`` is held to a spill dir's rule
+    (``trusted_dir_problem``) and each of ``directories`` that exists must be a real
+    directory of this user that nobody else can write. ``OSError`` if one cannot be read."""
+    uid = os.geteuid()
+    try:
+        problem = trusted_dir_problem(root, uid)
+    except FileNotFoundError:
+        return None  # no root: nothing below it to write into or remove yet
+    if problem is not None:
+        return f"{root} {problem[0]}"
+    for path in directories:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a real directory"
+        if st.st_uid != uid:
+            return f"{path} is owned by uid {st.st_uid}, not by this user (uid {uid})"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def unsafe_spill_dir(spill_dir: str) -> str | None:
     """Why hybrid_ray must not delete under the existing ``spill_dir`` (its data dir, or
     the dir itself, could be swapped by another user while a removal runs, sending the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import errno
 import os
 import posixpath
 import re
@@ -22,6 +23,7 @@ import threading
 import time
 import traceback
 import urllib.parse
+import uuid
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
@@ -32,11 +34,13 @@ from hybrid_ray.config import TierName
 from hybrid_ray.errors import (
     ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError, UnsafePathError,
 )
-from hybrid_ray.ids import check_id, glob_characters_in, require_inside_remote
+from hybrid_ray.ids import (
+    check_id, glob_characters_in, require_inside_remote, require_normal_remote_path,
+)
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
-from hybrid_ray.tiers.disk import make_private_dir
+from hybrid_ray.tiers.disk import local_tree_problem, make_private_dir
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
@@ -122,7 +126,9 @@ class RemoteTier(Tier):
 
     def check_reachable(self) -> None:
         """Fail now, with the fix, if the remote path cannot be written."""
-        probe = posixpath.join(self.job_root, ".hybrid_ray_probe")
+        # Unique per call: every shuffle of a driver probes the same tier, and with one
+        # shared name a probe removed under another failed as "not writable".
+        probe = posixpath.join(self.job_root, f".hybrid_ray_probe-{uuid.uuid4().hex[:12]}")
         try:
             if self._local:
                 self._put_local(probe, b"ok")
@@ -180,12 +186,37 @@ class RemoteTier(Tier):
         (so the file is unreachable by others from its first byte) and it is made 0600
         before it is renamed into place (readers never see half a file)."""
         make_private_dir(posixpath.dirname(path))
+        self._require_trusted_tree(posixpath.dirname(path))
         # Unique per writer: the transfer threads of a process may write the same shuffle's
         # marker at once, and a shared temporary name was renamed away under one of them.
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
         self.fs.pipe_file(tmp, payload)
         os.chmod(tmp, 0o600)
         self.fs.mv(tmp, path)
+
+    def _require_trusted_tree(self, directory: str) -> None:
+        """On a local filesystem: refuse (``UnsafePathError``) to write or remove below
+        ``directory`` unless the remote root is trusted and every directory from the job
+        directory down to ``directory`` is this user's alone (``local_tree_problem``).
+        ``make_private_dir`` keeps a directory that exists already: one another user
+        created first (a predictable job id) or can write could be swapped for a symlink,
+        and the release's removal would follow it to their choice of files."""
+        if not self._local:
+            return
+        chain = []
+        current = posixpath.normpath(directory)
+        job_root = posixpath.normpath(self.job_root)
+        while current.startswith(job_root.rstrip("/") + "/") or current == job_root:
+            chain.append(current)
+            if current == job_root:
+                break
+            current = posixpath.dirname(current)
+        problem = local_tree_problem(self.root, list(reversed(chain)))
+        if problem is not None:
+            raise UnsafePathError(
+                f"refusing to use the remote tier's directory {self._redactor.scrub(directory)}"
+                f": {problem}. Another user could redirect hybrid_ray's writes and deletes "
+                "there; use a remote_path (or job_id) whose directories are yours alone")
 
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
@@ -201,7 +232,8 @@ class RemoteTier(Tier):
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
         try:
-            if segment.shuffle_id not in self._marked:
+            first = segment.shuffle_id not in self._marked
+            if first:
                 self._write_marker(segment.shuffle_id)
             if self._local:
                 self._put_local(path, payload)
@@ -210,8 +242,12 @@ class RemoteTier(Tier):
             else:
                 tmp = path + ".inprogress"
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                self.fs.pipe_file(tmp, payload)
+                self.fs.pipe_file(tmp, payload, **self._deadline(len(payload)))
                 self.fs.mv(tmp, path)
+            if not first:
+                self._mark_again_if_removed(segment.shuffle_id)
+        except UnsafePathError:
+            raise
         except Exception as exc:
             self._fail(RemoteTierError, f"writing {segment} to the remote tier at {path} "
                        f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
@@ -230,6 +266,17 @@ class RemoteTier(Tier):
             self.fs.pipe_file(marker, shuffle_marker(shuffle_id, self.job_id),
                               **self._deadline())
         self._marked.add(shuffle_id)
+
+    def _mark_again_if_removed(self, shuffle_id: str) -> None:
+        """After a segment landed: mark the shuffle's directory again if its marker is gone.
+        A write that outlived its shuffle's release (a cancelled Spark query's upload in
+        flight, a writer killed before its abort) recreates the directory; unmarked, it was
+        invisible to `hybrid-ray cleanup` for good. Checked after the write, as the release
+        removes the marker last. One existence check (a HEAD on S3) per segment."""
+        marker = posixpath.join(self.shuffle_path(shuffle_id), SHUFFLE_MARKER_NAME)
+        if not self.fs.exists(marker, **self._deadline()):
+            self._marked.discard(shuffle_id)
+            self._write_marker(shuffle_id)
 
     # ---- background transfers ---------------------------------------------------------------
     # An object store answers one request at a time per connection, with a round trip of
@@ -271,7 +318,9 @@ class RemoteTier(Tier):
     def read_frame(self, path: str, nbytes: int, what: str) -> bytes:
         """The ``nbytes`` stored at ``path``, which must lie below the job directory
         (paths also come from other processes, e.g. a JVM reader's request)."""
-        require_inside_remote(self.job_root, path, "read", self._redactor.scrub(self.job_root))
+        shown = self._redactor.scrub(self.job_root)
+        require_inside_remote(self.job_root, path, "read", shown)
+        require_normal_remote_path(path, "read", shown)
         try:
             # The size is known: a ranged read is one GET (s3fs otherwise sends a HEAD
             # first to decide whether to split the download).
@@ -302,10 +351,14 @@ class RemoteTier(Tier):
                 f"refusing to delete {self._redactor.scrub(location)!r}: it is not a segment "
                 f"object of shuffle {meta.id.shuffle_id} (<shuffle>/sub-NNNNN/<file>). This "
                 "is a bug in the caller; please report it")
+        require_normal_remote_path(meta.location, "delete", self._redactor.scrub(shuffle_dir))
         try:
             self.fs.rm_file(meta.location)
         except FileNotFoundError:
             pass
+        except Exception as exc:  # a library's error may quote a signed URL: scrubbed
+            self._fail(RemoteTierError, f"deleting {meta.id} from the remote tier at "
+                       f"{location} failed: {_describe(exc)}", exc)
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
         path = require_inside_remote(self.job_root, self.shuffle_path(shuffle_id), "remove",
@@ -313,13 +366,12 @@ class RemoteTier(Tier):
         # A map still running when its shuffle is released (a failed shuffle's other maps)
         # may land one more segment while the tree is removed ("Directory not empty" on a
         # local path); its refused commit deletes that segment, so removing again suffices.
+        self._require_trusted_tree(path)
         for attempt in range(REMOVE_ATTEMPTS):
             try:
-                remove_remote_tree(self.fs, path)
+                remove_remote_tree(self.fs, path)  # verifies that nothing is left
                 break
-            except FileNotFoundError:
-                break
-            except OSError as exc:
+            except Exception as exc:  # scrubbed: a library's error may quote a signed URL
                 if attempt == REMOVE_ATTEMPTS - 1:
                     self._fail(RemoteTierError, f"removing shuffle {shuffle_id} from the "
                                f"remote tier at {path} failed: {type(exc).__name__}: {exc}",
@@ -343,11 +395,25 @@ def remove_remote_tree(fs: Any, path: str) -> None:
         return
     data = [f for f in files if posixpath.basename(f) != SHUFFLE_MARKER_NAME]
     if data:
-        fs.rm(data)
+        try:
+            fs.rm(data)
+        except FileNotFoundError:  # one vanished meanwhile; the local rm stops there
+            pass
     try:
         fs.rm(path, recursive=True)
     except FileNotFoundError:
         pass
+    # Whatever each call said: a local rm stops at the first file that vanished, and S3's
+    # DeleteObjects answers 200 with per-key errors, which s3fs does not raise. A tree
+    # not gone raises, so the caller retries (and the master keeps the deletion queued).
+    fs.invalidate_cache(path)
+    try:
+        left = [f for f in fs.find(path) if f]
+    except FileNotFoundError:
+        return
+    if left:
+        raise OSError(errno.ENOTEMPTY, f"{len(left)} object(s) still under the shuffle's "
+                      "remote directory after its removal")
 
 
 def filesystem_options(remote_path: str, storage_options: Mapping[str, Any] | None
