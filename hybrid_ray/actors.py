@@ -731,7 +731,9 @@ class ShuffleMasterActor:
         """Release Spark shuffles (``shuffles`` and/or all ids with ``prefix``), keeping
         their summaries for ``spark_reports``."""
         parsed = json.loads(request)
-        with self._lock:
+        # _changing: readers long-polling (poll, spark_await_blocks) learn of the release
+        # now, not at their 1 s bound.
+        with self._changing():
             ids = spark_jvm.matching(self.registry, parsed)
             if parsed.get("close_session"):
                 self._spark_sessions.close(str(parsed["close_session"]))

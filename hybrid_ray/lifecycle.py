@@ -490,7 +490,11 @@ class MapRunner:
                     self.last_progress = time.monotonic()
                 except WORKER_LOST_ERRORS as exc:
                     node = self._writers[slot][0]
-                    if lost_with_node(node, exc):
+                    # A held shuffle is heartbeat by its keeper's thread (its call timer
+                    # is not reentrant); any other by this one, also while it waits here.
+                    beat = None if held_shuffle(self._lifecycle.shuffle_id) is not None \
+                        else self._lifecycle.heartbeat
+                    if lost_with_node(node, exc, beat):
                         self._drop_node(node)
                     elif self._resubmitted[map_index] < RESUBMITS_AFTER_WORKER_LOSS:
                         # Its writer process died more often than Ray retries a call,

@@ -144,10 +144,15 @@ class ShuffleRegistry:
     of deleting, so this class is testable without a cluster."""
 
     def __init__(self, delete_segments: Deleter, release_data: Releaser,
-                 clock: Callable[[], float] = time.time, delete_inline: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, delete_inline: bool = True
+                 ) -> None:
         """``delete_inline``: run queued deletions at the end of each call that queued one
         (plain use and tests). The master actor passes False and runs ``run_deletions``
-        itself, outside its lock, so slow or failing storage never blocks the books."""
+        itself, outside its lock, so slow or failing storage never blocks the books.
+
+        ``clock``: monotonic, as orphan expiry compares heartbeat ages with it: on the wall
+        clock, a VM resumed from a pause (or a clock stepped forward) expired every shuffle
+        at the next check, before any driver could beat, deleting data in use."""
         self._shuffles: dict[str, ShuffleState] = {}
         self._delete_segments_io = delete_segments
         self._release_data_io = release_data
@@ -276,6 +281,7 @@ class ShuffleRegistry:
         if m.current_attempt >= 0:
             self._drop_attempt(state, m, m.current_attempt)
             state.superseded_attempts += 1
+        state.lost.discard(map_index)  # its re-run has begun (see take_lost)
         m.current_attempt += 1
         m.segments[m.current_attempt] = collections.defaultdict(list)
         m.pid, m.node_id, m.started = pid, node_id, self._clock()
@@ -352,11 +358,16 @@ class ShuffleRegistry:
         state.lost_maps_rerun += 1
         return True
 
+    def now(self) -> float:
+        """The registry's clock (monotonic seconds): what its timestamps are read against."""
+        return self._clock()
+
     def take_lost(self, shuffle_id: str) -> list[int]:
-        """Maps the driver must run again (each returned once)."""
-        state = self._get(shuffle_id)
-        lost, state.lost = sorted(state.lost), set()
-        return lost
+        """Maps the driver must run again: each is returned until an attempt of it begins
+        (``begin_map``). Handed out once, a map whose answer was lost (a call that timed
+        out in the driver) was never run again, and its readers waited out the stall
+        bound; the driver drops a map it is running already (``MapRunner._requeue``)."""
+        return sorted(self._get(shuffle_id).lost)
 
     # ---- the read side -------------------------------------------------------------------------
     def poll(self, shuffle_id: str, subpartition: int,

@@ -9,6 +9,7 @@ again), the first fails the shuffle with its error.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import ray
 
@@ -40,9 +41,15 @@ RESUBMITS_AFTER_WORKER_LOSS = 1
 NODE_DEATH_WAIT_S = 15.0
 
 
-def lost_with_node(node_id: str | None, exc: BaseException) -> bool:
+def lost_with_node(node_id: str | None, exc: BaseException,
+                   keep_alive: Callable[[], None] | None = None) -> bool:
     """Whether a worker call failed because ``node_id`` died (waits, bounded, for Ray's
-    node table to agree; an unschedulable hard-pinned actor means the node is gone)."""
+    node table to agree; an unschedulable hard-pinned actor means the node is gone).
+
+    ``keep_alive`` is called on every turn of the wait: a driver's shuffle heartbeat. The
+    wait (up to NODE_DEATH_WAIT_S) is as long as the shortest orphan TTL, so a driver
+    that waited without beating could see its shuffle expired, and its data deleted, in
+    the middle of a failure it recovers from."""
     if not node_id:
         return False
     if isinstance(exc, ray.exceptions.ActorUnschedulableError):
@@ -51,6 +58,8 @@ def lost_with_node(node_id: str | None, exc: BaseException) -> bool:
     while time.monotonic() < deadline:
         if not node_alive(node_id):
             return True
+        if keep_alive is not None:
+            keep_alive()
         time.sleep(0.5)
     return False
 

@@ -27,7 +27,14 @@ class Partitioner(abc.ABC):
 
     @abc.abstractmethod
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
-        """Subpartition of every row of ``table`` (an integer array of ``len(table)``)."""
+        """Subpartition of every row of ``table`` (an integer array of ``len(table)``).
+
+        Must be deterministic: the same table and ``map_index`` give the same labels.
+        A map whose output was lost (its writer's node died) runs again, and its rows of
+        subpartitions already reduced and freed are dropped from the re-run; labels that
+        changed between the runs would duplicate some rows and lose others. The built-in
+        partitioners are (``RandomPartitioner`` seeds each map's stream from its seed and
+        ``map_index``)."""
 
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
         """Transform a reducer's complete partition; the default keeps it as read."""

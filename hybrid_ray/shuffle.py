@@ -338,11 +338,18 @@ def _check_outputs_survived(refs: Sequence[ray.ObjectRef | None], readers: _Read
                             ) -> None:
     """After a node died mid-shuffle: an output block that lived on it is gone, and its
     subpartition's segments were freed when its reducer finished, so it cannot be made
-    again. Fail now, naming the node, rather than hand out a Dataset with a hole."""
-    if not readers.lost_nodes:
+    again. Fail now, naming the node, rather than hand out a Dataset with a hole.
+
+    Ray's node table is asked too (one call): a node can die while nothing of the shuffle
+    runs there, its maps' lost segments run again elsewhere, and the driver never learns
+    that the outputs its readers stored there went with it."""
+    output_nodes = {readers.node_of(sub) for sub, ref in enumerate(refs) if ref is not None}
+    alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+    dead = readers.lost_nodes | {n for n in output_nodes if n and n not in alive}
+    if not dead:
         return
     lost = [sub for sub, ref in enumerate(refs)
-            if ref is not None and readers.node_of(sub) in readers.lost_nodes]
+            if ref is not None and readers.node_of(sub) in dead]
     if lost:
         nodes = sorted({readers.node_of(sub) for sub in lost})
         raise ShuffleFailedError(
@@ -506,7 +513,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                     ray.get(ref)  # raise a failed reducer's error now
                 except WORKER_LOST_ERRORS as exc:
                     node = readers.node_of(sub)
-                    if not lost_with_node(node, exc):
+                    if not lost_with_node(node, exc, shuffle.heartbeat):
                         # Its reader process died more often than Ray retries a call,
                         # perhaps while it ran the reducer queued ahead of this one.
                         if resubmitted[sub] >= RESUBMITS_AFTER_WORKER_LOSS:

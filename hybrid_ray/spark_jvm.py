@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -306,7 +305,7 @@ def summary(registry: ShuffleRegistry, shuffle_id: str) -> dict[str, Any]:
                           for n, tiers in per_node_tier.items()},
         "superseded_attempts": state.superseded_attempts,
         "spilling": state.config.spilling.value,
-        "age_s": time.time() - state.created,
+        "age_s": registry.now() - state.created,
         "released": False,
     }
 

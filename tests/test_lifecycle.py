@@ -354,7 +354,7 @@ def test_a_map_reported_lost_before_its_finished_run_is_collected_runs_again(mon
     assert registry.report_lost(sid, 0, 0) is True
     runner._lost_asked = runner._lost_interval = 0
     runner.poll(set())
-    assert registry.state(sid).lost == set()  # handed out: the runner alone knows now
+    assert registry.state(sid).lost == {0}  # handed out, kept until its re-run begins
     runner.poll({ref0})  # map 0's first run returns (its output since lost)
     assert [(m, a) for m, a, _ in writer_a.runs] == [(0, 0), (0, None)], \
         "map 0 was not run again: its lost output would never be replaced"
@@ -494,3 +494,66 @@ def test_frees_of_the_last_reducers_are_sent_at_once_with_those_held_back():
     assert Master.free_subpartitions.sent == [[0]]
     shuffle.free_subpartition(3, now=True)
     assert Master.free_subpartitions.sent == [[0], [1, 2, 3]]
+
+
+def test_a_lost_map_whose_hand_out_answer_was_lost_is_still_run_again():
+    """take_lost emptied the master's lost set as it answered: when that answer never
+    reached the keeper of a held shuffle (a call that timed out), the map was never run
+    again and every reader of it waited out the stall bound. The map is now handed out
+    until its re-run begins."""
+    from hybrid_ray.config import ShuffleConfig
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.master import ShuffleRegistry
+
+    registry = ShuffleRegistry(lambda *_: None, lambda *_: None)
+    sid = "shf-lostanswer0"
+    registry.register(sid, 1, 1, ShuffleConfig(progress=False), recoverable=True)
+    attempt = registry.begin_map(sid, 0, "node-a")
+    assert registry.finish_map(sid, 0, attempt, None, [])
+    assert registry.report_lost(sid, 0, attempt) is True
+
+    class Lifecycle:
+        shuffle_id, asks = sid, 0
+
+        def heartbeat(self):
+            pass
+
+        def take_lost(self):
+            self.asks += 1
+            lost = registry.take_lost(sid)  # the master answered...
+            if self.asks == 1:  # ...but the answer did not arrive in time
+                raise ShuffleStalledError("the shuffle master's take_lost got no answer")
+            return lost
+
+    rerun_with = []
+    done = threading.Event()
+
+    def rerun(maps):
+        rerun_with.append(list(maps))
+        done.set()
+
+    held = lifecycle._HeldShuffles()
+    shuffle = Lifecycle()
+    with held._lock:  # held without starting the keeper's thread: turns run by hand
+        held._held[sid] = (shuffle, rerun)
+    held._tend(shuffle, rerun)
+    assert rerun_with == []
+    held._tend(shuffle, rerun)
+    assert done.wait(10) and rerun_with == [[0]]
+
+
+def test_the_driver_heartbeats_while_it_waits_for_a_node_to_be_declared_dead(monkeypatch):
+    """A worker call that failed with its node still alive made the driver poll Ray's
+    node table for NODE_DEATH_WAIT_S (15 s) without heartbeating: as long as the
+    shortest orphan TTL, so the master could expire the shuffle, deleting its data, in
+    the middle of a failure the driver recovers from."""
+    from hybrid_ray import nodes
+    from hybrid_ray.config import DRIVER_HEARTBEAT_S
+
+    assert nodes.NODE_DEATH_WAIT_S >= MIN_ORPHAN_TTL_S - DRIVER_HEARTBEAT_S  # why it matters
+    monkeypatch.setattr(nodes, "NODE_DEATH_WAIT_S", 1.2)
+    monkeypatch.setattr(nodes, "node_alive", lambda node: True)
+    beats = []
+    error = ray.exceptions.RayActorError()
+    assert nodes.lost_with_node("n" * 56, error, lambda: beats.append(1)) is False
+    assert len(beats) >= 2

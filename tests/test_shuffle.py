@@ -518,3 +518,25 @@ def test_pieces_of_a_split_map_keep_every_row_once_in_input_order(ray_local, tmp
     with pytest.raises(ValueError, match=r"piece 2 of 2: index must be in \[0, 2\)"):
         BlockPiece(refs[0], 2, 2)
     assert_no_leftovers(cfg, ray_local)
+
+
+def test_outputs_on_a_node_that_died_unseen_by_the_driver_fail_the_shuffle(monkeypatch):
+    """A node can die while nothing of the shuffle runs on it (its maps' lost segments
+    run again elsewhere): the driver never saw it go, and handed out a Dataset whose
+    blocks stored there were gone. Ray's node table is now asked before returning."""
+    from hybrid_ray import shuffle as shuffle_mod
+
+    class Pool:
+        lost_nodes: set = set()
+
+        def node_of(self, sub):
+            return {0: "n1", 1: "n2"}[sub]
+
+    monkeypatch.setattr(shuffle_mod.ray, "nodes", lambda: [
+        {"NodeID": "n1", "Alive": True}, {"NodeID": "n2", "Alive": False}])
+    with pytest.raises(ShuffleFailedError, match=r"node\(s\) n2 died after reducing "
+                                                 r"partitions \[1\]"):
+        shuffle_mod._check_outputs_survived(["ref-0", "ref-1"], Pool())
+    monkeypatch.setattr(shuffle_mod.ray, "nodes", lambda: [
+        {"NodeID": "n1", "Alive": True}, {"NodeID": "n2", "Alive": True}])
+    shuffle_mod._check_outputs_survived(["ref-0", "ref-1"], Pool())

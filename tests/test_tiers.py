@@ -399,21 +399,6 @@ def _one_segment(tier: RemoteTier, shuffle: str, m: int) -> SegmentId:
     return sid
 
 
-def test_a_late_remote_write_after_the_release_marks_its_directory_again(tmp_path):
-    """The remote tier remembered per process that it had marked a shuffle, so a write
-    landing after the release (which removes the marker) left an unmarked directory that
-    `hybrid-ray cleanup` never finds."""
-    from hybrid_ray.cleanup import find_remote_orphans
-
-    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
-    _one_segment(tier, "shf-a", 0)
-    tier.remove_shuffle_data("shf-a")
-    assert files_under(str(tmp_path / "remote")) == []
-    _one_segment(tier, "shf-a", 1)  # a map's upload still in flight at the release
-    plan = find_remote_orphans(f"file://{tmp_path}/remote")
-    assert [c.shuffle_id for c in plan.candidates] == ["shf-a"]
-
-
 def test_a_remote_removal_that_leaves_objects_is_retried_then_raises(tmp_path, monkeypatch):
     """A local rm stops at the first file that vanished meanwhile, and S3's DeleteObjects
     answers 200 with per-key errors: either way the release reported success and the

@@ -232,8 +232,7 @@ class RemoteTier(Tier):
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
         try:
-            first = segment.shuffle_id not in self._marked
-            if first:
+            if segment.shuffle_id not in self._marked:
                 self._write_marker(segment.shuffle_id)
             if self._local:
                 self._put_local(path, payload)
@@ -244,8 +243,6 @@ class RemoteTier(Tier):
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
                 self.fs.pipe_file(tmp, payload, **self._deadline(len(payload)))
                 self.fs.mv(tmp, path)
-            if not first:
-                self._mark_again_if_removed(segment.shuffle_id)
         except UnsafePathError:
             raise
         except Exception as exc:
@@ -266,17 +263,6 @@ class RemoteTier(Tier):
             self.fs.pipe_file(marker, shuffle_marker(shuffle_id, self.job_id),
                               **self._deadline())
         self._marked.add(shuffle_id)
-
-    def _mark_again_if_removed(self, shuffle_id: str) -> None:
-        """After a segment landed: mark the shuffle's directory again if its marker is gone.
-        A write that outlived its shuffle's release (a cancelled Spark query's upload in
-        flight, a writer killed before its abort) recreates the directory; unmarked, it was
-        invisible to `hybrid-ray cleanup` for good. Checked after the write, as the release
-        removes the marker last. One existence check (a HEAD on S3) per segment."""
-        marker = posixpath.join(self.shuffle_path(shuffle_id), SHUFFLE_MARKER_NAME)
-        if not self.fs.exists(marker, **self._deadline()):
-            self._marked.discard(shuffle_id)
-            self._write_marker(shuffle_id)
 
     # ---- background transfers ---------------------------------------------------------------
     # An object store answers one request at a time per connection, with a round trip of
