@@ -454,4 +454,12 @@ def validate_remote_path(path: Any) -> str:
         raise ConfigError(
             f"remote_path {shown!r} is a relative local path; write file:///abs/path "
             "(three slashes) so every node resolves the same directory")
+    # Reads and deletes refuse paths with empty, '.' or '..' components (the storage acts
+    # on the path as given: see ids.require_normal_remote_path), so such a remote_path
+    # wrote segments that could then never be read back.
+    components = location.rstrip("/").split("?", 1)[0].lstrip("/").split("/")
+    if any(c in ("", ".", "..") for c in components):
+        raise ConfigError(
+            f"remote_path {shown!r} has an empty, '.' or '..' component ('//', '/./' or "
+            "'/../'); write the path in its normal form, e.g. s3://bucket/prefix")
     return path.rstrip("/")

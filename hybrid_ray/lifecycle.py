@@ -243,6 +243,10 @@ class ShuffleLifecycle:
             self._frees.append(subpartition)
         self._send_frees(now)
 
+    def flush_frees(self) -> None:
+        """Send every free held back now, in one call (see ``free_subpartition``)."""
+        self._send_frees(now=True)
+
     def _send_frees(self, now: bool = False) -> None:
         if not self._frees or (not now and time.monotonic() - self._frees_sent < FREE_BATCH_S):
             return
@@ -428,6 +432,10 @@ class MapRunner:
         # Maps submitted again after their writer process died (nodes module).
         self._resubmitted: collections.Counter[int] = collections.Counter()
         self._lost_asked = 0.0  # when the master was last asked for lost maps (monotonic)
+        # Monotonic times: when each map's latest run was handed out, and when the master
+        # first named each map it still names as lost (see poll).
+        self._dispatched: dict[int, float] = {}
+        self._lost_since: dict[int, float] = {}
         self._lost_interval = LOST_MAPS_POLL_S  # until the next ask (see poll)
         # Maps whose attempt 0 began at registration: their first run here is attempt 0.
         self._begun = lifecycle.take_begun_maps()
@@ -507,11 +515,16 @@ class MapRunner:
                     self._lost_while_running.discard(map_index)
                     self._requeue([map_index])
         if time.monotonic() - self._lost_asked >= self._lost_interval:
-            self._lost_asked = time.monotonic()
+            self._lost_asked = now = time.monotonic()
             lost = self._lifecycle.take_lost()
             self._lost_interval = LOST_MAPS_POLL_S if lost else \
                 min(2 * self._lost_interval, LOST_MAPS_POLL_MAX_S)
-            self._requeue(lost)
+            # The master names a lost map until its re-run begins (take_lost): a map whose
+            # run was handed out after it was first named is that re-run, not a new loss.
+            self._lost_since = {m: self._lost_since.get(m, now) for m in lost}
+            running = {m for m, _ in self._in_flight()}
+            self._requeue([m for m in lost if not (
+                m in running and self._dispatched.get(m, -1.0) >= self._lost_since[m])])
         self._dispatch()
 
     def run_to_end(self, wait_s: float = 1.0) -> dict[int, Any]:
@@ -613,6 +626,7 @@ class MapRunner:
         self._begun.discard(pick)
         ref = writer.run.remote(self._map_fn, self._lifecycle.shuffle_id, pick,
                                 self._inputs[pick], *self._args, attempt=attempt)
+        self._dispatched[pick] = time.monotonic()
         self._running.setdefault(slot, []).append((pick, ref))
         if self.first_dispatch is None:
             self.first_dispatch = time.perf_counter()

@@ -344,7 +344,10 @@ def _check_outputs_survived(refs: Sequence[ray.ObjectRef | None], readers: _Read
     runs there, its maps' lost segments run again elsewhere, and the driver never learns
     that the outputs its readers stored there went with it."""
     output_nodes = {readers.node_of(sub) for sub, ref in enumerate(refs) if ref is not None}
-    alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+    try:
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 - GCS restarting: fall back to what the driver saw
+        alive = output_nodes
     dead = readers.lost_nodes | {n for n in output_nodes if n and n not in alive}
     if not dead:
         return
@@ -506,6 +509,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
         if maps.lost_nodes - readers.lost_nodes:
             readers.drop_nodes(maps.lost_nodes)
         maps_done = maps.done
+        freed_now = False
         if running:
             for ref in [r for r in ready if r in running]:
                 sub = running.pop(ref)
@@ -535,10 +539,15 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                 reducer_times = ray.get(times_refs[sub])
                 times.waiting += reducer_times.waiting
                 times.control_plane += reducer_times.control_plane
-                # Its block is stored (owned by this driver): its segments can go now;
-                # at once for the last reducers (every subpartition handed out), so the
-                # release has little left to delete (see free_subpartition).
-                shuffle.free_subpartition(sub, now=maps_done and not todo)
+                # Its block is stored (owned by this driver): its segments can go now
+                # (batched; see below for the last reducers).
+                shuffle.free_subpartition(sub)
+                freed_now = True
+            if freed_now and maps_done and not todo:
+                # The last reducers (every subpartition handed out): their frees go at
+                # once, one call for this turn's, so the release has little left to
+                # delete (see ShuffleLifecycle.free_subpartition).
+                shuffle.flush_frees()
         if hybrid or maps_done:
             while readers.can_take(len(todo)):
                 sub = todo.popleft()

@@ -358,6 +358,11 @@ def test_a_map_reported_lost_before_its_finished_run_is_collected_runs_again(mon
     runner.poll({ref0})  # map 0's first run returns (its output since lost)
     assert [(m, a) for m, a, _ in writer_a.runs] == [(0, 0), (0, None)], \
         "map 0 was not run again: its lost output would never be replaced"
+    # The master names map 0 until its re-run begins: asked again meanwhile, the runner
+    # knows the run in flight is that re-run and queues no third one.
+    runner._lost_asked = runner._lost_interval = 0
+    runner.poll(set())
+    assert [(m, a) for m, a, _ in writer_a.runs] == [(0, 0), (0, None)]
     (_, _, ref1), = writer_b.runs
     assert registry.finish_map(sid, 1, 0, None, [])
     runner.poll({ref1})

@@ -540,3 +540,21 @@ def test_outputs_on_a_node_that_died_unseen_by_the_driver_fail_the_shuffle(monke
     monkeypatch.setattr(shuffle_mod.ray, "nodes", lambda: [
         {"NodeID": "n1", "Alive": True}, {"NodeID": "n2", "Alive": True}])
     shuffle_mod._check_outputs_survived(["ref-0", "ref-1"], Pool())
+
+
+def test_a_node_table_that_cannot_be_read_does_not_fail_a_finished_shuffle(monkeypatch):
+    """The end-of-shuffle check of output nodes asks Ray's node table; a GCS that cannot
+    answer must not turn a shuffle whose outputs are stored into a failure."""
+    from hybrid_ray import shuffle as shuffle_mod
+
+    class Pool:
+        lost_nodes: set = set()
+
+        def node_of(self, sub):
+            return "n1"
+
+    def unavailable():
+        raise RuntimeError("GCS unavailable")
+
+    monkeypatch.setattr(shuffle_mod.ray, "nodes", unavailable)
+    shuffle_mod._check_outputs_survived(["ref-0"], Pool())

@@ -16,6 +16,7 @@ from hybrid_ray import (
     CorruptSegmentError, MiB, RemoteTierError, SegmentId, ShuffleConfig, TierName,
     decode_segment, encode_segment,
 )
+from hybrid_ray.errors import ConfigError, UnsafePathError
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, MemoryTier, RemoteTier
 
@@ -464,3 +465,24 @@ def test_a_failed_remote_delete_is_a_scrubbed_remote_tier_error(tmp_path, monkey
     monkeypatch.setattr(tier.fs, "rm_file", fail)
     with pytest.raises(RemoteTierError, match="deleting .* failed: HTTPClientError"):
         tier.delete(meta)
+
+
+def test_a_remote_path_that_reads_could_never_resolve_is_refused_up_front():
+    """Reads and deletes refuse paths with empty, '.' or '..' components; a remote_path
+    with '//' was accepted and wrote segments that could then never be read back."""
+    for bad in ("s3://bucket//shuffle", "file:///data//hr", "s3://bucket/./x",
+                "file:///data/../hr"):
+        with pytest.raises(ConfigError, match=r"empty, '\.' or '\.\.' component"):
+            ShuffleConfig(remote_path=bad)
+    assert ShuffleConfig(remote_path="s3://bucket/shuffle/").remote_path == "s3://bucket/shuffle"
+
+
+def test_an_untrusted_local_remote_root_gets_no_directory_and_its_own_reason(tmp_path):
+    """The probe created the job directory inside a root another user could write before
+    refusing it, and the refusal read as an unreachable store."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(UnsafePathError, match=r"world-writable without the sticky bit"):
+        RemoteTier(MiB, f"file://{root}", "job-1")
+    assert os.listdir(root) == []

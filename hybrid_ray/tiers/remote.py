@@ -137,6 +137,8 @@ class RemoteTier(Tier):
                     self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
                 self.fs.pipe_file(probe, b"ok", **self._deadline())
             self.fs.rm_file(probe, **self._deadline())
+        except UnsafePathError:  # its own reason and fix; not an unreachable store
+            raise
         except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
             self._fail(
                 RemoteTierError,
@@ -185,6 +187,9 @@ class RemoteTier(Tier):
         """A local file, private like the disk tier's: its directories are created 0700
         (so the file is unreachable by others from its first byte) and it is made 0600
         before it is renamed into place (readers never see half a file)."""
+        # Checked before anything is created in an untrusted root, and again after (the
+        # directories created or found on the way).
+        self._require_trusted_tree(posixpath.dirname(path))
         make_private_dir(posixpath.dirname(path))
         self._require_trusted_tree(posixpath.dirname(path))
         # Unique per writer: the transfer threads of a process may write the same shuffle's
