@@ -362,13 +362,18 @@ class RemoteTier(Tier):
             try:
                 remove_remote_tree(self.fs, path)  # verifies that nothing is left
                 break
-            except Exception as exc:  # scrubbed: a library's error may quote a signed URL
+            except OSError as exc:  # a tree still changing (a late segment): again, soon
                 if attempt == REMOVE_ATTEMPTS - 1:
                     self._fail(RemoteTierError, f"removing shuffle {shuffle_id} from the "
                                f"remote tier at {path} failed: {type(exc).__name__}: {exc}",
                                exc)
                 self.fs.invalidate_cache()
                 time.sleep(0.2 * (attempt + 1))
+            except Exception as exc:  # the store unreachable: the master retries later
+                # (at once: retried here, a store that is down held the release for all
+                # attempts' timeouts). Scrubbed: a library's error may quote a signed URL.
+                self._fail(RemoteTierError, f"removing shuffle {shuffle_id} from the remote "
+                           f"tier at {path} failed: {type(exc).__name__}: {exc}", exc)
         self.fs.invalidate_cache()
 
 
