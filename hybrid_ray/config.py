@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any
 
 from hybrid_ray.errors import ConfigError, UnknownTierError
-from hybrid_ray.ids import check_id, glob_characters_in
+from hybrid_ray.ids import check_id, glob_characters_in, has_abnormal_component
 from hybrid_ray.redaction import redact_url, redacted_options
 
 KiB = 1024
@@ -457,8 +457,7 @@ def validate_remote_path(path: Any) -> str:
     # Reads and deletes refuse paths with empty, '.' or '..' components (the storage acts
     # on the path as given: see ids.require_normal_remote_path), so such a remote_path
     # wrote segments that could then never be read back.
-    components = location.rstrip("/").split("?", 1)[0].lstrip("/").split("/")
-    if any(c in ("", ".", "..") for c in components):
+    if has_abnormal_component(location.rstrip("/").split("?", 1)[0].lstrip("/")):
         raise ConfigError(
             f"remote_path {shown!r} has an empty, '.' or '..' component ('//', '/./' or "
             "'/../'); write the path in its normal form, e.g. s3://bucket/prefix")

@@ -124,13 +124,19 @@ def require_inside_remote(root: str, path: str, action: str, shown_root: str = "
     return path
 
 
+def has_abnormal_component(path: str) -> bool:
+    """Whether '/'-separated ``path`` (one leading '/' allowed) has an empty, ``.`` or
+    ``..`` component."""
+    components = path[1:].split("/") if path.startswith("/") else path.split("/")
+    return any(c in ("", ".", "..") for c in components)
+
+
 def require_normal_remote_path(path: str, action: str, shown_root: str) -> str:
     """Raise ``UnsafePathError`` if remote ``path`` has an empty, ``.`` or ``..``
     component. ``require_inside_remote`` is lexical, but the call that follows acts on
     ``path`` as given: s3fs takes the first component of 'other/../bucket/key' for the
     bucket, and a local filesystem resolves 'link/..' through the link."""
-    components = path[1:].split("/") if path.startswith("/") else path.split("/")
-    if any(c in ("", ".", "..") for c in components):
+    if has_abnormal_component(path):
         raise UnsafePathError(
             f"refusing to {action} a remote path below {shown_root}: it has an empty, '.' "
             "or '..' component, so the storage could resolve it elsewhere than it reads. "

@@ -228,23 +228,20 @@ class ShuffleLifecycle:
         """Maps whose finished output was lost, to run again (each returned once)."""
         return self._call(self.master.take_lost)
 
-    def free_subpartition(self, subpartition: int, now: bool = False) -> None:
+    def free_subpartition(self, subpartition: int) -> None:
         """A reducer's output is stored: its subpartition's segments can go. Sent with the
-        others freed within ``FREE_BATCH_S`` (by this call or the next ``heartbeat``), or
-        at once with every one held back if ``now``; not waited for, checked at the next
-        heartbeat or at ``summary``. Frees still unsent at ``release`` are dropped: the
-        release deletes everything.
-
-        ``now`` is for the last reducers of a shuffle: a batch held back then was deleted
-        by the release instead, while the driver waited and the cores idled (40-55 ms of
-        disk-tier unlinks at the end of a 2 s 1 GiB shuffle); sent at once, the deletions
-        run beside the last reducers."""
+        others freed within ``FREE_BATCH_S`` (by this call, the next ``heartbeat`` or
+        ``flush_frees``); not waited for, checked at the next heartbeat or at ``summary``.
+        Frees still unsent at ``release`` are dropped: the release deletes everything."""
         with self._unchecked_lock:
             self._frees.append(subpartition)
-        self._send_frees(now)
+        self._send_frees()
 
     def flush_frees(self) -> None:
-        """Send every free held back now, in one call (see ``free_subpartition``)."""
+        """Send every free held back now, in one call. For the last reducers of a shuffle:
+        a batch held back then was deleted by the release instead, while the driver waited
+        and the cores idled (40-55 ms of disk-tier unlinks at the end of a 2 s 1 GiB
+        shuffle); sent at once, the deletions run beside the last reducers."""
         self._send_frees(now=True)
 
     def _send_frees(self, now: bool = False) -> None:

@@ -11,8 +11,8 @@ deletes what it wrote before its error propagates.
 from __future__ import annotations
 
 import collections
-import os
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 

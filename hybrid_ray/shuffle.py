@@ -546,7 +546,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
             if freed_now and maps_done and not todo:
                 # The last reducers (every subpartition handed out): their frees go at
                 # once, one call for this turn's, so the release has little left to
-                # delete (see ShuffleLifecycle.free_subpartition).
+                # delete (see ShuffleLifecycle.flush_frees).
                 shuffle.flush_frees()
         if hybrid or maps_done:
             while readers.can_take(len(todo)):

@@ -497,7 +497,8 @@ def test_frees_of_the_last_reducers_are_sent_at_once_with_those_held_back():
     shuffle.free_subpartition(1)  # held back: within FREE_BATCH_S of the first
     shuffle.free_subpartition(2)
     assert Master.free_subpartitions.sent == [[0]]
-    shuffle.free_subpartition(3, now=True)
+    shuffle.free_subpartition(3)
+    shuffle.flush_frees()
     assert Master.free_subpartitions.sent == [[0], [1, 2, 3]]
 
 
