@@ -40,7 +40,11 @@ from hybrid_ray.tiers import Grant
 JVM_CONFIG_FIELDS = ("memory_fraction", "memory_capacity_bytes", "spill_dirs",
                      "min_reserve_fraction", "disk_capacity_bytes", "segment_bytes", "spilling",
                      "memory_weight", "job_id", "orphan_ttl_s", "namespace")
-SESSION_FIELD = "session"
+# Named so that Spark's default ``spark.redaction.regex`` (``secret|password|token|
+# access.?key``, matched against keys and values) hides the whole ``spark.hybridray.config``
+# value in the UI's Environment tab and the event logs: the token is the key the master hands
+# the session's whole config (remote-tier credentials included) out under.
+SESSION_FIELD = "session_token"
 # Released Spark shuffles whose summaries the master keeps for ``spark_shuffle_reports``.
 SPARK_HISTORY = 1000
 # Spark sessions whose full ShuffleConfig the master keeps (the oldest are forgotten first;

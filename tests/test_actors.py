@@ -517,7 +517,7 @@ def test_a_spark_shuffle_its_driver_registered_outlives_the_tier_manager_s_sweep
     master = get_master(namespace)
     tm = get_tier_manager(ray.get_runtime_context().get_node_id(), namespace)
     ray.get(master.spark_open_session.remote("tok", cfg))
-    config = {"session": "tok"}
+    config = {"session_token": "tok"}
 
     def lease(shuffle):
         return json.loads(ray.get(tm.spark_lease.remote(json.dumps(

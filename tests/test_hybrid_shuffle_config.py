@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import pytest
@@ -77,7 +78,7 @@ def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):
     sessions = SparkSessions()
     sessions.open("s1", config)
     carried = json.loads(config_to_json(config, "s1"))
-    assert carried["session"] == "s1" and "s3cr3t" not in json.dumps(carried)
+    assert carried["session_token"] == "s1" and "s3cr3t" not in json.dumps(carried)
     # The master's copy, remote tier and credentials included, wins over the carried part.
     assert resolve_config(carried, sessions.get) == config
     # An unknown (or closed) session falls back to what Spark's conf carries: no remote.
@@ -87,6 +88,19 @@ def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):
     for i in range(SPARK_SESSIONS + 5):
         sessions.open(f"t{i}", config)
     assert sessions.get("t0") is None and sessions.get(f"t{SPARK_SESSIONS + 4}") == config
+
+
+def test_sparks_default_redaction_hides_the_carried_config_with_its_token(tmp_path):
+    """Spark shows its configuration in the UI's Environment tab and the event logs,
+    redacted only where a key or a value matches ``spark.redaction.regex``. The carried
+    config holds the session token, the key to the session's whole config (credentials
+    included): under the field name "session" nothing matched and the token was shown."""
+    # Spark 3.5's default spark.redaction.regex (core internal/config/package.scala: SECRET_REDACTION_PATTERN).
+    spark_default = re.compile(r"(?i)secret|password|token|access[.]?key")
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], progress=False)
+    assert spark_default.search(config_to_json(config, "s0123456789abcdef"))
+    # Without a session there is nothing to hide (RayDP started by hand): no token field.
+    assert "token" not in config_to_json(config)
 
 
 def test_session_token_and_config_are_checked():

@@ -143,7 +143,7 @@ def test_a_jvm_memory_lease_is_split_by_the_writer_and_its_rest_settled(tmp_path
         lease(tm, {"shuffle": SHUFFLE, "bytes": 0}, lambda t: config)
     no_memory = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(tmp_path / "spill")])
     other = SHUFFLE + "-disk-only"
-    request = {"shuffle": other, "bytes": 10, "config": {"session": "tok"}}
+    request = {"shuffle": other, "bytes": 10, "config": {"session_token": "tok"}}
     assert lease(tm, request, {"tok": no_memory}.get) == {"lease": None}
 
 

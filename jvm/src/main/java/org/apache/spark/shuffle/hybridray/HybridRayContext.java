@@ -44,6 +44,12 @@ public final class HybridRayContext {
 
   public static final String CONF_NAMESPACE = "spark.hybridray.namespace";
   public static final String CONF_CONFIG = "spark.hybridray.config";
+  /**
+   * The field of {@link #CONF_CONFIG} holding spark_bridge's session token (hybrid_ray's
+   * {@code spark_jvm.SESSION_FIELD}): its name matches Spark's default
+   * {@code spark.redaction.regex}, so the UI and event logs show the value redacted.
+   */
+  static final String SESSION_FIELD = "session_token";
   public static final String CONF_SEGMENT_BYTES = "spark.hybridray.segmentBytes";
   public static final String CONF_FLUSH_BYTES = "spark.hybridray.flushBytes";
   public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
@@ -179,7 +185,7 @@ public final class HybridRayContext {
    * from the handles).
    */
   static String sessionTag(JsonNode config) {
-    JsonNode session = config == null ? null : config.get("session");
+    JsonNode session = config == null ? null : config.get(SESSION_FIELD);
     String token = session == null ? "" : session.asText();
     if (token.isEmpty()) {
       return String.format("%08x", new java.security.SecureRandom().nextInt());

@@ -201,7 +201,7 @@ class HybridRayMapOutputWriterTest {
     com.fasterxml.jackson.databind.ObjectMapper json =
         new com.fasterxml.jackson.databind.ObjectMapper();
     assertEquals("acbe04b0", HybridRayContext.sessionTag(json.createObjectNode()
-        .put("session", "s0123456789abcdef0123456789abcdef").put("namespace", "ns")));
+        .put("session_token", "s0123456789abcdef0123456789abcdef").put("namespace", "ns")));
     // No token (RayDP started by hand) or no config: random per driver, never shared.
     String first = HybridRayContext.sessionTag(json.createObjectNode());
     String second = HybridRayContext.sessionTag(null);
