@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -21,6 +22,7 @@ import ray
 
 from hybrid_ray.actors import (
     DATA_CALL_TIMEOUT_S, MASTER_CALL_TIMEOUT_S, answer_of, existing_tier_manager,
+    get_tier_manager,
 )
 from hybrid_ray.clients import ReadClient
 from hybrid_ray.config import ShuffleConfig, TierName
@@ -77,23 +79,9 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
     times = times if times is not None else ReduceTimes()
     control, waiting = Stopwatch(), Stopwatch()
 
-    def fetch_from_node(meta):
-        # Never start a tier manager here: one pinned to a dead node would never run.
-        tm = existing_tier_manager(meta.node_id, config.namespace)
-        try:
-            if tm is None:
-                raise ray.exceptions.ActorDiedError()
-            return answer_of(tm.read_disk_segment.remote(meta),
-                             f"node {meta.node_id}'s tier manager reading {meta.id}",
-                             DATA_CALL_TIMEOUT_S)
-        except WORKER_LOST_ERRORS as exc:
-            if not lost_with_node(meta.node_id, exc):
-                raise
-            raise SegmentLostWithNodeError(
-                f"{meta.id} is gone from the disk tier of node {meta.node_id}: the node "
-                "died") from None
 
-    reader = ReadClient(io_tiers_for(config, node_id), node_id, fetch_from_node)
+    reader = ReadClient(io_tiers_for(config, node_id), node_id,
+                        functools.partial(fetch_from_node, namespace=config.namespace))
     cursors: dict[int, tuple[int, int]] = {}
     # Per map, (segment index, rows): the master lists a map's segments in commit order,
     # which is not their index order when some went to the remote tier (an upload is
@@ -219,6 +207,35 @@ def _segment_lost(meta: Any, cause: Exception, subpartition: int) -> SegmentNotF
         "lifecycle rule). No attempt will bring it back; subpartition "
         f"{subpartition} cannot be read. Keep spill dirs and remote_path out of other "
         f"cleaners' reach and re-run the shuffle. ({cause})")
+
+
+def _read_through(tm: Any, meta: SegmentMeta) -> bytes:
+    return answer_of(tm.read_disk_segment.remote(meta),
+                     f"node {meta.node_id}'s tier manager reading {meta.id}",
+                     DATA_CALL_TIMEOUT_S)
+
+
+def fetch_from_node(meta: SegmentMeta, namespace: str) -> bytes:
+    """Disk segment ``meta`` of another node, served by that node's tier manager.
+
+    ``SegmentLostWithNodeError`` if the node died (the caller reports the map lost). If
+    the node is alive but its tier manager died (the memory monitor, a crash), the files
+    are still there: a tier manager started again serves them (it serves the files of
+    shuffle directories marked as ours, ``TierManager.serve_segment_file``). Once: a
+    second death raises."""
+    # Never start a tier manager before the node is known alive: one pinned to a dead node
+    # would never run.
+    tm = existing_tier_manager(meta.node_id, namespace)
+    try:
+        if tm is None:
+            raise ray.exceptions.ActorDiedError()
+        return _read_through(tm, meta)
+    except WORKER_LOST_ERRORS as exc:
+        if lost_with_node(meta.node_id, exc):
+            raise SegmentLostWithNodeError(
+                f"{meta.id} is gone from the disk tier of node {meta.node_id}: the node "
+                "died") from None
+    return _read_through(get_tier_manager(meta.node_id, namespace), meta)
 
 
 def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,

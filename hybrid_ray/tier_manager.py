@@ -363,18 +363,34 @@ class TierManager:
                 f"refusing to delete {location!r} for shuffle {shuffle_id}: the segment "
                 f"({meta.id}) or its path names another shuffle. This is a bug in the "
                 "caller; please report it")
+        return self._segment_file_of_ours(location, "delete", resolved_dirs,
+                                          hint="If it is a leftover of ours, `hybrid-ray "
+                                               "cleanup` removes it")
+
+    def _segment_file_of_ours(self, location: str, action: str,
+                              resolved_dirs: dict[str, str] | None = None,
+                              hint: str = "") -> str:
+        """``location`` (a segment file) if it lies inside the data dir of one of this
+        node's disk tiers or, for a data dir this tier manager does not know (it was
+        started again since the shuffle wrote: Ray restarts a tier manager the memory
+        monitor killed, and the new one has registered none of the old shuffles' disks),
+        in a shuffle directory that carries hybrid_ray's marker for the shuffle its path
+        names and that the file does not lead out of through a symlink. Else
+        ``UnsafePathError``."""
         try:
-            return self.require_own_segment_file(location, "delete", resolved_dirs)
+            return self.require_own_segment_file(location, action, resolved_dirs)
         except UnsafePathError as not_in_our_dirs:
+            shuffle_directory = os.path.dirname(os.path.dirname(location))
+            shuffle_id = os.path.basename(shuffle_directory)
             marker = read_shuffle_marker(shuffle_directory)
             if marker is not None and marker.get("shuffle_id") == shuffle_id \
                     and is_inside(shuffle_directory, location):
                 return location
             raise UnsafePathError(
-                f"refusing to delete {location!r}: it is neither inside the data dir of a "
+                f"refusing to {action} {location!r}: it is neither inside the data dir of a "
                 f"spill dir this node's disk tier uses nor in a shuffle directory marked as "
-                f"hybrid_ray's for shuffle {shuffle_id}. If it is a leftover of ours, "
-                f"`hybrid-ray cleanup` removes it ({not_in_our_dirs})") from None
+                f"hybrid_ray's for shuffle {shuffle_id}. {hint + ' ' if hint else ''}"
+                f"({not_in_our_dirs})") from None
 
     def mark_disk_target(self, shuffle_id: str, spill_dir: str) -> None:
         """Give the shuffle's directory in ``spill_dir`` (a disk grant's target) hybrid_ray's
@@ -451,9 +467,14 @@ class TierManager:
 
     def read_disk_segment(self, meta: SegmentMeta) -> bytes:
         """Serve a disk segment of this node to a reader on another node (only a segment
-        file: the location comes from the caller)."""
-        self.require_own_segment_file(meta.location, "serve")
+        file of ours: the location comes from the caller; see ``serve_segment_file``)."""
+        self.serve_segment_file(meta.location)
         return read_segment_file(meta)
+
+    def serve_segment_file(self, location: str) -> str:
+        """``location`` if this node may serve it to a reader: a segment file of ours
+        (``_segment_file_of_ours``), also after this tier manager was started again."""
+        return self._segment_file_of_ours(require_segment_file(location, "serve"), "serve")
 
     def require_own_segment_file(self, location: str, action: str,
                                  resolved_dirs: dict[str, str] | None = None) -> str:

@@ -56,3 +56,45 @@ def test_two_nodes_cross_node_reads_exact_on_a_million_rows(cluster, tmp_path):
     tm_usage = [ray.get(existing_tier_manager(n, cfg.namespace).usage.remote())
                 for n in node_ids]
     assert all(t.used_bytes == 0 for u in tm_usage for t in u.tiers)
+
+
+def test_a_disk_segment_is_served_after_its_node_s_tier_manager_died(cluster, tmp_path):
+    """A reader on one node reads a disk segment of another through that node's tier
+    manager. When the tier manager died and the node lived (the memory monitor, a crash),
+    the reader failed with the raw ActorDiedError after waiting for a node death that
+    never came, with the file intact. It now asks a tier manager started again there,
+    which serves files of shuffle directories marked as ours."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from hybrid_ray import SegmentId, TierName
+    from hybrid_ray.actors import get_tier_manager
+    from hybrid_ray.reduce_task import fetch_from_node
+    from hybrid_ray.segment import encode_segment
+    from hybrid_ray.tiers.disk import DiskTier
+
+    head = ray.get_runtime_context().get_node_id()
+    [other] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill-{node_id}")], progress=False)
+    sid = SegmentId("served-after-restart", 0, 0, 0, 0)
+    payload = bytes(encode_segment(pa.table({"v": [1, 2, 3]}), sid))
+
+    def on(node):
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+    @ray.remote(num_cpus=0)
+    def write_on_other_node():
+        tier = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for(other))
+        return tier.write(sid, payload, node_id=other)
+
+    meta = ray.get(write_on_other_node.options(**on(other)).remote())
+    tm = get_tier_manager(other, cfg.namespace)
+    ray.get(tm.usage.remote())
+    ray.kill(tm, no_restart=True)
+
+    @ray.remote(num_cpus=0)
+    def read_from_head():
+        return fetch_from_node(meta, cfg.namespace)
+
+    assert ray.get(read_from_head.options(**on(head)).remote(), timeout=120) == payload
+    ray.kill(get_tier_manager(other, cfg.namespace), no_restart=True)  # it knows no shuffle

@@ -194,7 +194,7 @@ def test_a_restarted_tier_manager_deletes_only_files_in_marked_shuffle_directori
     meta = writer.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100)
     # A JVM writer's file: the tier manager granting its reservation marked the directory.
     granting = TierManager("n1", object_store_bytes=1000)
-    [placement] = reserve(granting, {"shuffle": "j", "sizes": [100], "config": {"session": "t"}},
+    [placement] = reserve(granting, {"shuffle": "j", "sizes": [100], "config": {"session_token": "t"}},
                           {"t": cfg}.get)["placements"]
     assert placement["tier"] == "disk"
     jvm_file = linked / "hybrid_ray" / "j" / "sub-00000" / "m000000-a000-s000000.seg"
@@ -331,3 +331,42 @@ def test_disk_tiers_of_different_configs_on_one_directory_see_each_other_s_grant
                                                    min_reserve_fraction=reserve))
         granted += sum(p.grant is not None for p in tm.reserve(shuffle, [MiB] * 20))
     assert granted == 15  # 20 MiB free less the first config's 5 MiB reserve; none left for d
+
+
+def test_a_restarted_tier_manager_serves_files_of_marked_shuffle_directories(tmp_path):
+    """A reader on another node asks the writer node's tier manager for a disk segment. One
+    started again there (the old one killed, the node alive) had registered none of the
+    old shuffles' disks and refused every such file ("none registered"), so a Spark reader
+    blamed the writer's executor (FetchFailed) and a Ray reducer failed, with the files
+    intact. It serves what it may delete: files of marked shuffle directories; nothing
+    else."""
+    from hybrid_ray.errors import UnsafePathError
+    from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME
+    from hybrid_ray.tiers.disk import DiskTier, read_segment_file
+
+    cfg = ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(tmp_path / "spill")])
+    writer = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
+    meta = writer.write(SegmentId("s", 0, 0, 0, 0), b"x" * 100)
+    restarted = TierManager("n1", object_store_bytes=1000)
+    assert restarted.read_disk_segment(meta) == read_segment_file(meta)
+    assert restarted.serve_segment_file(meta.location) == meta.location
+    # Unmarked, or marked for another shuffle than its path names: refused.
+    unmarked = tmp_path / "elsewhere" / "hybrid_ray" / "s" / "sub-00000" / meta.id.file_name
+    unmarked.parent.mkdir(parents=True)
+    unmarked.write_bytes(b"not ours")
+    with pytest.raises(UnsafePathError, match="neither inside the data dir"):
+        restarted.serve_segment_file(str(unmarked))
+    other = tmp_path / "spill" / "hybrid_ray" / "t" / "sub-00000" / meta.id.file_name
+    other.parent.mkdir(parents=True)
+    (other.parent.parent / SHUFFLE_MARKER_NAME).write_bytes(
+        (tmp_path / "spill" / "hybrid_ray" / "s" / SHUFFLE_MARKER_NAME).read_bytes())
+    other.write_bytes(b"x")
+    with pytest.raises(UnsafePathError, match="neither inside the data dir"):
+        restarted.serve_segment_file(str(other))
+    # A segment file that is a symlink out of its marked directory: refused.
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"secret")
+    link = tmp_path / "spill" / "hybrid_ray" / "s" / "sub-00000" / "m000001-a000-s000000.seg"
+    link.symlink_to(secret)
+    with pytest.raises(UnsafePathError, match="neither inside the data dir"):
+        restarted.serve_segment_file(str(link))
