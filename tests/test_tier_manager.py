@@ -333,6 +333,23 @@ def test_disk_tiers_of_different_configs_on_one_directory_see_each_other_s_grant
     assert granted == 15  # 20 MiB free less the first config's 5 MiB reserve; none left for d
 
 
+def test_grants_in_flight_count_per_filesystem_not_per_spill_dir(tmp_path, monkeypatch):
+    """Two spill dirs on one filesystem each saw its whole free space: with 20 MiB free
+    and a 5 MiB reserve, 20 of 20 one-MiB segments were granted (up to 30 could have
+    been), and the writes would fill the disk past the reserve or meet ENOSPC."""
+    import collections
+
+    fs = collections.namedtuple("fs", "f_bavail f_frsize f_blocks")
+    monkeypatch.setattr(os, "statvfs", lambda path: fs(20 * MiB // 4096, 4096, 100 * MiB // 4096))
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("e", ShuffleConfig(memory_capacity_bytes=0,
+                                           spill_dirs=[str(tmp_path / "a"), str(tmp_path / "b")]))
+    placements = tm.reserve("e", [MiB] * 20)
+    assert sum(p.grant is not None for p in placements) == 15
+    assert {p.grant.target for p in placements if p.grant is not None} == {
+        str(tmp_path / "a"), str(tmp_path / "b")}  # still spread over both
+
+
 def test_a_restarted_tier_manager_serves_files_of_marked_shuffle_directories(tmp_path):
     """A reader on another node asks the writer node's tier manager for a disk segment. One
     started again there (the old one killed, the node alive) had registered none of the

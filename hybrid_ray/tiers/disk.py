@@ -201,6 +201,26 @@ def _private_dir_problem(path: str, uid: int) -> str | None:
     return None
 
 
+# The filesystem (st_dev) of each spill dir a disk tier of this process checked, so a
+# reservation sums the grants in flight per filesystem, not per directory name.
+_DEVICES: dict[str, Any] = {}
+_DEVICES_KEPT = 4096
+
+
+def _device_of(directory: str, refresh: bool = False) -> Any:
+    """The device id of the filesystem holding ``directory`` (looked up again with
+    ``refresh``; else as last seen); a directory that cannot be looked at counts as a
+    filesystem of its own."""
+    if refresh or directory not in _DEVICES:
+        if len(_DEVICES) >= _DEVICES_KEPT:
+            _DEVICES.clear()  # looked up again as needed
+        try:
+            _DEVICES[directory] = os.stat(directory).st_dev
+        except OSError:
+            _DEVICES[directory] = ("unreadable", directory)
+    return _DEVICES[directory]
+
+
 def segment_path(spill_dir: str, segment: SegmentId) -> str:
     return os.path.join(shuffle_dir(spill_dir, segment.shuffle_id),
                         f"sub-{segment.subpartition:05d}", segment.file_name)
@@ -271,7 +291,12 @@ class DiskTier(Tier):
         free = st.f_bavail * st.f_frsize
         total = st.f_blocks * st.f_frsize
         reserve = int(self.min_reserve_fraction * total)
-        in_flight = sum(v for (d, _), v in self._in_flight.items() if d == spill_dir)
+        # Grants not yet written anywhere on this filesystem take its free space: two spill
+        # dirs on one disk (or two configs' dirs) each saw the whole free space, and were
+        # granted twice the room above the reserve between them.
+        device = _device_of(spill_dir, refresh=True)
+        in_flight = sum(v for (d, _), v in self._in_flight.items()
+                        if _device_of(d) == device)
         return free - in_flight - nbytes, reserve, free
 
     def _room_for(self, shuffle_id: str, nbytes: int) -> str | None:
