@@ -23,7 +23,7 @@ import ray
 from hybrid_ray.actors import ActorNodeStorage, answer_of, get_tier_manager, restarted_worker
 from hybrid_ray.clients import WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ConfigError, ShuffleFailedError
+from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleStalledError
 from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.partitioning import Partitioner, split_by_partition
 from hybrid_ray.report import Stopwatch
@@ -149,6 +149,13 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         finished = answer_of(master.finish_map.remote(shuffle_id, map_index, attempt,
                                                       client.stats, last_segments, pid),
                              f"the shuffle master's finish_map for map {map_index}")
+    except ShuffleStalledError:
+        # No answer in time: the call may still run and the master take this attempt as
+        # the map's output. Deleting its files now left the master listing segments that
+        # were gone (readers then failed naming "someone else" as the culprit). They are
+        # the shuffle's: its release removes them (a late write after a release is swept
+        # by the tier manager's late-files sweep), and this attempt fails.
+        raise
     except BaseException:
         # No answer, or the shuffle is gone (failed and released while this map wrote):
         # the master never took the last segments, and a release that came after this

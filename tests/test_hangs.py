@@ -229,6 +229,47 @@ def test_map_and_reduce_tasks_give_up_on_a_master_that_never_answers(ray_local, 
         ray.kill(silent)
 
 
+def test_a_finish_map_answered_late_keeps_the_files_the_master_took(ray_local, tmp_path,
+                                                                    monkeypatch):
+    """A writer that got no answer to its finish_map in time deleted the attempt's files,
+    but the call was still queued at the master, which then took the attempt as the map's
+    output: its books listed segments whose files were gone, and readers failed blaming
+    "someone else". The files now stay for the shuffle's release."""
+    import ray
+
+    from hybrid_ray import map_task
+    from hybrid_ray.actors import get_master
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.partitioning import HashPartitioner
+    from hybrid_ray.shuffle import write_map_partition
+
+    config = base_config(tmp_path, spilling="full", mode="blocking",
+                         namespace=f"hr-late-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    real_answer_of = map_task.answer_of
+
+    def finish_map_answered_late(ref, what, *args, **kwargs):
+        if "finish_map" in what:
+            ray.get(ref)  # the master runs it, the writer's wait ends first
+            raise ShuffleStalledError(f"{what} got no answer within 30 s (injected)")
+        return real_answer_of(ref, what, *args, **kwargs)
+
+    monkeypatch.setattr(map_task, "answer_of", finish_map_answered_late)
+    table = pa.table({"key": np.arange(20_000) % 7, "id": np.arange(20_000)})
+    try:
+        with pytest.raises(ShuffleStalledError, match="injected"):
+            write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["key"]), config,
+                                master)
+        segments = ray.get(master.segments.remote(shuffle_id))
+        assert segments and {s.tier.value for s in segments} == {"disk"}
+        assert all(os.path.exists(s.location) for s in segments)
+    finally:
+        ray.get(master.release.remote(shuffle_id))
+    assert_no_leftovers(config, ray)
+
+
 def test_the_driver_gives_up_on_a_master_that_never_answers_naming_the_call(ray_local,
                                                                           tmp_path,
                                                                           monkeypatch):
