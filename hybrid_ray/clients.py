@@ -192,10 +192,12 @@ class WriteClient:
         # outlive the attempt. (Uploads not started yet are cancelled.)
         for upload in self._uploads:
             upload.cancel()
+        remote = self.io_tiers.get(TierName.REMOTE)
         for upload in self._uploads:
             try:
-                self.written.append(upload.result())
-            except Exception:  # failed or cancelled: nothing to delete
+                self.written.append(remote.outcome(upload, "an upload being aborted",
+                                                   self._upload_bytes_bound()))
+            except Exception:  # failed, cancelled or hung: nothing it wrote is known
                 pass
         self._uploads.clear()
         self._held = []
@@ -243,6 +245,11 @@ class WriteClient:
         changed = self._take_settles()
         if changed:
             self.storage.settle(self.shuffle_id, changed)
+
+    def _upload_bytes_bound(self) -> int:
+        """At most the bytes of one upload (a remote segment, cut at the remote tier's
+        size; twice that covers the encoding's overshoot): sizes its wait."""
+        return 2 * self.config.segment_bytes[TierName.REMOTE]
 
     def _segment_bytes(self, subpartition: int) -> int:
         return self.config.segment_bytes[self._size_tier[subpartition]]
@@ -352,7 +359,9 @@ class WriteClient:
         at most ``keep_in_flight`` are running. A failed upload raises here."""
         while self._uploads and (self._uploads[0].done()
                                  or (wait and len(self._uploads) > keep_in_flight)):
-            meta = self._uploads[0].result()
+            meta = self.io_tiers[TierName.REMOTE].outcome(
+                self._uploads[0], f"an upload of map {self.map_partition}'s segment",
+                self._upload_bytes_bound())
             self._uploads.popleft()
             self._keep(meta)
 
@@ -468,7 +477,8 @@ class ReadClient:
                 if fetch is None:
                     yield self.read(meta)
                     continue
-                yield self._decode(meta, fetch.result())
+                yield self._decode(meta, remote.outcome(fetch, f"the read of {meta.id}",
+                                                        meta.nbytes))
         finally:
             for fetch in fetches.values():
                 fetch.cancel()

@@ -359,3 +359,34 @@ def test_a_tier_manager_storing_segments_for_another_process_is_waited_for_withi
             put_many_owned_by(owner, [b"segment"])
     finally:
         ray.kill(owner)
+
+
+def test_a_read_ahead_from_a_hung_sync_store_fails_within_its_bound(tmp_path, monkeypatch):
+    """A sync filesystem's calls (NFS through file://, HDFS, sftp) get no per-call deadline,
+    and the reader waited for its read-ahead without a bound: a hung server held a Spark
+    executor's reducer forever. It now fails naming the segment and the store."""
+    from hybrid_ray.clients import ReadClient
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.segment import SegmentId, encode_segment
+    from hybrid_ray.tiers import remote as remote_module
+    from hybrid_ray.tiers.remote import RemoteTier, open_remote_tier
+
+    config = base_config(tmp_path, remote_path=f"file://{tmp_path}/remote")
+    tier = open_remote_tier(config)
+    sid = SegmentId("shf-hung", 0, 0, 0, 0)
+    meta = tier.write(sid, encode_segment(pa.table({"v": [1, 2]}), sid))
+    real_read = RemoteTier.read
+
+    def hung_read(self, m):
+        time.sleep(20)
+        return real_read(self, m)
+
+    monkeypatch.setattr(RemoteTier, "read", hung_read)
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 1.0)
+    reader = ReadClient({tier.name: tier}, "n1")
+    thread, outcome = _in_thread(lambda: list(reader.read_in_order([meta])))
+    thread.join(10)
+    assert not thread.is_alive(), "still waiting on the hung store"
+    error = outcome.get("error")
+    assert isinstance(error, ShuffleStalledError), outcome
+    assert f"the read of {sid}" in str(error) and "did not finish within" in str(error)

@@ -32,7 +32,8 @@ import fsspec.asyn
 
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import (
-    ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError, UnsafePathError,
+    ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError, ShuffleStalledError,
+    UnsafePathError,
 )
 from hybrid_ray.ids import (
     check_id, glob_characters_in, require_inside_remote, require_normal_remote_path,
@@ -68,6 +69,10 @@ S3_TIMEOUT_DEFAULTS = {"connect_timeout": 5, "read_timeout": 5,
 # transfer's bytes at REMOTE_MIN_BYTES_PER_S (a 16 MiB segment gets 16 s more).
 CALL_DEADLINE_ATTEMPTS = 2
 REMOTE_MIN_BYTES_PER_S = 1 << 20
+# How long a reader or writer waits for a background remote call beyond its bytes' time
+# (``RemoteTier.outcome``): far above an async call's deadline, which ends it first (it
+# may also have queued behind a few others in the I/O pool); the only bound of a sync one.
+RESULT_WAIT_S = 600.0
 # Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 _LOCAL_PROTOCOLS = {"file", "local"}
@@ -302,6 +307,23 @@ class RemoteTier(Tier):
     def read_async(self, meta: SegmentMeta) -> concurrent.futures.Future[bytes]:
         """Start ``read`` in the background (a reader's read-ahead)."""
         return self.io_pool().submit(self.read, meta)
+
+    def outcome(self, future: concurrent.futures.Future[Any], what: str,
+                nbytes: int = 0) -> Any:
+        """The result of a background ``read_async``/``write_async`` of ``nbytes``, waited
+        for at most ``RESULT_WAIT_S`` plus the bytes at ``REMOTE_MIN_BYTES_PER_S``.
+        A call of an async filesystem ends by its own deadline; a sync one's (NFS through
+        ``file://``, HDFS, sftp) has none, and a hung server held the waiting reader or
+        writer forever. ``ShuffleStalledError`` naming ``what`` then (the call itself
+        cannot be cancelled; its thread is left to end)."""
+        bound = RESULT_WAIT_S + nbytes / REMOTE_MIN_BYTES_PER_S
+        try:
+            return future.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            raise ShuffleStalledError(
+                f"{what} on remote tier {self.display_path!r} did not finish within "
+                f"{bound:.0f} s: the store is hung or far too slow. Check its health; "
+                "run the job again once it answers") from None
 
     def read(self, meta: SegmentMeta) -> bytes:
         return self.read_frame(meta.location, meta.nbytes, str(meta.id))
