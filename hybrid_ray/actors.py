@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleStalledError
+from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError
 from hybrid_ray.master import (
     PendingDeletion, PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
 )
@@ -272,8 +272,14 @@ class TierManagerActor:
         return json.dumps(spark_jvm.write_remote(self.tm, json.loads(request), frame))
 
     def spark_read_remote(self, request: str) -> bytes:
-        """A JVM segment from the remote tier, for a Spark reader on this node."""
-        return spark_jvm.read_remote(self.tm, json.loads(request), self._spark_session)
+        """A JVM segment from the remote tier, for a Spark reader on this node; empty bytes
+        if it is gone (``spark_jvm.GONE``: a Python error's type does not cross to Java,
+        and only a segment that is gone is a lost map output to Spark; a store that fails
+        to answer raises)."""
+        try:
+            return spark_jvm.read_remote(self.tm, json.loads(request), self._spark_session)
+        except SegmentNotFoundError:
+            return spark_jvm.GONE
 
     def spark_settle(self, request: str) -> str:
         request = json.loads(request)
@@ -281,10 +287,14 @@ class TierManagerActor:
         return "ok"
 
     def spark_read_segment(self, location: str) -> bytes:
-        """A disk segment file of this node, for a Spark reader on another node."""
+        """A disk segment file of this node, for a Spark reader on another node; empty
+        bytes if it is gone (``spark_jvm.GONE``)."""
         self.tm.serve_segment_file(location)
-        with open(location, "rb") as f:
-            return f.read()
+        try:
+            with open(location, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return spark_jvm.GONE  # see spark_read_remote
 
 
 class ActorNodeStorage:

@@ -45,6 +45,12 @@ JVM_CONFIG_FIELDS = ("memory_fraction", "memory_capacity_bytes", "spill_dirs",
 # value in the UI's Environment tab and the event logs: the token is the key the master hands
 # the session's whole config (remote-tier credentials included) out under.
 SESSION_FIELD = "session_token"
+# What a tier manager answers a JVM reader for a segment that is gone (its file or object
+# removed): a segment is never empty (it has a header), and a Python error's type does not
+# reach Java. The reader tells Spark the map output is lost (FetchFailedException) only
+# then; a call that fails (a store or actor not answering) fails the task, which Spark
+# retries, instead of making Spark drop and recompute every output of the writer.
+GONE = b""
 # Released Spark shuffles whose summaries the master keeps for ``spark_shuffle_reports``.
 SPARK_HISTORY = 1000
 # Spark sessions whose full ShuffleConfig the master keeps (the oldest are forgotten first;

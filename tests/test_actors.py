@@ -622,3 +622,52 @@ def test_a_worker_actor_started_again_after_its_process_died_knows_it(ray_local)
         assert ray.get(worker.run.remote(os.getpid), timeout=60) != pid
     finally:
         ray.kill(worker, no_restart=True)
+
+
+def test_a_tier_manager_tells_a_jvm_reader_a_segment_is_gone_apart_from_a_failed_read(
+        ray_local, tmp_path):
+    """A JVM reader told Spark every failure to read a segment was a lost map output
+    (FetchFailedException): Spark then recomputed every output of the writer's executor,
+    for a store that was merely slow. Python errors do not cross to Java by type, so the
+    tier manager answers empty bytes for a segment that is gone (file or object removed),
+    the bytes for one that is there, and raises for a read that failed otherwise."""
+    import json
+
+    from hybrid_ray.segment import SegmentId, encode_segment
+    from hybrid_ray.spark_jvm import GONE
+    from hybrid_ray.tiers.disk import DiskTier
+    from hybrid_ray.tiers.remote import open_remote_tier
+
+    namespace = f"spkgone-{uuid.uuid4().hex[:6]}"
+    node = ray.get_runtime_context().get_node_id()
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, remote_path=f"file://{tmp_path}/remote")
+    master = get_master(namespace)
+    tm = get_tier_manager(node, namespace)
+    ray.get(master.spark_open_session.remote("tok", cfg))
+    shuffle = "spk-app-gone-1"
+    disk_sid, remote_sid = SegmentId(shuffle, 0, 0, 0, 0), SegmentId(shuffle, 1, 0, 0, 0)
+    disk_bytes = bytes(encode_segment(pa.table({"v": [1]}), disk_sid))
+    remote_bytes = bytes(encode_segment(pa.table({"v": [2]}), remote_sid))
+    disk_meta = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for(node)).write(
+        disk_sid, disk_bytes)
+    remote_meta = open_remote_tier(cfg).write(remote_sid, remote_bytes)
+
+    def read_remote(location):
+        return ray.get(tm.spark_read_remote.remote(json.dumps(
+            {"shuffle": shuffle, "location": location, "nbytes": len(remote_bytes),
+             "config": {"session_token": "tok"}})))
+
+    assert ray.get(tm.spark_read_segment.remote(disk_meta.location)) == disk_bytes
+    assert read_remote(remote_meta.location) == remote_bytes
+    os.unlink(disk_meta.location)
+    os.unlink(remote_meta.location.removeprefix("file://"))
+    assert ray.get(tm.spark_read_segment.remote(disk_meta.location)) == GONE == b""
+    assert read_remote(remote_meta.location) == GONE
+    # Not a missing segment (here: a location outside the shuffle's tree): it raises.
+    with pytest.raises(ray.exceptions.RayTaskError, match="UnsafePathError"):
+        read_remote(f"file://{tmp_path}/elsewhere/x.seg")
+    ray.get(tm.release_shuffle.remote(shuffle, cfg))
+    ray.get(master.spark_release.remote(json.dumps({"prefix": "spk-app-gone",
+                                                    "close_session": "tok"})))
+    assert files_under(str(tmp_path / "spill")) == []

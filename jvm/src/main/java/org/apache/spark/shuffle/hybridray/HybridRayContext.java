@@ -510,6 +510,19 @@ public final class HybridRayContext {
     }
   }
 
+  /**
+   * Whether Ray's node table lists {@code node} as alive (a node that died is listed dead
+   * once Ray's health checks notice; until then a call to it fails or times out).
+   */
+  boolean nodeAlive(String node) {
+    for (io.ray.api.runtimecontext.NodeInfo info : Ray.getRuntimeContext().getAllNodeInfo()) {
+      if (info.nodeId.toString().equals(node)) {
+        return info.isAlive;
+      }
+    }
+    return false;
+  }
+
   /** {@link #configJson} parsed once (requests embed it; nobody changes it). */
   JsonNode configNode() throws IOException {
     JsonNode node = configNode;

@@ -437,11 +437,9 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
           : readSegment(tier, node, seg.get(3).asText(), segWhat);
       length = SegmentCodec.verify(frame,
           SegmentCodec.identity(shuffleKey, b.mapId, b.reduceId, i), segWhat);
-    } catch (LocalSegmentFiles.UnsafeSegmentPathException e) {
-      throw e;  // not a lost segment: recomputing the map would not make the path safe
     } catch (IOException | RuntimeException e) {
-      throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId,
-          b.mapIndex, b.reduceId, "hybrid_ray: " + e.getMessage(), e));
+      throw sneaky(readFailure(e, b.address, handle.shuffleId(), b.mapId, b.mapIndex,
+          b.reduceId));
     }
     if (node.equals(ctx.nodeId())) {
       metrics.incLocalBytesRead(length);
@@ -459,12 +457,20 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
     request.put("location", location);
     request.put("nbytes", nbytes);
     request.set("config", ctx.configNode());
+    byte[] frame;
     try {
-      return ctx.callBytes(ctx.tierManager(ctx.nodeId()), "spark_read_remote",
+      frame = ctx.callBytes(ctx.tierManager(ctx.nodeId()), "spark_read_remote",
           ctx.toJson(request));
     } catch (IOException e) {
-      throw new IOException(what + ": " + e.getMessage(), e);
+      // The store or this node's tier manager failed to answer (unreachable, throttled,
+      // timed out, restarted): the object may well be there.
+      throw new SegmentUnavailableException(what + ": the remote tier could not be read "
+          + "through this node's tier manager: " + e.getMessage(), e);
     }
+    if (frame.length == 0) {  // the tier manager's answer for an object that is gone
+      throw new IOException(what + " is gone from the remote tier (" + location + ")");
+    }
+    return frame;
   }
 
   @SuppressWarnings("unchecked")
@@ -482,6 +488,10 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         }
         try {
           bytes = Ray.get(ref, ctx.fetchTimeoutMs);
+        } catch (RayTimeoutException e) {
+          throw new SegmentUnavailableException(what + " did not arrive from the memory tier "
+              + "within " + ctx.fetchTimeoutMs + " ms (its node or object store is not "
+              + "answering): " + e.getMessage(), e);
         } catch (RuntimeException e) {
           throw new IOException(what + " is gone from the memory tier (the executor that "
               + "wrote it died?): " + e.getMessage(), e);
@@ -502,11 +512,79 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         throw new LocalSegmentFiles.UnsafeSegmentPathException(what + ": " + e.getMessage());
       }
     }
-    Optional<PyActorHandle> owner = ctx.existingTierManager(node);
-    if (owner.isEmpty()) {
-      throw new IOException(what + ": node " + node + "'s tier manager is gone (node lost?)");
+    byte[] bytes = readFromNode(node, location, what);
+    if (bytes.length == 0) {  // the tier manager's answer for a file that is gone
+      throw new IOException(what + " is gone from the disk tier of node " + node + " ("
+          + location + ")");
     }
-    return ctx.callBytes(owner.get(), "spark_read_segment", location);
+    return bytes;
+  }
+
+  /**
+   * A disk segment file of another node, served by that node's tier manager. If that died
+   * (Ray's memory monitor, a crash) on a node that lives, the file is still there: a tier
+   * manager started again serves it (once). A node that is gone took the file with it
+   * (an {@code IOException}: the map output is lost); a call that fails otherwise is a
+   * {@link SegmentUnavailableException}.
+   */
+  private byte[] readFromNode(String node, String location, String what) throws IOException {
+    Optional<PyActorHandle> owner = ctx.existingTierManager(node);
+    if (owner.isPresent()) {
+      try {
+        return ctx.callBytes(owner.get(), "spark_read_segment", location);
+      } catch (IOException e) {
+        if (!HybridRayContext.isActorGone(e)) {
+          if (isControlPlaneFault(e)) {
+            throw new SegmentUnavailableException(what + ": node " + node + "'s tier manager "
+                + "did not answer: " + e.getMessage(), e);
+          }
+          throw e;  // the tier manager's own error
+        }
+      }
+    }
+    if (!ctx.nodeAlive(node)) {
+      throw new IOException(what + ": node " + node + " is gone, with its disk tier");
+    }
+    try {
+      return ctx.callBytes(ctx.tierManager(node), "spark_read_segment", location);
+    } catch (IOException e) {
+      throw new SegmentUnavailableException(what + ": node " + node + " lives but its tier "
+          + "manager, started again, did not serve it: " + e.getMessage(), e);
+    }
+  }
+
+  /**
+   * A segment that could not be fetched although nothing says it is gone (a call timed
+   * out, a store or an actor did not answer): the reading task fails and Spark runs it
+   * again, rather than a {@code FetchFailedException} making Spark recompute the outputs
+   * of the block's executor.
+   */
+  static final class SegmentUnavailableException extends IOException {
+    SegmentUnavailableException(String message, Throwable cause) {
+      super(message, cause);
+    }
+  }
+
+  /**
+   * What a reducer throws when a segment of block ({@code address}, {@code shuffleId},
+   * {@code mapId}, {@code mapIndex}, {@code reduceId}) failed to open with {@code e}.
+   * A {@code FetchFailedException} only when the map output is lost (gone, damaged, its
+   * node dead): Spark then drops every output of the block's executor, for every shuffle,
+   * recomputes them, and gives up on the stage after 4 in a row. A segment that could not
+   * be read this time ({@link SegmentUnavailableException}) fails the task instead, which
+   * Spark runs again; an unsafe path is no lost output either (recomputing the map would
+   * not make the path safe).
+   */
+  static Throwable readFailure(Throwable e, BlockManagerId address, int shuffleId, long mapId,
+      int mapIndex, int reduceId) {
+    if (e instanceof LocalSegmentFiles.UnsafeSegmentPathException) {
+      return e;
+    }
+    if (e instanceof SegmentUnavailableException) {
+      return new IOException("hybrid_ray: " + e.getMessage(), e);
+    }
+    return new FetchFailedException(address, shuffleId, mapId, mapIndex, reduceId,
+        "hybrid_ray: " + e.getMessage(), e);
   }
 
   /**

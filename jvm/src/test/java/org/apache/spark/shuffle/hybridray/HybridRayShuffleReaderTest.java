@@ -1,6 +1,7 @@
 package org.apache.spark.shuffle.hybridray;
 
 import static org.junit.jupiter.api.Assertions.assertFalse;
+import static org.junit.jupiter.api.Assertions.assertSame;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
@@ -12,6 +13,8 @@ import java.io.IOException;
 import java.io.ObjectOutputStream;
 import java.util.Base64;
 import java.util.HashMap;
+import org.apache.spark.shuffle.FetchFailedException;
+import org.apache.spark.storage.BlockManagerId;
 import org.junit.jupiter.api.Test;
 
 class HybridRayShuffleReaderTest {
@@ -42,5 +45,27 @@ class HybridRayShuffleReaderTest {
         () -> HybridRayShuffleReader.decodeRef(location));
     assertTrue(refused.getMessage().contains("REJECTED"), refused.getMessage());
     assertThrows(IOException.class, () -> HybridRayShuffleReader.decodeRef("not base64!"));
+  }
+
+  @Test
+  void onlyALostSegmentBlamesTheWritersExecutor() {
+    // A store or actor that did not answer says nothing about the map output: the task
+    // fails and Spark runs it again. Before, every failure became a FetchFailedException,
+    // so a throttled store or a restarted tier manager made Spark recompute every output
+    // of the writer's executor and, 4 times in a row, fail the job.
+    BlockManagerId writer = null;  // BlockManagerId.apply needs Spark's shaded Guava
+    Throwable unavailable = HybridRayShuffleReader.readFailure(
+        new HybridRayShuffleReader.SegmentUnavailableException("remote tier throttled",
+            new IOException("SlowDown")), writer, 3, 11L, 2, 5);
+    assertFalse(unavailable instanceof FetchFailedException);
+    assertTrue(unavailable instanceof IOException);
+    assertTrue(unavailable.getMessage().contains("remote tier throttled"));
+    Throwable gone = HybridRayShuffleReader.readFailure(
+        new IOException("segment 0 is gone from the remote tier"), writer, 3, 11L, 2, 5);
+    assertTrue(gone instanceof FetchFailedException);
+    assertTrue(gone.getMessage().contains("gone from the remote tier"), gone.getMessage());
+    LocalSegmentFiles.UnsafeSegmentPathException unsafe =
+        new LocalSegmentFiles.UnsafeSegmentPathException("outside the spill dirs");
+    assertSame(unsafe, HybridRayShuffleReader.readFailure(unsafe, writer, 3, 11L, 2, 5));
   }
 }
