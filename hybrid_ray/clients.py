@@ -240,11 +240,28 @@ class WriteClient:
         self._unsettled = []
         return changed
 
+    def _reserve(self, sizes: list[int]) -> list[Placement]:
+        """Reserve room for segments of ``sizes``, settling what became of earlier grants
+        in the same call. A call that fails keeps those settlements for the next call or
+        the abort: dropped, they stayed counted (disk space in flight) until the shuffle's
+        release. Whether the failed call ran is not known; settling twice changes the books
+        once (``Grant.grant_id``)."""
+        settles = self._take_settles()
+        try:
+            return self.storage.reserve(self.shuffle_id, sizes, settles)
+        except BaseException:
+            self._unsettled.extend(settles)
+            raise
+
     def _settle_changes(self) -> None:
         """Tell the tier manager what became of the grants not settled yet, if anything."""
         changed = self._take_settles()
         if changed:
-            self.storage.settle(self.shuffle_id, changed)
+            try:
+                self.storage.settle(self.shuffle_id, changed)
+            except BaseException:
+                self._unsettled.extend(changed)  # see _reserve
+                raise
 
     def _upload_bytes_bound(self) -> int:
         """At most the bytes of one upload (a remote segment, cut at the remote tier's
@@ -291,8 +308,7 @@ class WriteClient:
                                   job_id=self.config.job_id or ""))
             self._next_index[sub] += 1
         payloads = [self._encode(t, sid, arena) for (_, t), sid in zip(pieces, sids)]
-        placements = self.storage.reserve(self.shuffle_id, [len(p) for p in payloads],
-                                          self._take_settles())
+        placements = self._reserve([len(p) for p in payloads])
         # Grants not yet settled: if a write raises, they are given back (with abort).
         granted = {i for i, p in enumerate(placements) if p.grant is not None}
         try:

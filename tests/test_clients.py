@@ -532,3 +532,44 @@ def test_a_faster_tier_with_room_for_just_its_nominal_size_does_not_make_segment
     assert len(metas) <= 9, [m.nbytes for m in metas]  # one at the disk's size, then 128 KiB
     tm.release_shuffle(shuffle)
     io[TierName.REMOTE].release_shuffle(shuffle)
+
+
+@pytest.mark.parametrize("call_ran", [False, True])
+def test_settlements_of_a_failed_reserve_are_sent_again_and_count_once(tmp_path, call_ran):
+    """A reservation carries the settlements of earlier grants. When the call failed
+    (timed out, the actor died), they were dropped: written disk grants stayed counted as
+    in flight, taking free space from every later shuffle on that disk until this one's
+    release. The abort now sends them again; a call that did run (and timed out only on
+    the way back) has applied them already, and the second settlement changes nothing."""
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                        compression="none", segment_bytes={"disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"rs-{uuid.uuid4().hex[:6]}"
+    storage = CountingStorage(tm)
+    tm.register_shuffle(shuffle, cfg)
+    client = WriteClient(shuffle, 0, 2, cfg, storage, build_io_tiers(cfg))
+    client.write_many((s, random_table(20_000, seed=s)) for s in range(2))
+    assert client._unsettled and tm._disk_in_flight  # written, not settled yet
+    real_reserve = storage.reserve
+    granted_by_failed_call = []
+
+    def reserve_fails(shuffle_id, sizes, settled=()):
+        if call_ran:  # it ran; only its answer was lost
+            placements = real_reserve(shuffle_id, sizes, settled)
+            granted_by_failed_call.extend(p.grant.nbytes for p in placements if p.grant)
+        raise ConnectionError("injected: the tier manager did not answer")
+
+    storage.reserve = reserve_fails
+    with pytest.raises(ConnectionError, match="injected"):
+        client.write_many((s, random_table(20_000, seed=10 + s)) for s in range(2))
+    storage.reserve = real_reserve
+    client.abort()
+    # What this client wrote is settled (once) and freed. Grants the failed call made
+    # never reached the client: they are the shuffle's until its release.
+    disk = tm._tier(shuffle, TierName.DISK)
+    in_flight = sum(v for (_, s), v in tm._disk_in_flight.items() if s == shuffle)
+    assert in_flight == sum(granted_by_failed_call) == disk.used_by(shuffle)
+    assert bool(granted_by_failed_call) == call_ran
+    assert segment_files_under(str(tmp_path / "spill")) == []
+    tm.release_shuffle(shuffle)
+    assert tm._disk_in_flight == {} and disk.used_bytes == 0

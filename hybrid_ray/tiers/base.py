@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import itertools
 import json
 import time
 from typing import Any, ClassVar
@@ -48,6 +49,10 @@ def parse_shuffle_marker(data: bytes) -> dict[str, Any] | None:
     return fields
 
 
+# Ids of grants, unique within a process (a tier manager): see ``Grant.grant_id``.
+_grant_ids = itertools.count(1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Grant:
     """A tier's promise to take a segment of ``nbytes``; ``target`` says where (a directory)."""
@@ -55,6 +60,11 @@ class Grant:
     tier: TierName
     nbytes: int
     target: str = ""
+    # Unique within the tier manager that granted it (0: untracked, e.g. a JVM writer's):
+    # settling a grant twice changes the books once (``Tier.settle``), so a writer whose
+    # call carrying settlements failed may send them again without knowing whether the
+    # failed call ran.
+    grant_id: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +85,8 @@ class Tier(abc.ABC):
     def __init__(self, segment_bytes: int) -> None:
         self.segment_bytes = segment_bytes
         self._used: dict[str, int] = collections.defaultdict(int)
+        # Per shuffle, the ids of grants not settled yet (see ``Grant.grant_id``).
+        self._open_grants: dict[str, set[int]] = collections.defaultdict(set)
 
     # ---- space accounting (on the node's tier manager) ----------------------------------
     @property
@@ -90,10 +102,19 @@ class Tier(abc.ABC):
         if target is None:
             return None
         self._used[shuffle_id] += nbytes
-        return Grant(self.name, nbytes, target)
+        grant = Grant(self.name, nbytes, target, next(_grant_ids))
+        self._open_grants[shuffle_id].add(grant.grant_id)
+        return grant
 
     def settle(self, shuffle_id: str, grant: Grant, written_bytes: int | None) -> None:
-        """Report what became of a grant: ``None`` means nothing was written (give it back)."""
+        """Report what became of a grant: ``None`` means nothing was written (give it back).
+        A tracked grant (``grant_id``) settled before, or not granted here (a tier manager
+        started again since), changes nothing."""
+        if grant.grant_id:
+            open_grants = self._open_grants.get(shuffle_id)
+            if open_grants is None or grant.grant_id not in open_grants:
+                return
+            open_grants.discard(grant.grant_id)
         delta = (written_bytes or 0) - grant.nbytes
         self._adjust(shuffle_id, delta)
         self._on_settled(shuffle_id, grant, written_bytes)
@@ -112,6 +133,7 @@ class Tier(abc.ABC):
     def release_shuffle(self, shuffle_id: str) -> int:
         """Forget a shuffle's accounting and remove its data; returns the bytes freed."""
         freed = self._used.pop(shuffle_id, 0)
+        self._open_grants.pop(shuffle_id, None)
         self.remove_shuffle_data(shuffle_id)
         return freed
 
