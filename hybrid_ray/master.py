@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ShuffleFailedError, ShuffleNotFoundError, ShuffleStateError
+from hybrid_ray.errors import (
+    ConfigError, ShuffleFailedError, ShuffleNotFoundError, ShuffleStateError,
+)
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
 
@@ -38,6 +40,12 @@ class MapState:
     # Open shuffles (Spark's executors): attempts that finished writing, awaiting the
     # driver's choice at seal: attempt -> (finish time, stats).
     done_attempts: dict[int, tuple[float, Any]] = dataclasses.field(default_factory=dict)
+    # Sealed shuffles: rows per subpartition each unfinished attempt committed (those of
+    # freed subpartitions included), and those of the attempt that finished first. A map
+    # run again after its output was lost must write the same (``_check_rerun``).
+    rows_written: dict[int, collections.Counter[int]] = dataclasses.field(
+        default_factory=dict)
+    finished_rows: dict[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -303,6 +311,10 @@ class ShuffleRegistry:
         if pid and attempt == m.current_attempt and metas:
             m.pid, m.node_id = pid, metas[0].node_id
         subs = m.segments[attempt]
+        if state.sealed:
+            rows = m.rows_written.setdefault(attempt, collections.Counter())
+            for meta in metas:
+                rows[meta.id.subpartition] += meta.num_rows
         # A re-run map (see report_lost) writes every subpartition again, including those
         # whose reducer already stored its output: those segments are not needed.
         unneeded = [meta for meta in metas if meta.id.subpartition in state.freed]
@@ -333,8 +345,36 @@ class ShuffleRegistry:
             return True
         if m.finished_attempt is not None or attempt != m.current_attempt:
             return False
+        self._check_rerun(state, map_index, m, attempt)
         m.finished_attempt, m.finished, m.stats = attempt, self._clock(), stats
         return True
+
+    def _check_rerun(self, state: ShuffleState, map_index: int, m: MapState,
+                     attempt: int) -> None:
+        """Record the rows per subpartition of a map's finished attempt; refuse a later one
+        (a re-run after its output was lost) that wrote others to a subpartition whose
+        reducer finished meanwhile. That reducer kept the earlier attempt's rows and the
+        re-run's rows for it are dropped (``commit``), so a re-run that partitions
+        differently loses or duplicates rows: a partitioner whose ``assign`` is not a pure
+        function of its input (unseeded randomness, wall-clock time, a counter kept across
+        calls). Where no reducer finished, readers drop what they read of the lost attempt
+        and read the re-run instead: exact whatever the partitioner did."""
+        written = {sub: n for sub, n in m.rows_written.pop(attempt, {}).items() if n}
+        before, m.finished_rows = m.finished_rows, written
+        if before is None:
+            return
+        differ = sorted(sub for sub in state.freed if written.get(sub, 0) != before.get(sub, 0))
+        if differ:
+            m.finished_rows = before
+            examples = ", ".join(f"subpartition {sub}: {before.get(sub, 0)} rows then, "
+                                 f"{written.get(sub, 0)} now" for sub in differ[:3])
+            raise ConfigError(
+                f"map {map_index} of shuffle {state.shuffle_id} was run again after its "
+                f"output was lost and partitioned its rows differently ({examples}), where "
+                "reducers had already stored the first run's rows: the partitioner is not "
+                "deterministic, and the shuffle's output would lose or duplicate rows. Make "
+                "Partitioner.assign a pure function of the rows and the map index (seed any "
+                "randomness from them, as RandomPartitioner does)")
 
     def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
         """A reader found a segment of ``attempt`` gone: its memory-tier objects died with
@@ -478,6 +518,7 @@ class ShuffleRegistry:
         state.superseded_attempts += 1
 
     def _drop_attempt(self, state: ShuffleState, m: MapState, attempt: int) -> None:
+        m.rows_written.pop(attempt, None)
         # Freed subpartitions' segments are deleted already (their metadata stays).
         dropped = [meta for sub, metas in m.segments.pop(attempt, {}).items()
                    if sub not in state.freed for meta in metas]

@@ -32,8 +32,10 @@ class Partitioner(abc.ABC):
         Must be deterministic: the same table and ``map_index`` give the same labels.
         A map whose output was lost (its writer's node died) runs again, and its rows of
         subpartitions already reduced and freed are dropped from the re-run; labels that
-        changed between the runs would duplicate some rows and lose others. The built-in
-        partitioners are (``RandomPartitioner`` seeds each map's stream from its seed and
+        changed between the runs would duplicate some rows and lose others. The master
+        refuses a re-run whose row count for such a subpartition changed (``ConfigError``);
+        one that swaps rows and keeps the counts is not caught. The built-in partitioners
+        are deterministic (``RandomPartitioner`` seeds each map's stream from its seed and
         ``map_index``)."""
 
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:

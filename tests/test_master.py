@@ -228,6 +228,46 @@ def test_lost_finished_map_is_rerun_and_readers_reset(registry):
     assert registry.report_lost("r", 0, a0) is True and registry.take_lost("r") == []
 
 
+def test_a_rerun_that_partitions_differently_is_refused_naming_the_partitioner(registry):
+    """A map run again after its output was lost must write the rows its first run did:
+    reducers that finished meanwhile kept the first run's rows, and the re-run's rows for
+    them are dropped. A partitioner that is not deterministic moved rows between
+    subpartitions, so the output lost some and duplicated others without a word."""
+    from hybrid_ray.errors import ConfigError
+
+    def rows(m, sub, i, attempt, n, shuffle="d"):
+        return SegmentMeta(SegmentId(shuffle, m, sub, i, attempt), TierName.DISK, 10, n, "n1",
+                           f"/x/{shuffle}-{m}-{sub}-{i}-{attempt}")
+
+    registry.register("d", 1, 3, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    a0 = registry.begin_map("d", 0, "n1")
+    registry.commit("d", 0, a0, [rows(0, 0, 0, a0, 5), rows(0, 1, 0, a0, 7)])
+    assert registry.finish_map("d", 0, a0, last_segments=[rows(0, 1, 1, a0, 2)])
+    registry.free_subpartitions("d", [1])
+    # Lost, run again: the same rows per subpartition (freed subpartition 1's included).
+    assert registry.report_lost("d", 0, a0)
+    a1 = registry.begin_map("d", 0, "n1")
+    registry.commit("d", 0, a1, [rows(0, 0, 0, a1, 5), rows(0, 1, 0, a1, 9)])
+    assert registry.finish_map("d", 0, a1)
+    # Lost again; this run moved two rows from (freed) subpartition 1 to 2.
+    assert registry.report_lost("d", 0, a1)
+    a2 = registry.begin_map("d", 0, "n1")
+    registry.commit("d", 0, a2, [rows(0, 0, 0, a2, 5), rows(0, 1, 0, a2, 7),
+                                 rows(0, 2, 0, a2, 2)])
+    with pytest.raises(ConfigError, match=r"map 0 of shuffle d was run again .*"
+                       r"\(subpartition 1: 9 rows then, 7 now\).*not deterministic"):
+        registry.finish_map("d", 0, a2)
+    assert registry.state("d").maps[0].finished_attempt is None
+    # Where no reducer had finished, a re-run that partitions differently is still exact
+    # (readers drop the lost attempt's rows and read the re-run's): not refused.
+    registry.register("e", 1, 3, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    e0 = registry.begin_map("e", 0, "n1")
+    assert registry.finish_map("e", 0, e0, last_segments=[rows(0, 0, 0, e0, 5, "e")])
+    assert registry.report_lost("e", 0, e0)
+    e1 = registry.begin_map("e", 0, "n1")
+    assert registry.finish_map("e", 0, e1, last_segments=[rows(0, 2, 0, e1, 5, "e")])
+
+
 def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     a0 = _finish(registry, 0)
     assert registry.report_lost("s", 0, a0) is False

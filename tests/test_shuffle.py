@@ -336,6 +336,52 @@ def test_killed_writer_loses_finished_maps_which_are_rerun_exactly(ray_local, tm
     assert_no_leftovers(cfg, ray_local)
 
 
+class RememberingPartitioner(hybrid_ray.Partitioner):
+    """Not deterministic: it remembers the maps it partitioned, and a map's second run
+    sends every row to subpartition 0 (the first spread them by id)."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def assign(self, table, map_index, num_partitions):
+        if map_index in self.seen:
+            return np.zeros(table.num_rows, dtype=np.int64)
+        self.seen.add(map_index)
+        return table["id"].to_numpy() % num_partitions
+
+
+def test_a_lost_map_rerun_by_a_partitioner_that_is_not_deterministic_fails_loudly(
+        ray_local, tmp_path):
+    """A finished reducer keeps the rows the first run of a map sent it; the re-run of
+    that map after its output was lost must send the same. A partitioner that is not
+    deterministic sent others, so rows were lost and duplicated without a word. The re-run now fails,
+    naming the partitioner as the cause."""
+    import uuid
+
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.shuffle import read_subpartition, write_map_partition
+
+    config = base_config(tmp_path, spilling="full", mode="blocking",
+                         namespace=f"hr-nondet-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray_local.get(master.register.remote(shuffle_id, 2, 2, config, True))
+    table = pa.table({"id": np.arange(10_000)})
+    partitioner = RememberingPartitioner()  # the test's process runs every map here
+    try:
+        for m in range(2):
+            write_map_partition(shuffle_id, m, [table], 2, partitioner, config, master)
+        assert len(pa.concat_tables(read_subpartition(shuffle_id, 1, config, master))) > 0
+        ray_local.get(master.free_subpartitions.remote(shuffle_id, [1]))  # its reducer is done
+        assert ray_local.get(master.report_lost.remote(shuffle_id, 0, 0))
+        with pytest.raises(ConfigError, match=r"map 0 .* was run again .*subpartition 1: "
+                                              r"5000 rows then, 0 now.*not deterministic"):
+            write_map_partition(shuffle_id, 0, [table], 2, partitioner, config, master)
+    finally:
+        ray_local.get(master.release.remote(shuffle_id))
+    assert_no_leftovers(config, ray_local)
+
+
 def test_writer_and_reader_processes_keep_freed_memory_warm(ray_local):
     """Writers and readers run with a mimalloc purge delay (see actors.WORKER_ENV): the
     variable must reach the processes, before pyarrow loads its allocator."""
