@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
 import threading
 import time
 import uuid
@@ -78,6 +79,8 @@ FREE_BATCH_S = 0.25
 MAP_QUEUE_DEPTH = 2
 # Errors of held shuffles' background work (heartbeats, re-runs) kept for ``held_errors``.
 HELD_ERRORS_KEPT = 100
+
+_LOG = logging.getLogger(__name__)
 
 
 class AttemptPolicy(enum.Enum):
@@ -366,6 +369,12 @@ class ShuffleLifecycle:
         done = set(ready)
         with self._unchecked_lock:
             self._unchecked = [r for r in self._unchecked if r not in done]
+            unanswered = len(self._unchecked)
+        if wait and unanswered:
+            # Frees and heartbeats only: the release deletes whatever a free did not.
+            _LOG.warning("%d call(s) of shuffle %s to the shuffle master (frees, heartbeats) "
+                         "got no answer within %.0f s; going on (the release deletes what "
+                         "they did not)", unanswered, self.shuffle_id, MASTER_CALL_TIMEOUT_S)
         for ref in ready:
             ray.get(ref, timeout=MASTER_CALL_TIMEOUT_S)
 

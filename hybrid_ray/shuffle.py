@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -93,6 +94,8 @@ MAX_SEED = 1 << 63
 # The report of each thread's most recent shuffle: shuffles run in threads side by side
 # must not see each other's (a process-global once returned another thread's report).
 _reports = threading.local()
+
+_LOG = logging.getLogger(__name__)
 
 
 def last_report() -> ShuffleReport | None:
@@ -346,7 +349,10 @@ def _check_outputs_survived(refs: Sequence[ray.ObjectRef | None], readers: _Read
     output_nodes = {readers.node_of(sub) for sub, ref in enumerate(refs) if ref is not None}
     try:
         alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
-    except Exception:  # noqa: BLE001 - GCS restarting: fall back to what the driver saw
+    except Exception as exc:  # noqa: BLE001 - GCS restarting: fall back to what the driver saw
+        _LOG.warning("could not read Ray's node table to check that the output blocks' "
+                     "nodes are alive (%s: %s); checked only the nodes this driver saw die",
+                     type(exc).__name__, exc)
         alive = output_nodes
     dead = readers.lost_nodes | {n for n in output_nodes if n and n not in alive}
     if not dead:

@@ -563,3 +563,48 @@ def test_the_driver_heartbeats_while_it_waits_for_a_node_to_be_declared_dead(mon
     error = ray.exceptions.RayActorError()
     assert nodes.lost_with_node("n" * 56, error, lambda: beats.append(1)) is False
     assert len(beats) >= 2
+
+
+def test_calls_not_answered_in_time_are_named_in_a_warning(config, monkeypatch, caplog):
+    """Frees and heartbeats are not waited for; the report waits for them, bounded, and
+    went on silently past those that never answered. It says so now."""
+    import logging
+
+    @ray.remote(num_cpus=0)
+    def never_answers():
+        time.sleep(60)
+
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    monkeypatch.setattr(lifecycle, "MASTER_CALL_TIMEOUT_S", 1.0)
+    stuck = never_answers.remote()
+    shuffle._unchecked.append(stuck)
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray.lifecycle"):
+        shuffle.summary()
+    assert (f"1 call(s) of shuffle {shuffle.shuffle_id} to the shuffle master (frees, "
+            "heartbeats) got no answer within 1 s") in caplog.text
+    ray.cancel(stuck, force=True)
+    shuffle.release()
+
+
+def test_an_unreadable_node_table_is_named_in_a_warning(monkeypatch, caplog):
+    """After a node died, the output blocks' nodes are checked in Ray's node table; when
+    it could not be read (a GCS restarting), the check fell back to the nodes the driver
+    saw die without a word."""
+    import logging
+
+    from hybrid_ray import shuffle as shuffle_module
+
+    class Readers:
+        lost_nodes: set = set()
+
+        def node_of(self, sub):
+            return "node-a"
+
+    def unreadable():
+        raise ConnectionError("GCS restarting")
+
+    monkeypatch.setattr(shuffle_module.ray, "nodes", unreadable)
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray.shuffle"):
+        shuffle_module._check_outputs_survived([object()], Readers())
+    assert "could not read Ray's node table" in caplog.text and "GCS restarting" in caplog.text
