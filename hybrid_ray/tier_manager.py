@@ -24,7 +24,7 @@ from hybrid_ray.ids import (
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
-    read_segment_file, read_shuffle_marker, require_segment_file, unlink_quietly,
+    marked_shuffle_dir_problem, read_segment_file, require_segment_file, unlink_quietly,
 )
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
@@ -382,14 +382,14 @@ class TierManager:
         except UnsafePathError as not_in_our_dirs:
             shuffle_directory = os.path.dirname(os.path.dirname(location))
             shuffle_id = os.path.basename(shuffle_directory)
-            marker = read_shuffle_marker(shuffle_directory)
-            if marker is not None and marker.get("shuffle_id") == shuffle_id \
-                    and is_inside(shuffle_directory, location):
+            problem = marked_shuffle_dir_problem(shuffle_directory, shuffle_id)
+            if problem is None and is_inside(shuffle_directory, location):
                 return location
             raise UnsafePathError(
                 f"refusing to {action} {location!r}: it is neither inside the data dir of a "
                 f"spill dir this node's disk tier uses nor in a shuffle directory marked as "
-                f"hybrid_ray's for shuffle {shuffle_id}. {hint + ' ' if hint else ''}"
+                f"hybrid_ray's for shuffle {shuffle_id} in a private data dir of ours "
+                f"({problem or 'the file leads out of it'}). {hint + ' ' if hint else ''}"
                 f"({not_in_our_dirs})") from None
 
     def mark_disk_target(self, shuffle_id: str, spill_dir: str) -> None:

@@ -387,3 +387,18 @@ def test_a_restarted_tier_manager_serves_files_of_marked_shuffle_directories(tmp
     link.symlink_to(secret)
     with pytest.raises(UnsafePathError, match="neither inside the data dir"):
         restarted.serve_segment_file(str(link))
+    # A marked tree anyone could have planted (a data dir others can write, a marker of
+    # another user): refused, although shaped like ours.
+    planted = tmp_path / "planted" / "hybrid_ray" / "s"
+    (planted / "sub-00000").mkdir(parents=True)
+    (planted / SHUFFLE_MARKER_NAME).write_bytes(
+        (tmp_path / "spill" / "hybrid_ray" / "s" / SHUFFLE_MARKER_NAME).read_bytes())
+    (planted / "sub-00000" / meta.id.file_name).write_bytes(b"planted")
+    os.chmod(planted.parent, 0o777)
+    with pytest.raises(UnsafePathError, match="has mode 777"):
+        restarted.serve_segment_file(str(planted / "sub-00000" / meta.id.file_name))
+    os.chmod(planted.parent, 0o700)
+    assert restarted.serve_segment_file(str(planted / "sub-00000" / meta.id.file_name))
+    os.chown(planted / SHUFFLE_MARKER_NAME, 12345, -1)
+    with pytest.raises(UnsafePathError, match="owned by uid 12345"):
+        restarted.serve_segment_file(str(planted / "sub-00000" / meta.id.file_name))

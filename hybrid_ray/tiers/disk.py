@@ -183,6 +183,44 @@ def unsafe_spill_dir(spill_dir: str) -> str | None:
     return None if problem_of_data is None else f"{data_dir} {problem_of_data}"
 
 
+def marked_shuffle_dir_problem(shuffle_directory: str, shuffle_id: str) -> str | None:
+    """Why ``shuffle_directory`` (``<spill dir>/hybrid_ray/<shuffle_id>``, of a data dir no
+    disk tier of this process registered) is not to be trusted as one of ours, or None:
+    a tier manager started again serves and deletes segment files there. The spill dir
+    must pass a spill dir's rule, the data dir be a private (0700) directory of this user,
+    the shuffle directory a real one of this user holding our marker for ``shuffle_id``,
+    a file of this user. Nobody else can then swap anything below the data dir between
+    the check and the use. (A marker alone was planted by anyone who could write a
+    directory named ``hybrid_ray`` anywhere.)"""
+    uid = os.geteuid()
+    data_dir = os.path.dirname(shuffle_directory)
+    if os.path.basename(data_dir) != DATA_DIR_NAME:
+        return f"{shuffle_directory} is not in a directory named {DATA_DIR_NAME}"
+    spill_dir = os.path.dirname(data_dir)
+    try:
+        problem = trusted_dir_problem(spill_dir, uid)
+    except OSError as exc:
+        return f"{spill_dir} cannot be read ({exc.strerror or exc})"
+    if problem is not None:
+        return f"{spill_dir} {problem[0]}"
+    problem_of_data = _private_dir_problem(data_dir, uid)
+    if problem_of_data is not None:
+        return f"{data_dir} {problem_of_data}"
+    try:
+        st = os.lstat(shuffle_directory)
+        marker_st = os.lstat(os.path.join(shuffle_directory, SHUFFLE_MARKER_NAME))
+    except OSError as exc:
+        return f"{shuffle_directory} or its marker cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        return f"{shuffle_directory} is not a real directory of this user"
+    if marker_st.st_uid != uid:
+        return f"the marker in {shuffle_directory} is owned by uid {marker_st.st_uid}"
+    marker = read_shuffle_marker(shuffle_directory)
+    if marker is None or marker.get("shuffle_id") != shuffle_id:
+        return f"{shuffle_directory} carries no marker of hybrid_ray's for shuffle {shuffle_id}"
+    return None
+
+
 def _private_dir_problem(path: str, uid: int) -> str | None:
     """Why ``path`` is not a private directory of ``uid`` (one ``lstat``), or None."""
     try:
