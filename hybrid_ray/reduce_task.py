@@ -226,16 +226,20 @@ def fetch_from_node(meta: SegmentMeta, namespace: str) -> bytes:
     # Never start a tier manager before the node is known alive: one pinned to a dead node
     # would never run.
     tm = existing_tier_manager(meta.node_id, namespace)
-    try:
-        if tm is None:
-            raise ray.exceptions.ActorDiedError()
-        return _read_through(tm, meta)
-    except WORKER_LOST_ERRORS as exc:
-        if lost_with_node(meta.node_id, exc):
-            raise SegmentLostWithNodeError(
-                f"{meta.id} is gone from the disk tier of node {meta.node_id}: the node "
-                "died") from None
-    return _read_through(get_tier_manager(meta.node_id, namespace), meta)
+    for last_try in (False, True):
+        try:
+            if tm is None:
+                raise ray.exceptions.ActorDiedError()
+            return _read_through(tm, meta)
+        except WORKER_LOST_ERRORS as exc:
+            if lost_with_node(meta.node_id, exc):
+                raise SegmentLostWithNodeError(
+                    f"{meta.id} is gone from the disk tier of node {meta.node_id}: the "
+                    "node died") from None
+            if last_try:
+                raise
+        tm = get_tier_manager(meta.node_id, namespace)
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
