@@ -381,7 +381,7 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
     shuffle_id = _registered_here(tm, request, sessions)
     settle(tm, shuffle_id, request.get("settle"))
     out = []
-    for placement in tm.reserve(shuffle_id, [int(n) for n in request["sizes"]]):
+    for placement in tm.reserve(shuffle_id, [int(n) for n in request["sizes"]], tracked=False):
         if placement.grant is None:
             out.append({"tier": None, "target": "", "refusals": list(placement.refusals)})
             continue

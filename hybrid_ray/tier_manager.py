@@ -217,11 +217,13 @@ class TierManager:
     # ---- the write path ---------------------------------------------------------------------
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
                 settled: Sequence[tuple[Grant, int | None]] = (),
-                register: ShuffleConfig | None = None) -> list[Placement]:
+                register: ShuffleConfig | None = None,
+                tracked: bool = True) -> list[Placement]:
         """Settle finished grants, then pick for each new segment the first local tier, in
         priority order, that can take it (FLIP-301: try the higher tiers again every time,
         so writing switches back up when space frees). ``register``: register the shuffle
-        with this config first (``register_shuffle``), in the same call.
+        with this config first (``register_shuffle``), in the same call. ``tracked``: see
+        ``Tier.try_reserve`` (False for a JVM writer's).
 
         Raises ``ShuffleNotFoundError`` for a shuffle not registered here (or released)."""
         if register is not None:
@@ -241,7 +243,7 @@ class TierManager:
             for nbytes in sizes:
                 refusals = []
                 for placed_at, tier in enumerate(tiers):
-                    grant = tier.try_reserve(shuffle_id, nbytes)
+                    grant = tier.try_reserve(shuffle_id, nbytes, tracked)
                     if grant is not None:
                         break
                     refusals.append(tier.describe_refusal(nbytes))

@@ -81,6 +81,9 @@ class Tier(abc.ABC):
     """Base class: byte accounting per shuffle; subclasses decide room and do the I/O."""
 
     name: ClassVar[TierName]
+    # Whether a writer settles every grant of this tier, even one written in full
+    # (``settle_changes_books`` always true): only then are grants tracked by id.
+    SETTLES_EVERY_GRANT: ClassVar[bool] = False
 
     def __init__(self, segment_bytes: int) -> None:
         self.segment_bytes = segment_bytes
@@ -96,12 +99,18 @@ class Tier(abc.ABC):
     def used_by(self, shuffle_id: str) -> int:
         return self._used.get(shuffle_id, 0)
 
-    def try_reserve(self, shuffle_id: str, nbytes: int) -> Grant | None:
-        """Reserve room for a new segment of ``nbytes``; None when the tier cannot take it."""
+    def try_reserve(self, shuffle_id: str, nbytes: int, tracked: bool = True) -> Grant | None:
+        """Reserve room for a new segment of ``nbytes``; None when the tier cannot take it.
+        ``tracked``: give the grant an id, so settling it twice changes the books once
+        (``Grant.grant_id``), where every grant is settled (``SETTLES_EVERY_GRANT``): an id
+        left open until the shuffle's release would be a record per segment. A JVM
+        writer's grants are untracked (its settlements carry no id)."""
         target = self._room_for(shuffle_id, nbytes)
         if target is None:
             return None
         self._used[shuffle_id] += nbytes
+        if not (tracked and self.SETTLES_EVERY_GRANT):
+            return Grant(self.name, nbytes, target)
         grant = Grant(self.name, nbytes, target, next(_grant_ids))
         self._open_grants[shuffle_id].add(grant.grant_id)
         return grant

@@ -268,6 +268,7 @@ class DiskTier(Tier):
     """Local spill directories with a statvfs-checked reserve and an optional byte cap."""
 
     name = TierName.DISK
+    SETTLES_EVERY_GRANT = True  # in flight until settled (``settle_changes_books``)
 
     def __init__(self, segment_bytes: int, spill_dirs: Sequence[str],
                  min_reserve_fraction: float = 0.05, capacity_bytes: int | None = None,
