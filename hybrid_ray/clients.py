@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -192,11 +193,15 @@ class WriteClient:
         # outlive the attempt. (Uploads not started yet are cancelled.)
         for upload in self._uploads:
             upload.cancel()
-        remote = self.io_tiers.get(TierName.REMOTE)
+        if self._uploads:
+            # One bound for all of them: waited for one after another, each with its own,
+            # four hung uploads held an abort four times as long.
+            remote = self.io_tiers[TierName.REMOTE]
+            deadline = time.monotonic() + remote.result_bound_s(self._upload_bytes_bound())
         for upload in self._uploads:
             try:
                 self.written.append(remote.outcome(upload, "an upload being aborted",
-                                                   self._upload_bytes_bound()))
+                                                   bound_s=deadline - time.monotonic()))
             except Exception:  # failed, cancelled or hung: nothing it wrote is known
                 pass
         self._uploads.clear()

@@ -390,3 +390,34 @@ def test_a_read_ahead_from_a_hung_sync_store_fails_within_its_bound(tmp_path, mo
     error = outcome.get("error")
     assert isinstance(error, ShuffleStalledError), outcome
     assert f"the read of {sid}" in str(error) and "did not finish within" in str(error)
+
+
+def test_an_abort_waits_for_hung_uploads_within_one_bound_not_one_each(tmp_path,
+                                                                       monkeypatch):
+    """An abort lets running uploads end before it deletes what they wrote. Each hung
+    upload had a bound of its own, waited for one after another: four hung uploads held
+    the abort (and the failed map) four times as long. They share one bound now."""
+    import concurrent.futures
+
+    from hybrid_ray import TierName
+    from hybrid_ray.clients import WriteClient
+    from hybrid_ray.tier_manager import TierManager
+    from hybrid_ray.tiers import remote as remote_module
+    from hybrid_ray.tiers.remote import open_remote_tier
+
+    config = base_config(tmp_path, remote_path=f"file://{tmp_path}/remote")
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("shf-abort", config)
+    client = WriteClient("shf-abort", 0, 1, config, tm,
+                         {TierName.REMOTE: open_remote_tier(config)})
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 1.0)
+    monkeypatch.setattr(client, "_upload_bytes_bound", lambda: 0)
+    hung = [concurrent.futures.Future() for _ in range(4)]
+    for future in hung:
+        future.set_running_or_notify_cancel()  # running: cancel() cannot stop it
+        client._uploads.append(future)
+    started = time.monotonic()
+    client.abort()
+    elapsed = time.monotonic() - started
+    assert elapsed < 3.0, f"the abort waited {elapsed:.1f} s for 4 hung uploads (bound 1 s)"
+    tm.release_shuffle("shf-abort")

@@ -308,15 +308,23 @@ class RemoteTier(Tier):
         """Start ``read`` in the background (a reader's read-ahead)."""
         return self.io_pool().submit(self.read, meta)
 
+    def result_bound_s(self, nbytes: int = 0) -> float:
+        """How long to wait for a background call of ``nbytes`` (``outcome``): at least
+        ``RESULT_WAIT_S``, and twice an async filesystem's own call deadline (a user who
+        raised its timeouts allows slower transfers), plus the bytes at
+        ``REMOTE_MIN_BYTES_PER_S``."""
+        base = max(RESULT_WAIT_S, 2 * (self._deadline_s or 0.0))
+        return base + nbytes / REMOTE_MIN_BYTES_PER_S
+
     def outcome(self, future: concurrent.futures.Future[Any], what: str,
-                nbytes: int = 0) -> Any:
+                nbytes: int = 0, bound_s: float | None = None) -> Any:
         """The result of a background ``read_async``/``write_async`` of ``nbytes``, waited
-        for at most ``RESULT_WAIT_S`` plus the bytes at ``REMOTE_MIN_BYTES_PER_S``.
-        A call of an async filesystem ends by its own deadline; a sync one's (NFS through
-        ``file://``, HDFS, sftp) has none, and a hung server held the waiting reader or
-        writer forever. ``ShuffleStalledError`` naming ``what`` then (the call itself
-        cannot be cancelled; its thread is left to end)."""
-        bound = RESULT_WAIT_S + nbytes / REMOTE_MIN_BYTES_PER_S
+        for at most ``bound_s`` (default ``result_bound_s(nbytes)``). A call of an async
+        filesystem ends by its own deadline; a sync one's (NFS through ``file://``, HDFS,
+        sftp) has none, and a hung server held the waiting reader or writer forever.
+        ``ShuffleStalledError`` naming ``what`` then (the call itself cannot be cancelled;
+        its thread is left to end)."""
+        bound = self.result_bound_s(nbytes) if bound_s is None else max(0.0, bound_s)
         try:
             return future.result(timeout=bound)
         except concurrent.futures.TimeoutError:
