@@ -438,8 +438,8 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
       length = SegmentCodec.verify(frame,
           SegmentCodec.identity(shuffleKey, b.mapId, b.reduceId, i), segWhat);
     } catch (IOException | RuntimeException e) {
-      throw sneaky(readFailure(e, b.address, handle.shuffleId(), b.mapId, b.mapIndex,
-          b.reduceId));
+      throw sneaky(readFailure(e, context.attemptNumber(), b.address, handle.shuffleId(),
+          b.mapId, b.mapIndex, b.reduceId));
     }
     if (node.equals(ctx.nodeId())) {
       metrics.incLocalBytesRead(length);
@@ -571,17 +571,22 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
    * A {@code FetchFailedException} only when the map output is lost (gone, damaged, its
    * node dead): Spark then drops every output of the block's executor, for every shuffle,
    * recomputes them, and gives up on the stage after 4 in a row. A segment that could not
-   * be read this time ({@link SegmentUnavailableException}) fails the task instead, which
-   * Spark runs again; an unsafe path is no lost output either (recomputing the map would
-   * not make the path safe).
+   * be read this time ({@link SegmentUnavailableException}) fails the task's first attempt
+   * ({@code taskAttempt} 0) instead, which Spark runs again; a retry that cannot read it
+   * either treats it as lost, so a node that stays hung does not fail the job after
+   * {@code spark.task.maxFailures} tries of the same read: Spark recomputes the map
+   * elsewhere, as it did for every failed read before. An unsafe path is no lost output
+   * (recomputing the map would not make the path safe).
    */
-  static Throwable readFailure(Throwable e, BlockManagerId address, int shuffleId, long mapId,
-      int mapIndex, int reduceId) {
+  static Throwable readFailure(Throwable e, int taskAttempt, BlockManagerId address,
+      int shuffleId, long mapId, int mapIndex, int reduceId) {
     if (e instanceof LocalSegmentFiles.UnsafeSegmentPathException) {
       return e;
     }
-    if (e instanceof SegmentUnavailableException) {
-      return new IOException("hybrid_ray: " + e.getMessage(), e);
+    if (e instanceof SegmentUnavailableException && taskAttempt == 0) {
+      return new IOException("hybrid_ray: " + e.getMessage()
+          + " (the task is run again; a retry that cannot read it either recomputes the map)",
+          e);
     }
     return new FetchFailedException(address, shuffleId, mapId, mapIndex, reduceId,
         "hybrid_ray: " + e.getMessage(), e);

@@ -48,24 +48,29 @@ class HybridRayShuffleReaderTest {
   }
 
   @Test
-  void onlyALostSegmentBlamesTheWritersExecutor() {
-    // A store or actor that did not answer says nothing about the map output: the task
-    // fails and Spark runs it again. Before, every failure became a FetchFailedException,
-    // so a throttled store or a restarted tier manager made Spark recompute every output
-    // of the writer's executor and, 4 times in a row, fail the job.
+  void onlyALostSegmentBlamesTheWritersExecutorAtFirst() {
+    // A store or actor that did not answer says nothing about the map output: the task's
+    // first attempt fails and Spark runs it again. Before, every failure became a
+    // FetchFailedException, so a throttled store or a restarted tier manager made Spark
+    // recompute every output of the writer's executor. A retry that cannot read it either
+    // (a node that stays hung) recomputes the map, rather than failing the job after
+    // spark.task.maxFailures tries of the same read.
     BlockManagerId writer = null;  // BlockManagerId.apply needs Spark's shaded Guava
-    Throwable unavailable = HybridRayShuffleReader.readFailure(
+    HybridRayShuffleReader.SegmentUnavailableException throttled =
         new HybridRayShuffleReader.SegmentUnavailableException("remote tier throttled",
-            new IOException("SlowDown")), writer, 3, 11L, 2, 5);
-    assertFalse(unavailable instanceof FetchFailedException);
-    assertTrue(unavailable instanceof IOException);
-    assertTrue(unavailable.getMessage().contains("remote tier throttled"));
+            new IOException("SlowDown"));
+    Throwable firstTry = HybridRayShuffleReader.readFailure(throttled, 0, writer, 3, 11L, 2, 5);
+    assertFalse(firstTry instanceof FetchFailedException);
+    assertTrue(firstTry instanceof IOException);
+    assertTrue(firstTry.getMessage().contains("remote tier throttled"));
+    assertTrue(HybridRayShuffleReader.readFailure(throttled, 1, writer, 3, 11L, 2, 5)
+        instanceof FetchFailedException);
     Throwable gone = HybridRayShuffleReader.readFailure(
-        new IOException("segment 0 is gone from the remote tier"), writer, 3, 11L, 2, 5);
+        new IOException("segment 0 is gone from the remote tier"), 0, writer, 3, 11L, 2, 5);
     assertTrue(gone instanceof FetchFailedException);
     assertTrue(gone.getMessage().contains("gone from the remote tier"), gone.getMessage());
     LocalSegmentFiles.UnsafeSegmentPathException unsafe =
         new LocalSegmentFiles.UnsafeSegmentPathException("outside the spill dirs");
-    assertSame(unsafe, HybridRayShuffleReader.readFailure(unsafe, writer, 3, 11L, 2, 5));
+    assertSame(unsafe, HybridRayShuffleReader.readFailure(unsafe, 1, writer, 3, 11L, 2, 5));
   }
 }
