@@ -250,12 +250,12 @@ class WriteClient:
         in the same call. A call that fails keeps those settlements for the next call or
         the abort: dropped, they stayed counted (disk space in flight) until the shuffle's
         release. Whether the failed call ran is not known; settling twice changes the books
-        once (``Grant.grant_id``)."""
+        once (``Grant.grant_id``), so only tracked grants are kept (``_keep_for_resending``)."""
         settles = self._take_settles()
         try:
             return self.storage.reserve(self.shuffle_id, sizes, settles)
         except BaseException:
-            self._unsettled.extend(settles)
+            self._keep_for_resending(settles)
             raise
 
     def _settle_changes(self) -> None:
@@ -265,8 +265,17 @@ class WriteClient:
             try:
                 self.storage.settle(self.shuffle_id, changed)
             except BaseException:
-                self._unsettled.extend(changed)  # see _reserve
+                self._keep_for_resending(changed)  # see _reserve
                 raise
+
+    def _keep_for_resending(self, settles: list[tuple[Grant, int | None]]) -> None:
+        """After a call carrying ``settles`` failed, keep those that may safely be sent
+        again: tracked grants only (``Grant.grant_id``), which the tier manager settles
+        once however often they come. An untracked one (memory, remote) may have been
+        applied by the failed call already; sent again it would lower the books twice,
+        below what the shuffle holds, so it is dropped: its bytes stay counted until the
+        shuffle's release, which errs on the safe side of the quota."""
+        self._unsettled.extend((g, w) for g, w in settles if g.grant_id)
 
     def _upload_bytes_bound(self) -> int:
         """At most the bytes of one upload (a remote segment, cut at the remote tier's

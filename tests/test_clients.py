@@ -573,3 +573,47 @@ def test_settlements_of_a_failed_reserve_are_sent_again_and_count_once(tmp_path,
     assert segment_files_under(str(tmp_path / "spill")) == []
     tm.release_shuffle(shuffle)
     assert tm._disk_in_flight == {} and disk.used_bytes == 0
+
+
+def test_an_untracked_settlement_of_a_failed_call_is_not_sent_twice(ray_local, tmp_path,
+                                                                      monkeypatch):
+    """Only disk grants carry an id (``Grant.grant_id``), so only their settlements may be
+    sent again after a call that failed: a memory grant given back by a call that did run
+    (its answer was lost) and then again by the abort lowered the memory tier's books
+    twice, below what the shuffle really holds (its quota then let more in)."""
+    cfg = ShuffleConfig(memory_capacity_bytes=64 * MiB, spill_dirs=[str(tmp_path / "spill")],
+                        compression="none", segment_bytes={"memory": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"ut-{uuid.uuid4().hex[:6]}"
+    storage = CountingStorage(tm)
+    tm.register_shuffle(shuffle, cfg)
+    io = build_io_tiers(cfg)
+    client = WriteClient(shuffle, 0, 2, cfg, storage, io)
+    memory = io[TierName.MEMORY]
+    real_write, writes = memory.write_many, []
+
+    def fail_first(*args, **kw):  # the first memory write fails: its grant goes back
+        writes.append(1)
+        if len(writes) == 1:
+            raise OSError("injected: object store refused the segment")
+        return real_write(*args, **kw)
+
+    monkeypatch.setattr(memory, "write_many", fail_first)
+    with pytest.raises(OSError, match="injected"):
+        client.write_many([(0, random_table(20_000, seed=1))])
+    assert [w for _, w in client._unsettled] == [None]  # its give-back, not sent yet
+    real_reserve = storage.reserve
+
+    def reserve_ran_but_failed(shuffle_id, sizes, settled=()):
+        real_reserve(shuffle_id, sizes, settled)  # applies the give-back
+        raise ConnectionError("injected: the tier manager's answer was lost")
+
+    storage.reserve = reserve_ran_but_failed
+    with pytest.raises(ConnectionError, match="injected"):
+        client.write_many([(1, random_table(20_000, seed=2))])
+    storage.reserve = real_reserve
+    held = tm.usage().tiers[0].used_bytes  # the grant the failed call made
+    assert held > 0
+    client.abort()  # must not give the first grant back a second time
+    assert tm.usage().tiers[0].used_bytes == held
+    tm.release_shuffle(shuffle)
