@@ -426,3 +426,29 @@ def test_only_grants_that_are_always_settled_are_kept_by_id(tmp_path):
     settle(tm, "jvm", [[p["tier"], 100, p["target"], 100] for p in placements])
     assert not tm._tier("jvm", TierName.DISK)._open_grants.get("jvm")
     assert tm._disk_in_flight == {}
+
+
+def test_a_restarted_tier_manager_ignores_a_settlement_of_its_predecessor_s_grant(
+        tmp_path, monkeypatch):
+    """Disk grants carry an id so a settlement sent twice counts once. A tier manager
+    started again (a new process) counted its ids from 1 again: a writer's late settlement
+    of a grant the old one made then closed another writer's grant of the same id, and
+    that writer's real settlement was ignored (its bytes stayed counted until release)."""
+    from hybrid_ray.tiers import base
+
+    config = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")])
+    old = TierManager("n1", object_store_bytes=1000)
+    old.register_shuffle("s", config)
+    [stale] = [p.grant for p in old.reserve("s", [100])]
+    monkeypatch.setattr(base, "_grant_ids", base.new_grant_ids())  # a new process's
+    restarted = TierManager("n1", object_store_bytes=1000)
+    restarted.register_shuffle("s", config)
+    [fresh] = [p.grant for p in restarted.reserve("s", [100])]
+    assert stale.tier == fresh.tier == TierName.DISK
+    disk = restarted._tier("s", TierName.DISK)
+    restarted.settle("s", [(stale, 60)])  # the old grant's writer, late: changes nothing
+    assert disk.used_by("s") == 100
+    restarted.settle("s", [(fresh, 40)])  # the new grant's own settlement counts
+    assert disk.used_by("s") == 40
+    restarted.release_shuffle("s")
+    old.release_shuffle("s")

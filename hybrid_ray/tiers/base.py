@@ -16,7 +16,9 @@ import collections
 import dataclasses
 import itertools
 import json
+import secrets
 import time
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from hybrid_ray.config import TierName
@@ -49,8 +51,17 @@ def parse_shuffle_marker(data: bytes) -> dict[str, Any] | None:
     return fields
 
 
-# Ids of grants, unique within a process (a tier manager): see ``Grant.grant_id``.
-_grant_ids = itertools.count(1)
+def new_grant_ids() -> Iterator[int]:
+    """The grant ids of one process (a tier manager): counted from a random 62-bit start.
+    A tier manager started again is a new process; counted from 1 again, it reissued the
+    ids of grants its predecessor made, which writers still settle (``Tier.settle``): such
+    a stale settlement then closed another writer's grant of the same shuffle and moved
+    its bytes, and the real settlement was ignored (disk space counted until release)."""
+    return itertools.count(secrets.randbits(62) + 1)
+
+
+# Ids of grants, unique within a process, and across its restarts: see ``Grant.grant_id``.
+_grant_ids = new_grant_ids()
 
 
 @dataclasses.dataclass(frozen=True)
