@@ -606,6 +606,17 @@ class ShuffleMasterActor:
         self._await_deletions(queued)
         return released
 
+    def summarize_and_release(self, shuffle_id: str) -> ShuffleSummary:
+        """A shuffle's books (``summary``) taken as it is released (``release``): one
+        call, not two, at the end of a shuffle that succeeded, where the cores idle
+        while the driver waits for each answer."""
+        with self._changing():
+            summary = self.registry.summary(shuffle_id)
+            self.registry.release(shuffle_id)
+            queued = self._queued_releases([shuffle_id])
+        self._await_deletions(queued)
+        return summary
+
     def _queued_releases(self, shuffle_ids: Sequence[str]) -> list[PendingDeletion]:
         """The queued deletions of all the data of ``shuffle_ids`` (under the lock)."""
         ids = set(shuffle_ids)
@@ -823,6 +834,20 @@ class ShuffleWorkerActor:
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
+
+    def run_packed(self, packed: tuple[Any, tuple], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, *common, **kwargs)`` for ``packed = (fn, common)``: the arguments
+        every map (or reducer) of a shuffle shares, passed as the ref of one object put
+        once per shuffle (``pack_call``). Sent with each call, the driver serialised the
+        function, partitioner, config, schema and master handle for every map and reducer
+        (profiled: 20 ms of its CPU per 1 GiB shuffle, a quarter of it)."""
+        fn, common = packed
+        return fn(*args, *common, **kwargs)
+
+
+def pack_call(fn: Callable[..., Any], common: Sequence[Any]) -> ray.ObjectRef:
+    """The ref of ``(fn, common)`` for ``ShuffleWorkerActor.run_packed``."""
+    return ray.put((fn, tuple(common)))
 
 
 # Whether this process is a worker actor started again after its predecessor died

@@ -46,7 +46,7 @@ from typing import Any
 import ray
 
 from hybrid_ray import metrics
-from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, answer_of, get_master
+from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, answer_of, get_master, pack_call
 from hybrid_ray.clients import WriteStats
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
 from hybrid_ray.config import ShuffleConfig
@@ -294,6 +294,22 @@ class ShuffleLifecycle:
             self._frees = []  # covered by the release
         return bool(self._call(self.master.release, reason, failed))
 
+    def summarize_and_release(self) -> ShuffleSummary:
+        """The end of a shuffle that succeeded: the master's books of it, taken as its
+        data is released, in one call (``summary`` then ``release`` cost the driver two
+        round trips while the cores idled). The calls not waited for (frees, heartbeats)
+        are checked after it, so one that failed still raises here."""
+        _held.unhold(self.shuffle_id)
+        if self.released:
+            raise ShuffleFailedError(f"shuffle {self.shuffle_id} was released already: "
+                                     "its books went with it")
+        self.released = True
+        with self._unchecked_lock:
+            self._frees = []  # covered by the release
+        summary = self._call(self.master.summarize_and_release)
+        self._check_unchecked(wait=True)
+        return summary
+
     def fail(self, exc: BaseException) -> BaseException:
         """The shuffle failed with ``exc``: release its data (never masking ``exc``) and
         return the error to raise, translated at this phase boundary: the cause first in
@@ -419,6 +435,7 @@ class MapRunner:
         self._inputs = inputs
         self._map_fn = map_fn
         self._args = map_args
+        self._packed: ray.ObjectRef | None = None  # (map_fn, map_args), put once
         self._queue: collections.deque[int] = collections.deque(
             range(len(inputs)) if maps is None else maps)
         self._total = len(self._queue)
@@ -630,8 +647,10 @@ class MapRunner:
         self._urgent.discard(pick)
         attempt = 0 if pick in self._begun else None  # None: the map begins its own
         self._begun.discard(pick)
-        ref = writer.run.remote(self._map_fn, self._lifecycle.shuffle_id, pick,
-                                self._inputs[pick], *self._args, attempt=attempt)
+        if self._packed is None:  # put once, at the first map (see run_packed)
+            self._packed = pack_call(self._map_fn, self._args)
+        ref = writer.run_packed.remote(self._packed, self._lifecycle.shuffle_id, pick,
+                                       self._inputs[pick], attempt=attempt)
         self._dispatched[pick] = time.monotonic()
         self._running.setdefault(slot, []).append((pick, ref))
         if self.first_dispatch is None:

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import ray
 
 from hybrid_ray import metrics
-from hybrid_ray.actors import get_reader_slots, reader_count, start_actors
+from hybrid_ray.actors import get_reader_slots, pack_call, reader_count, start_actors
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - re-exported
 from hybrid_ray.config import ShuffleConfig, ShuffleMode
 from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleStalledError
@@ -288,15 +288,17 @@ class _ReaderPool:
         return self.has_free(1) or (waiting > len(self._readers)
                                     and self.has_free(READER_QUEUE_DEPTH))
 
-    def submit(self, sub: int, fn: Callable[..., Any], *args: Any
+    def submit(self, sub: int, packed: ray.ObjectRef, *args: Any
                ) -> tuple[ray.ObjectRef, ray.ObjectRef, ray.ObjectRef]:
-        """Run ``fn(*args)`` (reducing ``sub``) on the reader with the fewest
-        subpartitions in hand (queued behind its current one, if any): the refs of its
-        three returns (table, stats, times: see ``reduce_partition``)."""
+        """Run ``fn(*args, *common)`` for ``packed`` = the ref of ``(fn, common)``
+        (``pack_call``; reducing ``sub``) on the reader with the fewest subpartitions in
+        hand (queued behind its current one, if any): the refs of its three returns
+        (table, stats, times: see ``reduce_partition``)."""
         node, reader = min(self._readers, key=lambda nr: self._load(nr[1]))
         self._busy.setdefault(_actor_key(reader), []).append(sub)
         self._node_of[sub] = node
-        table_ref, stats_ref, times_ref = reader.run.options(num_returns=3).remote(fn, *args)
+        table_ref, stats_ref, times_ref = reader.run_packed.options(
+            num_returns=3).remote(packed, *args)
         return table_ref, stats_ref, times_ref
 
     def done(self, sub: int) -> None:
@@ -437,7 +439,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         reduced = _run_reducers(shuffle, maps, readers, progress, len(inputs), schema,
                                 partitioner)
         _check_outputs_survived(reduced.table_refs, readers)
-        shuffle.release()
+        summary = shuffle.summarize_and_release()
     except BaseException as exc:
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
         # down with it. Released, the shuffle is unknown to the master, so tasks still
@@ -462,7 +464,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         reduce=(reduced.end or ended) - (reduced.start or ended),
         waiting=reduced.times.waiting,
         control_plane=shuffle.control.seconds + reduced.times.control_plane)
-    report = report_from_summary(reduced.summary, operation, config, ended - started, phases)
+    report = report_from_summary(summary, operation, config, ended - started, phases)
     metrics.record_shuffle(report)
     _set_last_report(report)
     return ShuffleResult(list(reduced.table_refs), report, list(reduced.stats_refs))
@@ -471,15 +473,13 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
 @dataclasses.dataclass
 class _Reduced:
     """What ``_run_reducers`` hands back: per subpartition, the refs of its stored table
-    and of its (rows, bytes, schema); the reduce phase's span and the reducers' own times;
-    the master's books taken before the release."""
+    and of its (rows, bytes, schema); the reduce phase's span and the reducers' own times."""
 
     table_refs: list[ray.ObjectRef | None]
     stats_refs: list[ray.ObjectRef | None]
     start: float | None
     end: float | None
     times: ReduceTimes
-    summary: ShuffleSummary
 
 
 def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPool,
@@ -507,6 +507,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
     last_reduced = 0.0  # when a reducer last finished (monotonic): the stall bound's clock
     # Refs the last wait found ready: one ray.wait per turn of this loop, not three.
     ready: set[ray.ObjectRef] = set()
+    packed: ray.ObjectRef | None = None  # reduce_partition's common arguments, put once
     while True:
         maps.poll(ready)
         busy = readers.busy_subpartitions()
@@ -557,9 +558,11 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
         if hybrid or maps_done:
             while readers.can_take(len(todo)):
                 sub = todo.popleft()
+                if packed is None:  # put once, at the first reducer (see run_packed)
+                    packed = pack_call(reduce_partition,
+                                       (schema, partitioner, config, shuffle.master))
                 table_ref, stats_ref, times_refs[sub] = readers.submit(
-                    sub, reduce_partition, shuffle.shuffle_id, sub, schema, partitioner,
-                    config, shuffle.master)
+                    sub, packed, shuffle.shuffle_id, sub)
                 table_refs[sub], stats_refs[sub] = table_ref, stats_ref
                 running[stats_ref] = sub
                 if start is None:
@@ -576,7 +579,7 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
         else:  # nothing in flight this turn (a writer freed just now): look again soon
             ready = set()
             time.sleep(0.01)
-    return _Reduced(table_refs, stats_refs, start, end, times, shuffle.summary())
+    return _Reduced(table_refs, stats_refs, start, end, times)
 
 
 def _check_sortable(schema: pa.Schema | None, key: str) -> None:

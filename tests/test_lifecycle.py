@@ -308,7 +308,7 @@ class _ScriptedWriter:
 
     def __init__(self):
         self.runs: list[tuple[int, int | None, _ScriptedRef]] = []
-        self.run = self
+        self.run_packed = self
 
     def remote(self, _fn, _shuffle_id, map_index, _input, *args, attempt=None):
         ref = _ScriptedRef({"rows": 1})

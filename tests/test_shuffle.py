@@ -422,11 +422,11 @@ class _FakeReader:
             def options(self, **_):
                 return self
 
-            def remote(self, fn, sub, *args):
+            def remote(self, packed, shuffle_id, sub):
                 reader.subs.append(sub)
                 return (f"table-{sub}", f"stats-{sub}", f"times-{sub}")
 
-        self.run = _Run()
+        self.run_packed = _Run()
 
 
 def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(monkeypatch):
@@ -458,7 +458,7 @@ def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(mon
     submitted = []
     while pool.has_free(depth):
         sub = len(submitted)
-        assert pool.submit(sub, len, sub) == (f"table-{sub}", f"stats-{sub}", f"times-{sub}")
+        assert pool.submit(sub, "packed", "shuffle", sub) == (f"table-{sub}", f"stats-{sub}", f"times-{sub}")
         submitted.append(sub)
     assert submitted == [0, 1, 2, 3]
     assert (a.subs, b.subs) == ([0, 2], [1, 3])
@@ -466,7 +466,7 @@ def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(mon
     assert not pool.has_free(1)
     pool.done(1)  # b returned its first: it has one in hand, room for one more
     assert pool.has_free(depth) and pool.busy_subpartitions() == [0, 2, 3]
-    pool.submit(4, len, 4)
+    pool.submit(4, "packed", "shuffle", 4)
     assert b.subs == [1, 3, 4] and pool.node_of(4) == node_2
     monkeypatch.setattr(shuffle_mod, "get_reader_slots",
                         lambda ns, count: [(node_2, b)][:count])
@@ -476,10 +476,10 @@ def test_each_reader_has_its_next_subpartition_queued_behind_the_current_one(mon
     assert pool.can_take(3) and not pool.can_take(2) and not pool.can_take(0)
     pool.done(2)  # a is idle now
     assert pool.can_take(1)
-    pool.submit(2, len, 2)
+    pool.submit(2, "packed", "shuffle", 2)
     pool.drop_nodes({node_1})  # a died with its node: 0 and 2 leave the books
     assert pool.busy_subpartitions() == [3, 4]
-    pool.submit(5, len, 5)  # an extra reader on the alive node takes a's place
+    pool.submit(5, "packed", "shuffle", 5)  # an extra reader on the alive node takes a's place
     assert extra.subs == [5] and pool.node_of(5) == node_2
 
 
