@@ -385,7 +385,8 @@ class ShuffleLifecycle:
         done = set(ready)
         with self._unchecked_lock:
             self._unchecked = [r for r in self._unchecked if r not in done]
-            unanswered = len(self._unchecked)
+        # Of the calls waited for: one sent meanwhile (a held shuffle's thread beats) was not.
+        unanswered = len(pending) - len(ready)
         if wait and unanswered:
             # Frees and heartbeats only: the release deletes whatever a free did not.
             _LOG.warning("%d call(s) of shuffle %s to the shuffle master (frees, heartbeats) "

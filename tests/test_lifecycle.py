@@ -608,3 +608,32 @@ def test_an_unreadable_node_table_is_named_in_a_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hybrid_ray.shuffle"):
         shuffle_module._check_outputs_survived([object()], Readers())
     assert "could not read Ray's node table" in caplog.text and "GCS restarting" in caplog.text
+
+
+def test_the_books_come_with_the_release_and_a_failed_free_still_raises(config):
+    """A shuffle that succeeded ends with one call that returns its books and releases
+    it. The calls not waited for are checked after it: a free the master refused (the
+    shuffle was released under the driver) still fails the shuffle's end, and a second
+    end is refused rather than answered with books that went with the release."""
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    _finish_map_with_a_segment(shuffle, 0)
+    summary = shuffle.summarize_and_release()
+    assert summary.shuffle_id == shuffle.shuffle_id and summary.maps_finished == 1
+    assert summary.per_node_tier == {"node-x": {"memory": (10, 1)}}
+    assert not _known(shuffle)
+    with pytest.raises(ShuffleFailedError, match="was released already"):
+        shuffle.summarize_and_release()
+
+    other = ShuffleLifecycle(config, 2, "test")
+    other.register(1)
+    _finish_map_with_a_segment(other, 0)
+
+    @ray.remote(num_cpus=0)
+    def refused():
+        raise ShuffleNotFoundError("injected: a free the master refused")
+
+    other._unchecked.append(refused.remote())
+    with pytest.raises(ShuffleNotFoundError, match="injected"):
+        other.summarize_and_release()
+    assert not _known(other)  # released all the same
