@@ -326,6 +326,18 @@ class ActorNodeStorage:
                       f"the tier manager's settle for shuffle {shuffle_id}",
                       TIER_MANAGER_CALL_TIMEOUT_S)
 
+    def start_settle(self, shuffle_id, settled) -> Callable[[], None]:
+        """``settle`` sent without waiting: returns the wait for its answer (raising the
+        call's error), so a map's last settle travels beside its ``finish_map``."""
+        with self.stopwatch:
+            ref = self.actor.settle.remote(shuffle_id, list(settled))
+
+        def wait() -> None:
+            with self.stopwatch:
+                answer_of(ref, f"the tier manager's settle for shuffle {shuffle_id}",
+                          TIER_MANAGER_CALL_TIMEOUT_S)
+        return wait
+
     def free_segments(self, shuffle_id, metas):
         with self.stopwatch:
             answer_of(self.actor.free_segments.remote(shuffle_id, list(metas)),

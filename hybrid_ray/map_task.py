@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.partitioning import Partitioner, split_by_partition
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
+
+_LOG = logging.getLogger(__name__)
 
 
 # ---- tasks -----------------------------------------------------------------------------------
@@ -122,7 +125,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         settle_sent()
         if not superseded:
             last_segments = []
-            client.close()  # its last segments go to finish_map, below
+            # Its last segments go to finish_map, its last settlements beside it (below).
+            client.close(settle=False)
         if superseded:
             # A newer attempt of this map runs (a lost map run again): the master refused
             # and deleted this attempt's segments; its work is simply not needed.
@@ -143,6 +147,9 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
                                      "before it finished; its segments do not count")
         return None
     client.stats.control_plane_s = control.seconds
+    # The last settle (disk grants written) travels beside finish_map: two round trips
+    # waited for together, not one after the other.
+    settled = client.start_settling()
     # Refused (another attempt finished first, or this one was superseded meanwhile): the
     # master deletes the last segments as it does a refused commit's.
     try:
@@ -155,13 +162,17 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         # were gone (readers then failed naming "someone else" as the culprit). They are
         # the shuffle's: its release removes them (a late write after a release is swept
         # by the tier manager's late-files sweep), and this attempt fails.
+        settled()  # (its error is the lesser one: the stall is raised)
         raise
     except BaseException:
         # No answer, or the shuffle is gone (failed and released while this map wrote):
         # the master never took the last segments, and a release that came after this
-        # map's reservation may have found none of its files yet. Delete them here.
+        # map's reservation may have found none of its files yet. Delete them here, once
+        # the settle answered: if it failed, its settlements go again with the abort.
+        settled()
         _abort_keeping_the_cause(client)
         raise
+    _settled_after_finish(client, settled(), shuffle_id, map_index)
     if not finished and raise_if_superseded:
         # Spark runs speculative attempts side by side: report failure so Spark keeps the
         # attempt whose segments count. (A Ray task retry only follows a dead attempt.)
@@ -172,6 +183,24 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         # whose output does (MapRunner keeps a map's result unless a run was skipped).
         return None
     return client.stats
+
+
+def _settled_after_finish(client: WriteClient, error: BaseException | None, shuffle_id: str,
+                          map_index: int) -> None:
+    """A map's last settle, sent beside its ``finish_map``, failed (``error``; None: it did
+    not): the map's output counts (or was refused and is deleted by the master) whatever
+    became of it, so the map does not fail for it. The settlements go once more; if that
+    fails too, the node counts those disk grants as in flight until the shuffle's release
+    (its space, never its data), and a warning says so."""
+    if error is None:
+        return
+    try:
+        client.settle_pending()
+    except Exception as exc:  # noqa: BLE001 - space accounting only: warned, not raised
+        _LOG.warning("map %d of shuffle %s: its last settle failed twice (%s: %s, then "
+                     "%s: %s); its node counts those disk grants as in flight until the "
+                     "shuffle's release", map_index, shuffle_id, type(error).__name__,
+                     error, type(exc).__name__, exc)
 
 
 def _checked_assignment(partitioner: Partitioner, chunk: pa.Table, map_index: int,

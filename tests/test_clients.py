@@ -617,3 +617,67 @@ def test_an_untracked_settlement_of_a_failed_call_is_not_sent_twice(ray_local, t
     client.abort()  # must not give the first grant back a second time
     assert tm.usage().tiers[0].used_bytes == held
     tm.release_shuffle(shuffle)
+
+
+def test_the_last_settle_goes_without_waiting_and_a_failed_one_is_kept(tmp_path):
+    """A map's last settle travels beside its finish_map (``start_settling``): sent at
+    once, its answer waited for later. A settle that failed gives its error back and keeps
+    its (tracked, disk) settlements, which the next try settles once."""
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(tmp_path / "spill")],
+                        compression="none", segment_bytes={"disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"ss-{uuid.uuid4().hex[:6]}"
+    tm.register_shuffle(shuffle, cfg)
+    storage = CountingStorage(tm)
+    answers = []
+
+    def start_settle(shuffle_id, settled):
+        storage.calls.append("start_settle")
+        error = ConnectionError("injected: no answer") if not answers else None
+        answers.append(error)
+
+        def wait():
+            if error is not None:
+                raise error
+        return wait
+
+    storage.start_settle = start_settle
+    client = WriteClient(shuffle, 0, 2, cfg, storage, build_io_tiers(cfg))
+    client.write_many((s, random_table(20_000, seed=s)) for s in range(2))
+    metas = client.close(settle=False)
+    assert storage.calls == ["reserve", "reserve"] and tm._disk_in_flight  # not settled
+    settled = client.start_settling()
+    assert storage.calls[-1] == "start_settle"  # sent before anything waits for it
+    assert isinstance(settled(), ConnectionError)
+    assert client._unsettled  # kept for another try
+    client.settle_pending()  # the real settle this time
+    assert tm._disk_in_flight == {} and not client._unsettled
+    disk = tm._tier(shuffle, TierName.DISK)
+    assert disk.used_by(shuffle) == sum(m.nbytes for m in metas)
+    assert client.start_settling()() is None and storage.calls[-1] == "settle"  # nothing left
+    tm.release_shuffle(shuffle)
+
+
+def test_a_map_whose_last_settle_fails_twice_still_counts_and_says_so(caplog):
+    """After finish_map answered, the map's output counts whatever its last settle did:
+    a failed settle is sent once more, and if that fails too a warning names the map and
+    both errors (its disk grants stay counted as in flight until the release)."""
+    import logging
+
+    from hybrid_ray import map_task
+
+    class Client:
+        tries = 0
+
+        def settle_pending(self):
+            Client.tries += 1
+            raise TimeoutError("injected: the tier manager is busy")
+
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray.map_task"):
+        map_task._settled_after_finish(Client(), None, "shf-a", 3)
+        assert Client.tries == 0 and not caplog.text  # it had settled: nothing to do
+        map_task._settled_after_finish(Client(), ConnectionError("injected: lost"), "shf-a", 3)
+    assert Client.tries == 1
+    assert ("map 3 of shuffle shf-a: its last settle failed twice (ConnectionError: "
+            "injected: lost, then TimeoutError: injected: the tier manager is busy)"
+            ) in caplog.text
