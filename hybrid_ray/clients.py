@@ -203,8 +203,10 @@ class WriteClient:
         ``_settle_changes`` or ``abort``. Each round trip a map waits for at its end left
         its core idle: profiled, 5 ms for the settle and 5 for ``finish_map``."""
         changed = self._take_settles()
+        if not changed:
+            return lambda: None
         start = getattr(self.storage, "start_settle", None)
-        if not changed or start is None:
+        if start is None:  # an in-process TierManager: settled now, its error handed over
             self._unsettled.extend(changed)
             try:
                 self._settle_changes()

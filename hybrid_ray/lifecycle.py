@@ -286,26 +286,29 @@ class ShuffleLifecycle:
         """Delete the shuffle's data on every node and the remote tier; readers still
         running are told ``reason`` (with ``failed``, as a ``ShuffleFailedError``).
         Returns whether the master knew the shuffle. Releasing twice is a no-op."""
+        if not self._mark_released():
+            return False
+        return bool(self._call(self.master.release, reason, failed))
+
+    def _mark_released(self) -> bool:
+        """Stop holding the shuffle and drop the frees not sent (the release covers
+        them); False if it was released already."""
         _held.unhold(self.shuffle_id)
         if self.released:
             return False
         self.released = True
         with self._unchecked_lock:
-            self._frees = []  # covered by the release
-        return bool(self._call(self.master.release, reason, failed))
+            self._frees = []
+        return True
 
     def summarize_and_release(self) -> ShuffleSummary:
         """The end of a shuffle that succeeded: the master's books of it, taken as its
         data is released, in one call (``summary`` then ``release`` cost the driver two
         round trips while the cores idled). The calls not waited for (frees, heartbeats)
         are checked after it, so one that failed still raises here."""
-        _held.unhold(self.shuffle_id)
-        if self.released:
+        if not self._mark_released():
             raise ShuffleFailedError(f"shuffle {self.shuffle_id} was released already: "
                                      "its books went with it")
-        self.released = True
-        with self._unchecked_lock:
-            self._frees = []  # covered by the release
         summary = self._call(self.master.summarize_and_release)
         self._check_unchecked(wait=True)
         return summary
