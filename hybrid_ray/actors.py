@@ -340,7 +340,8 @@ class ActorNodeStorage:
 
     def free_segments(self, shuffle_id, metas):
         with self.stopwatch:
-            answer_of(self.actor.free_segments.remote(shuffle_id, list(metas)),
+            answer_of(self.actor.free_segments.remote(
+                shuffle_id, [m.without_object_ref() for m in metas]),
                       f"the tier manager's free_segments for shuffle {shuffle_id}",
                       TIER_MANAGER_CALL_TIMEOUT_S)
 
@@ -382,8 +383,6 @@ RELEASE_WAIT_S = 20.0
 MAX_POLL_WAIT_S = 1.0
 
 
-@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8,
-            concurrency_groups={"poll": POLL_THREADS})
 class ShuffleMasterActor:
     """One per namespace. Calls are serialised by a lock; a background thread expires
     orphans and retries deletions that failed. Deleting data (tier managers, the remote
@@ -427,7 +426,12 @@ class ShuffleMasterActor:
         for node_id, local in metas_by_node(metas).items():
             tm = self._tier_manager(node_id)
             if tm is not None:
-                waits.append((node_id, tm.free_segments.remote(state.shuffle_id, local)))
+                # The tier manager frees by id and size. (The registry has usually emptied
+                # a memory segment's ref list by now; never sending refs makes it certain:
+                # a deserialized ref makes the tier manager a borrower, see
+                # without_object_ref.)
+                waits.append((node_id, tm.free_segments.remote(
+                    state.shuffle_id, [m.without_object_ref() for m in local])))
         remote = [m for m in metas if m.tier == TierName.REMOTE]
         if remote:
             tier = self._remote_tier(state.config)
@@ -815,6 +819,43 @@ class ShuffleMasterActor:
                 "background_errors": {"count": self.loop_errors,
                                       "last": self.last_loop_error}}
 
+
+
+def _instrument(cls):
+    import functools, atexit
+    acc = {}
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def w(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                c, n = acc.get(name, (0.0, 0))
+                acc[name] = (c + time.thread_time() - t, n + 1)
+        return w
+    for name, fn in list(vars(cls).items()):
+        if callable(fn) and not name.startswith("__") and name not in ("_changing",):
+            setattr(cls, name, wrap(name, fn))
+    def dump():
+        while True:
+            time.sleep(1)
+            with open(f"/tmp/exp/master_acc.txt", "w") as f:
+                for k, (c, n) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
+                    f.write(f"{k} {c:.4f} {n}\n")
+                import resource
+                r = resource.getrusage(resource.RUSAGE_SELF)
+                f.write(f"TOTAL {r.ru_utime + r.ru_stime:.4f}\n")
+    orig_init = cls.__init__
+    def init(self, *a, **k):
+        orig_init(self, *a, **k)
+        threading.Thread(target=dump, daemon=True).start()
+    cls.__init__ = init
+    return cls
+
+
+ShuffleMasterActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8,
+            concurrency_groups={"poll": POLL_THREADS})(_instrument(ShuffleMasterActor))
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=WORKER_MAX_RETRIES)
 class ShuffleWorkerActor:

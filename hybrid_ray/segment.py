@@ -93,6 +93,11 @@ class SegmentId:
         return (f"segment({job}shuffle={self.shuffle_id}, map={self.map_partition}, "
                 f"sub={self.subpartition}, index={self.index}, attempt={self.attempt})")
 
+    def __reduce__(self) -> tuple[Any, tuple]:
+        # Pickled as a tuple of its fields (see SegmentMeta.__reduce__).
+        return SegmentId, (self.shuffle_id, self.map_partition, self.subpartition,
+                           self.index, self.attempt, self.job_id)
+
 
 def identity_digest(segment: SegmentId) -> int:
     """XXH3-64 of ``segment``'s identity (job, shuffle, map, attempt, subpartition, index).
@@ -126,6 +131,32 @@ class SegmentMeta:
     node_id: str = ""
     location: str = ""
     object_ref: list[Any] | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        # Segment metadata crosses processes in bulk (a map's commit, every poll answer, the
+        # master's deletions: about 3 x 400 per GiB shuffled). A dataclass is pickled
+        # through copyreg's generic path, with Ray's Python-level reducer called for it,
+        # its SegmentId and its TierName: ~8 us each. As one flat tuple of builtins the
+        # C pickler does nearly all of it (a third less CPU per list, measured).
+        i = self.id
+        return _segment_meta, (i.shuffle_id, i.map_partition, i.subpartition, i.index,
+                               i.attempt, i.job_id, self.tier.value, self.nbytes,
+                               self.num_rows, self.node_id, self.location, self.object_ref)
+
+    def without_object_ref(self) -> "SegmentMeta":
+        """This meta without its ObjectRef, for a process that only needs to know what to
+        free: a deserialized ref makes that process one of the object's borrowers, which
+        its owner must then track and wait for."""
+        return self if self.object_ref is None else dataclasses.replace(self, object_ref=None)
+
+
+def _segment_meta(shuffle_id: str, map_partition: int, subpartition: int, index: int,
+                  attempt: int, job_id: str, tier: str, nbytes: int, num_rows: int,
+                  node_id: str, location: str, object_ref: list[Any] | None) -> SegmentMeta:
+    """Rebuild a ``SegmentMeta`` pickled by ``SegmentMeta.__reduce__``."""
+    return SegmentMeta(SegmentId(shuffle_id, map_partition, subpartition, index, attempt,
+                                 job_id), TierName(tier), nbytes, num_rows, node_id, location,
+                       object_ref)
 
 
 class ScratchArena:

@@ -671,3 +671,54 @@ def test_a_tier_manager_tells_a_jvm_reader_a_segment_is_gone_apart_from_a_failed
     ray.get(master.spark_release.remote(json.dumps({"prefix": "spk-app-gone",
                                                     "close_session": "tok"})))
     assert files_under(str(tmp_path / "spill")) == []
+
+
+@ray.remote(num_cpus=0)
+class _RecordingTierManager:
+    """Records what ``free_segments`` received: whether each meta carried an ObjectRef."""
+
+    def __init__(self):
+        self.received = []
+
+    def free_segments(self, shuffle_id, metas):
+        self.received.extend((m.id.index, m.tier, m.nbytes, m.object_ref) for m in metas)
+        return []
+
+    def log(self):
+        return self.received
+
+
+def test_deletions_reach_tier_managers_without_object_refs(ray_local):
+    """The master's deletions and a writer's abort tell the tier manager what to free by
+    id and size only. A memory segment's ObjectRef in the message (a writer's abort sent
+    them all) made the tier manager a borrower of the object, which its owner then had to
+    track, and pickling refs costs more than the rest of the meta."""
+    from hybrid_ray import actors
+    from hybrid_ray.segment import SegmentId, SegmentMeta
+
+    node = ray.get_runtime_context().get_node_id()
+    ref = ray.put(b"segment bytes")
+    metas = [SegmentMeta(SegmentId("shf-0000000refs", 0, 0, 0), TierName.MEMORY, 13, 1,
+                         node_id=node, object_ref=[ref]),
+             SegmentMeta(SegmentId("shf-0000000refs", 0, 0, 1), TierName.DISK, 7, 1,
+                         node_id=node, location="/nowhere/shf-0000000refs/s0/x.seg")]
+    recorder = _RecordingTierManager.remote()
+    try:
+        master_class = actors.ShuffleMasterActor.__ray_actor_class__
+
+        class FakeMaster:
+            _tier_managers = set()
+
+            def _tier_manager(self, node_id):
+                assert node_id == node
+                return recorder
+
+        state = type("State", (), {"shuffle_id": "shf-0000000refs", "config": None})()
+        master_class._delete_segments(FakeMaster(), state, metas)
+        actors.ActorNodeStorage(recorder).free_segments("shf-0000000refs", metas)
+        received = ray.get(recorder.log.remote())
+        assert received == [(0, TierName.MEMORY, 13, None), (1, TierName.DISK, 7, None)] * 2
+        # The caller's metas keep their refs (readers still need them).
+        assert metas[0].object_ref == [ref]
+    finally:
+        ray.kill(recorder)
