@@ -147,7 +147,9 @@ class SegmentMeta:
         """This meta without its ObjectRef, for a process that only needs to know what to
         free: a deserialized ref makes that process one of the object's borrowers, which
         its owner must then track and wait for."""
-        return self if self.object_ref is None else dataclasses.replace(self, object_ref=None)
+        # (An emptied list, as the registry leaves a freed segment's, carries no ref either:
+        # no copy for it.)
+        return self if not self.object_ref else dataclasses.replace(self, object_ref=None)
 
 
 def _segment_meta(shuffle_id: str, map_partition: int, subpartition: int, index: int,
