@@ -383,6 +383,8 @@ RELEASE_WAIT_S = 20.0
 MAX_POLL_WAIT_S = 1.0
 
 
+@ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8,
+            concurrency_groups={"poll": POLL_THREADS})
 class ShuffleMasterActor:
     """One per namespace. Calls are serialised by a lock; a background thread expires
     orphans and retries deletions that failed. Deleting data (tier managers, the remote
@@ -819,43 +821,6 @@ class ShuffleMasterActor:
                 "background_errors": {"count": self.loop_errors,
                                       "last": self.last_loop_error}}
 
-
-
-def _instrument(cls):
-    import functools, atexit
-    acc = {}
-    def wrap(name, fn):
-        @functools.wraps(fn)
-        def w(*a, **k):
-            t = time.thread_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                c, n = acc.get(name, (0.0, 0))
-                acc[name] = (c + time.thread_time() - t, n + 1)
-        return w
-    for name, fn in list(vars(cls).items()):
-        if callable(fn) and not name.startswith("__") and name not in ("_changing",):
-            setattr(cls, name, wrap(name, fn))
-    def dump():
-        while True:
-            time.sleep(1)
-            with open(f"/tmp/exp/master_acc.txt", "w") as f:
-                for k, (c, n) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
-                    f.write(f"{k} {c:.4f} {n}\n")
-                import resource
-                r = resource.getrusage(resource.RUSAGE_SELF)
-                f.write(f"TOTAL {r.ru_utime + r.ru_stime:.4f}\n")
-    orig_init = cls.__init__
-    def init(self, *a, **k):
-        orig_init(self, *a, **k)
-        threading.Thread(target=dump, daemon=True).start()
-    cls.__init__ = init
-    return cls
-
-
-ShuffleMasterActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8,
-            concurrency_groups={"poll": POLL_THREADS})(_instrument(ShuffleMasterActor))
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=WORKER_MAX_RETRIES)
 class ShuffleWorkerActor:

@@ -555,3 +555,41 @@ def test_cleanup_never_opens_a_marker_that_is_not_a_plain_file(tmp_path):
     sweep.join(20)
     assert result, "cleanup blocked on a FIFO marker"
     assert result[0].candidates == []
+
+
+def _literal_start(node) -> str | None:
+    """The text an argument starts with when it is a literal (or an f-string's leading
+    literal part); None otherwise."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values \
+            and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    return None
+
+
+def test_the_library_opens_no_path_written_into_its_code():
+    """Every file hybrid_ray opens comes from the user's config or its own data dirs,
+    never a path written into the code: a session-local profiling hook that opened
+    ``/tmp/exp/...`` once from inside the shuffle master reached a commit (6872189),
+    writing outside anything hybrid_ray owns. Scans every ``open(...)`` of the library."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    offenders = []
+    for package in ("hybrid_ray", "spark_bridge"):
+        for source in sorted((root / package).rglob("*.py")):
+            tree = ast.parse(source.read_text(), str(source))
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.Call) and node.args):
+                    continue
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name not in ("open", "Path", "makedirs", "mkdir"):
+                    continue
+                start = _literal_start(node.args[0])
+                if start is not None and (start.startswith("/") or start.startswith("~")):
+                    offenders.append(f"{source.relative_to(root)}:{node.lineno}: {start!r}")
+    assert offenders == []
