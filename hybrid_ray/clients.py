@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import pyarrow as pa
+import ray
 
 from hybrid_ray.config import Compression, ShuffleConfig, TierName
-from hybrid_ray.errors import OutOfSpaceError
+from hybrid_ray.errors import OutOfSpaceError, ShuffleStalledError
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import (
     ScratchArena, SegmentId, SegmentMeta, decode_segment, encode_segment,
@@ -34,6 +35,8 @@ from hybrid_ray.segment import (
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import map_segment_file
+from hybrid_ray.tiers.memory import READ_TIMEOUT_S as MEMORY_READ_TIMEOUT_S
+from hybrid_ray.tiers.memory import MemoryTier
 from hybrid_ray.tiers.remote import RemoteTier
 
 # Compression that does not pay is switched off for a while (Arrow's IPC writer would only
@@ -484,6 +487,73 @@ class WriteClient:
         self._uncommitted.append(meta)
 
 
+# A reader gets at most this many memory-tier segments, and this many bytes, with one
+# ``ray.get`` (MemoryBatches): what a batch pins in the object store is what the reducer
+# holds anyway until it concatenates its subpartition.
+MEMORY_BATCH_SEGMENTS = 64
+MEMORY_BATCH_BYTES = 256 << 20
+
+
+class MemoryBatches:
+    """The memory-tier segments of a ``read_in_order``, got from the object store a batch
+    at a time (``MemoryTier.read_many``) instead of one ``ray.get`` each: every get is a
+    request to the node's object store, and a reducer reads one segment per map.
+
+    A batch that fails to be read is not an error by itself: its segments are then read
+    one by one (``take`` says not found), so the segment that is gone raises when its
+    turn comes with its own error and the ones before it still count. A batch that timed
+    out (a node that stopped answering) raises ``ShuffleStalledError`` at its first
+    segment's turn: the read fails either way, without waiting the bound again per
+    segment."""
+
+    def __init__(self, tier: Tier | None, metas: Sequence[SegmentMeta]) -> None:
+        self._tier = tier if isinstance(tier, MemoryTier) else None
+        self._metas = metas
+        self._got: dict[int, Any] = {}
+        self._batched_up_to = 0  # metas[:_batched_up_to] were considered for a batch
+        self._stalled: ShuffleStalledError | None = None
+        self._stalled_batch: set[int] = set()
+
+    def take(self, index: int) -> tuple[bool, Any]:
+        """(True, the data) of segment ``index`` if a batch got it, else (False, None)."""
+        if self._tier is None or self._metas[index].tier != TierName.MEMORY:
+            return False, None
+        if index >= self._batched_up_to:
+            self._get_batch(index)
+        if self._stalled is not None and index in self._stalled_batch:
+            raise self._stalled
+        if index in self._got:
+            return True, self._got.pop(index)
+        return False, None
+
+    def _get_batch(self, first: int) -> None:
+        indices, nbytes = [], 0
+        i = first
+        while i < len(self._metas) and len(indices) < MEMORY_BATCH_SEGMENTS:
+            meta = self._metas[i]
+            if meta.tier == TierName.MEMORY:
+                if indices and nbytes + meta.nbytes > MEMORY_BATCH_BYTES:
+                    break
+                indices.append(i)
+                nbytes += meta.nbytes
+            i += 1
+        self._batched_up_to = i
+        self._stalled, self._stalled_batch = None, set()
+        try:
+            values = self._tier.read_many([self._metas[j] for j in indices])
+        except ray.exceptions.GetTimeoutError as exc:
+            self._stalled_batch = set(indices)
+            self._stalled = ShuffleStalledError(
+                f"{len(indices)} memory-tier segment(s) from {self._metas[indices[0]].id} "
+                f"on could not be fetched within {MEMORY_READ_TIMEOUT_S:g} s: a node or "
+                "its object store stopped answering; check the nodes' health (ray status)")
+            self._stalled.__cause__ = exc
+            return
+        except Exception:  # noqa: BLE001 - read one by one: each raises its own error
+            return
+        self._got.update(zip(indices, values))
+
+
 class ReadClient:
     """Reads segments from whichever tier holds each, verifying every checksum and that
     each segment's bytes are the segment its metadata names (identity and row count): a
@@ -529,12 +599,15 @@ class ReadClient:
     def read_in_order(self, metas: Sequence[SegmentMeta], ahead: int = 4
                       ) -> Iterator[pa.Table]:
         """Decode ``metas`` in the given order while the remote-tier segments among the
-        next ``ahead`` are fetched in the background. A segment that cannot be read raises
-        when its turn comes, as ``read`` would; fetches not yet used are then cancelled."""
+        next ``ahead`` are fetched in the background, and the memory-tier ones are got
+        from the object store in batches (``MemoryBatches``). A segment that cannot be
+        read raises when its turn comes, as ``read`` would; fetches not yet used are then
+        cancelled."""
+        memory = MemoryBatches(self.io_tiers.get(TierName.MEMORY), metas)
         remote = self.io_tiers.get(TierName.REMOTE)
         if not isinstance(remote, RemoteTier) or ahead < 1:
-            for meta in metas:
-                yield self.read(meta)
+            for i, meta in enumerate(metas):
+                yield self._read_at(i, meta, memory)
             return
         fetches: dict[int, concurrent.futures.Future[bytes]] = {}
         started = 0  # metas[:started] have been considered for a background fetch
@@ -546,10 +619,15 @@ class ReadClient:
                     started += 1
                 fetch = fetches.pop(i, None)
                 if fetch is None:
-                    yield self.read(meta)
+                    yield self._read_at(i, meta, memory)
                     continue
                 yield self._decode(meta, remote.outcome(fetch, f"the read of {meta.id}",
                                                         meta.nbytes))
         finally:
             for fetch in fetches.values():
                 fetch.cancel()
+
+    def _read_at(self, index: int, meta: SegmentMeta, memory: MemoryBatches) -> pa.Table:
+        """Segment ``index`` of a ``read_in_order``: from its memory batch if it has one."""
+        found, data = memory.take(index)
+        return self._decode(meta, data) if found else self.read(meta)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 
@@ -681,3 +682,74 @@ def test_a_map_whose_last_settle_fails_twice_still_counts_and_says_so(caplog):
     assert ("map 3 of shuffle shf-a: its last settle failed twice (ConnectionError: "
             "injected: lost, then TimeoutError: injected: the tier manager is busy)"
             ) in caplog.text
+
+
+def _memory_segments(tm, tmp_path, count: int):
+    """``count`` memory-tier segments of one map (one per subpartition) and their tables."""
+    cfg = ShuffleConfig(memory_capacity_bytes=64 * MiB, spill_dirs=[str(tmp_path / "spill")])
+    shuffle = f"mb-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=count)
+    tables = [random_table(500, seed=s) for s in range(count)]
+    client.write_many(enumerate(tables))
+    metas = sorted(client.close(), key=lambda m: m.id)
+    assert [m.tier for m in metas] == [TierName.MEMORY] * count
+    return shuffle, io, metas, tables
+
+
+def test_a_reader_gets_memory_segments_from_the_store_in_one_call(ray_local, tmp_path,
+                                                                 monkeypatch):
+    tm = TierManager("node-a", 0)
+    shuffle, io, metas, tables = _memory_segments(tm, tmp_path, 12)
+    memory = io[TierName.MEMORY]
+    calls = {"read": 0, "read_many": []}
+    real_read, real_many = memory.read, memory.read_many
+
+    def read(meta):
+        calls["read"] += 1
+        return real_read(meta)
+
+    def read_many(batch):
+        calls["read_many"].append(len(batch))
+        return real_many(batch)
+
+    monkeypatch.setattr(memory, "read", read)
+    monkeypatch.setattr(memory, "read_many", read_many)
+    out = list(ReadClient(io).read_in_order(metas))
+    assert [t.equals(x) for t, x in zip(out, tables)] == [True] * 12
+    assert calls == {"read": 0, "read_many": [12]}
+    tm.release_shuffle(shuffle)
+
+
+def test_a_lost_segment_of_a_memory_batch_raises_at_its_turn_after_the_ones_before(
+        ray_local, tmp_path):
+    import dataclasses
+
+    tm = TierManager("node-a", 0)
+    shuffle, io, metas, tables = _memory_segments(tm, tmp_path, 5)
+    # Segment 2 cannot be read (no object to get): the batch fails as a whole, and its
+    # segments are read one by one, so the right one raises, at its turn.
+    metas[2] = dataclasses.replace(metas[2], object_ref=[])
+    got = ReadClient(io).read_in_order(metas)
+    assert next(got).equals(tables[0])
+    assert next(got).equals(tables[1])
+    with pytest.raises(SegmentNotFoundError, match=re.escape(str(metas[2].id))):
+        next(got)
+    tm.release_shuffle(shuffle)
+
+
+def test_a_memory_batch_that_times_out_is_a_stall_naming_the_fix(ray_local, tmp_path,
+                                                                  monkeypatch):
+    import ray
+
+    from hybrid_ray.errors import ShuffleStalledError
+
+    tm = TierManager("node-a", 0)
+    shuffle, io, metas, _ = _memory_segments(tm, tmp_path, 3)
+
+    def hung(batch):
+        raise ray.exceptions.GetTimeoutError("timed out")
+
+    monkeypatch.setattr(io[TierName.MEMORY], "read_many", hung)
+    with pytest.raises(ShuffleStalledError, match=r"3 memory-tier segment\(s\).*ray status"):
+        next(ReadClient(io).read_in_order(metas))
+    tm.release_shuffle(shuffle)
