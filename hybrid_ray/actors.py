@@ -31,6 +31,7 @@ from hybrid_ray.master import (
     PendingDeletion, PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
 )
 from hybrid_ray.nodes import node_alive
+from hybrid_ray.object_store import ObjectStoreWarmUp, default_warm_up_bytes
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, NodeUsage, Placement, TierManager
@@ -161,6 +162,7 @@ class TierManagerActor:
         self._spark_sessions: dict[str, Any] = {}
         # Shuffle -> consecutive sweeps that found the master without it.
         self._unknown_to_master: dict[str, int] = {}
+        self._warm_up = ObjectStoreWarmUp()
         me = ray.get_runtime_context().current_actor
         self.sweep_errors = 0
         self.last_sweep_error = ""
@@ -242,6 +244,21 @@ class TierManagerActor:
     def _sweep_failed(self, exc: BaseException) -> None:
         self.sweep_errors += 1
         self.last_sweep_error = f"{type(exc).__name__}: {exc}"[:500]
+
+    def warm_object_store(self, nbytes: int | None = None) -> int:
+        """Have this node's object store pages allocated ahead of the first shuffle, in the
+        background (``hybrid_ray.object_store``): ``nbytes`` of it, by default
+        ``default_warm_up_bytes`` of the node's store. Once per tier manager: later calls
+        start nothing. Returns the bytes this call set out to warm (0 if none)."""
+        if nbytes is None:
+            nbytes = default_warm_up_bytes(self.tm.object_store_bytes)
+        if nbytes <= 0 or not self._warm_up.start(nbytes):
+            return 0
+        return nbytes
+
+    def object_store_warm_up(self) -> dict[str, Any]:
+        """How far this node's object-store warm-up got (``ObjectStoreWarmUp.state``)."""
+        return self._warm_up.state()
 
     def usage(self) -> NodeUsage:
         return dataclasses.replace(self.tm.usage(), sweep_errors=self.sweep_errors,

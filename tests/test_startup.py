@@ -4,6 +4,7 @@ right nodes, and a shuffle after it starts no process of its own."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pyarrow as pa
@@ -114,6 +115,28 @@ def test_shuffle_after_init_starts_no_process(started):
     assert set(ray._private.state.actors()) == all_actors_before
 
 
+def test_init_warms_each_node_s_object_store_in_the_background(started):
+    """Each tier manager allocated the default share of its node's object store (half of
+    it, at most 4 GiB) after init, without init waiting for it; a second init starts no
+    second warm-up."""
+    ray, cfg, actors, _ = started
+    from hybrid_ray.object_store import default_warm_up_bytes
+
+    store = {n["NodeID"]: int(n["Resources"]["object_store_memory"]) for n in ray.nodes()
+             if n["Alive"]}
+    for tm in actors.tier_managers:
+        deadline = time.monotonic() + 60
+        state = ray.get(tm.handle.object_store_warm_up.remote())
+        while not state["done"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            state = ray.get(tm.handle.object_store_warm_up.remote())
+        expected = default_warm_up_bytes(store[tm.node_id])
+        assert expected > 0
+        assert state["error"] == ""
+        assert state["done"] and state["requested_bytes"] == state["warmed_bytes"] == expected
+        assert ray.get(tm.handle.warm_object_store.remote(None)) == 0  # once per process
+
+
 def test_a_first_shuffle_without_init_starts_the_same_actors(ray_local, tmp_path):
     """run_shuffle starts what is missing itself (all at once): the same set as init."""
     cfg = base_config(tmp_path, namespace=f"startup-{uuid.uuid4().hex[:8]}")
@@ -141,6 +164,11 @@ def test_a_first_shuffle_without_init_starts_the_same_actors(ray_local, tmp_path
     ({"timeout_s": float("inf")}, "timeout_s=...) must be a positive number"),
     ({"timeout_s": True}, "timeout_s=...) must be a positive number"),
     ({"timeout_s": "30"}, "timeout_s=...) must be a positive number"),
+    ({"warm_object_store_bytes": -1}, "warm_object_store_bytes=...) must be a number of bytes"),
+    ({"warm_object_store_bytes": 1.5}, "warm_object_store_bytes=...) must be a number of bytes"),
+    ({"warm_object_store_bytes": True}, "warm_object_store_bytes=...) must be a number of bytes"),
+    ({"warm_object_store_bytes": "1GiB"},
+     "warm_object_store_bytes=...) must be a number of bytes"),
 ])
 def test_init_refuses_bad_arguments_and_starts_nothing(ray_local, kwargs, words):
     namespace = f"startup-bad-{uuid.uuid4().hex[:8]}"
@@ -200,3 +228,4 @@ def test_init_on_a_cluster_puts_each_actor_on_its_node():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
