@@ -100,6 +100,7 @@ class ObjectStoreWarmUp:
     seconds: float = 0.0
     done: bool = False
     error: str = ""
+    maps_path: str = dataclasses.field(default="/proc/self/maps", repr=False)
     _thread: threading.Thread | None = dataclasses.field(default=None, repr=False)
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -117,7 +118,7 @@ class ObjectStoreWarmUp:
     def _run(self) -> None:
         began = time.perf_counter()
         try:
-            mapping = object_store_mapping()
+            mapping = object_store_mapping(self.maps_path)
             if mapping is None:
                 self.error = ("this process has no mapping of the object store (no shared "
                               "'plasma' file in /proc/self/maps); nothing warmed")
@@ -134,8 +135,13 @@ class ObjectStoreWarmUp:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop a warm-up still running (at its next chunk) and wait for it, bounded."""
         self._stop.set()
+        self.wait(timeout_s)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait for the warm-up to end, at most ``timeout_s``; whether it has."""
         if self._thread is not None:
             self._thread.join(timeout_s)
+        return self.done
 
     def state(self) -> dict[str, Any]:
         return {"requested_bytes": self.requested_bytes, "warmed_bytes": self.warmed_bytes,

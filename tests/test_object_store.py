@@ -88,11 +88,13 @@ def test_the_default_is_half_the_store_at_most_4_gib():
     assert default_warm_up_bytes(0) == 0
 
 
-def test_a_process_without_an_object_store_says_so_and_warms_nothing():
-    warm_up = ObjectStoreWarmUp()
+def test_a_process_without_an_object_store_says_so_and_warms_nothing(tmp_path):
+    maps = tmp_path / "maps"  # a process that never connected to Ray's object store
+    maps.write_text("55d5c0000000-55d5c0021000 rw-p 00000000 00:00 0        [heap]\n")
+    warm_up = ObjectStoreWarmUp(maps_path=str(maps))
     assert warm_up.start(16 * MiB)
     assert not warm_up.start(16 * MiB)  # once per process
-    warm_up.stop()
+    assert warm_up.wait(10)
     state = warm_up.state()
     assert state["done"] and state["warmed_bytes"] == 0
     assert "no mapping of the object store" in state["error"]
