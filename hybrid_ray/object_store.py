@@ -44,26 +44,51 @@ def default_warm_up_bytes(object_store_bytes: int) -> int:
     return max(0, min(DEFAULT_WARM_UP_BYTES, object_store_bytes // 2))
 
 
-def object_store_mapping(maps_path: str = "/proc/self/maps") -> tuple[int, int] | None:
-    """(start, end) address of this process's mapping of its node's object store: the
+# Filesystems whose files are memory: warming a store file elsewhere would write it to disk.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})
+
+
+def object_store_mapping(maps_path: str = "/proc/self/maps"
+                         ) -> tuple[int, int, str] | None:
+    """(start, end, file) of this process's mapping of its node's object store: the
     largest shared mapping of a file whose name starts with ``plasma`` (Ray names the
     store file so, in ``/dev/shm`` or its plasma directory), or None."""
-    best: tuple[int, int] | None = None
+    best: tuple[int, int, str] | None = None
     try:
         with open(maps_path) as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 if len(fields) < 6 or "s" not in fields[1]:
                     continue
-                name = os.path.basename(fields[5].strip().removesuffix(" (deleted)"))
-                if not name.startswith("plasma"):
+                path = fields[5].strip().removesuffix(" (deleted)")
+                if not os.path.basename(path).startswith("plasma"):
                     continue
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if best is None or end - start > best[1] - best[0]:
-                    best = (start, end)
+                    best = (start, end, path)
     except OSError:
         return None
     return best
+
+
+def filesystem_type(path: str, mountinfo_path: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the filesystem ``path`` is on (the longest mount point above it in
+    ``mountinfo_path``), or None if unknown."""
+    found, fstype = "", None
+    try:
+        with open(mountinfo_path) as mounts:
+            for line in mounts:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mount_point = fields[4].replace("\\040", " ")
+                inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(found):
+                    found, fstype = mount_point, right.split()[0]
+    except OSError:
+        return None
+    return fstype
 
 
 def populate(start: int, nbytes: int, stop: threading.Event | None = None,
@@ -101,6 +126,7 @@ class ObjectStoreWarmUp:
     done: bool = False
     error: str = ""
     maps_path: str = dataclasses.field(default="/proc/self/maps", repr=False)
+    mountinfo_path: str = dataclasses.field(default="/proc/self/mountinfo", repr=False)
     _thread: threading.Thread | None = dataclasses.field(default=None, repr=False)
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
@@ -123,7 +149,15 @@ class ObjectStoreWarmUp:
                 self.error = ("this process has no mapping of the object store (no shared "
                               "'plasma' file in /proc/self/maps); nothing warmed")
                 return
-            start, end = mapping
+            start, end, path = mapping
+            fstype = filesystem_type(os.path.dirname(path), self.mountinfo_path)
+            if fstype not in MEMORY_FILESYSTEMS:
+                # Ray puts the store in a disk-backed file when /dev/shm is too small (a
+                # container's 64 MB default): populating it would write it all to disk.
+                self.error = (f"the object store is a file on {fstype or 'an unknown'} "
+                              f"filesystem ({path}), not in shared memory: warming it would "
+                              "write it to disk; nothing warmed")
+                return
             self.warmed_bytes = populate(start, min(self.requested_bytes, end - start),
                                          self._stop)
         except Exception as exc:  # noqa: BLE001 - a warm-up is only a head start: reported

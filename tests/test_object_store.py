@@ -11,8 +11,8 @@ import uuid
 import pytest
 
 from hybrid_ray.object_store import (
-    DEFAULT_WARM_UP_BYTES, ObjectStoreWarmUp, default_warm_up_bytes, object_store_mapping,
-    populate,
+    DEFAULT_WARM_UP_BYTES, ObjectStoreWarmUp, default_warm_up_bytes, filesystem_type,
+    object_store_mapping, populate,
 )
 
 MiB = 1 << 20
@@ -76,7 +76,8 @@ def test_the_object_store_mapping_is_the_largest_shared_plasma_file(tmp_path):
         "7f1000000000-7f2000000000 rw-p 00000000 00:1b 379      /dev/shm/plasmaPRIVATE\n"
         "7f3000000000-7f4000000000 rw-s 00000000 00:1b 380      /dev/shm/other-big-file\n"
         "55d5c0000000-55d5c0021000 rw-p 00000000 00:00 0        [heap]\n")
-    assert object_store_mapping(str(maps)) == (0x7f0243d60000, 0x7f0404000000)
+    assert object_store_mapping(str(maps)) == (0x7f0243d60000, 0x7f0404000000,
+                                               "/dev/shm/plasmaKY3X9g")
     maps.write_text("55d5c0000000-55d5c0021000 rw-p 00000000 00:00 0        [heap]\n")
     assert object_store_mapping(str(maps)) is None
     assert object_store_mapping(str(tmp_path / "missing")) is None
@@ -98,3 +99,36 @@ def test_a_process_without_an_object_store_says_so_and_warms_nothing(tmp_path):
     state = warm_up.state()
     assert state["done"] and state["warmed_bytes"] == 0
     assert "no mapping of the object store" in state["error"]
+
+
+MOUNTINFO = (
+    "22 27 0:21 / /proc rw,relatime - proc proc rw\n"
+    "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+    "25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24684084k\n"
+    "31 27 0:30 / /mnt/huge rw,relatime - hugetlbfs hugetlbfs rw,pagesize=2M\n")
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(MOUNTINFO)
+    assert filesystem_type("/dev/shm", str(mountinfo)) == "tmpfs"
+    assert filesystem_type("/dev/shmem", str(mountinfo)) == "ext4"  # not below /dev/shm
+    assert filesystem_type("/tmp", str(mountinfo)) == "ext4"
+    assert filesystem_type("/mnt/huge/x", str(mountinfo)) == "hugetlbfs"
+    assert filesystem_type("/tmp", str(tmp_path / "missing")) is None
+
+
+def test_a_store_in_a_disk_backed_file_is_not_warmed(tmp_path):
+    """Ray keeps its store in /tmp when /dev/shm is too small (containers): populating that
+    mapping would write gigabytes to disk, so the warm-up refuses and says why."""
+    maps, mountinfo = tmp_path / "maps", tmp_path / "mountinfo"
+    maps.write_text("7f0243d60000-7f0404000000 rw-s 00000000 fe:00 378      "
+                    "/tmp/plasmaKY3X9g (deleted)\n")
+    mountinfo.write_text(MOUNTINFO)
+    warm_up = ObjectStoreWarmUp(maps_path=str(maps), mountinfo_path=str(mountinfo))
+    assert warm_up.start(16 * MiB)
+    assert warm_up.wait(10)
+    state = warm_up.state()
+    assert state["warmed_bytes"] == 0
+    assert "a file on ext4 filesystem (/tmp/plasmaKY3X9g)" in state["error"]
+    assert "nothing warmed" in state["error"]
