@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import pyarrow as pa
-import ray
 
 from hybrid_ray.config import Compression, ShuffleConfig, TierName
 from hybrid_ray.errors import OutOfSpaceError, ShuffleStalledError
@@ -35,7 +34,6 @@ from hybrid_ray.segment import (
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import map_segment_file
-from hybrid_ray.tiers.memory import READ_TIMEOUT_S as MEMORY_READ_TIMEOUT_S
 from hybrid_ray.tiers.memory import MemoryTier
 from hybrid_ray.tiers.remote import RemoteTier
 
@@ -541,13 +539,8 @@ class MemoryBatches:
         self._stalled, self._stalled_batch = None, set()
         try:
             values = self._tier.read_many([self._metas[j] for j in indices])
-        except ray.exceptions.GetTimeoutError as exc:
-            self._stalled_batch = set(indices)
-            self._stalled = ShuffleStalledError(
-                f"{len(indices)} memory-tier segment(s) from {self._metas[indices[0]].id} "
-                f"on could not be fetched within {MEMORY_READ_TIMEOUT_S:g} s: a node or "
-                "its object store stopped answering; check the nodes' health (ray status)")
-            self._stalled.__cause__ = exc
+        except ShuffleStalledError as exc:
+            self._stalled, self._stalled_batch = exc, set(indices)
             return
         except Exception:  # noqa: BLE001 - read one by one: each raises its own error
             return

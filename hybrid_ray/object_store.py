@@ -117,8 +117,8 @@ def populate(start: int, nbytes: int, stop: threading.Event | None = None,
 @dataclasses.dataclass
 class ObjectStoreWarmUp:
     """One node's object-store warm-up, run once in a background thread of its tier
-    manager (``start``); ``state`` says how far it got, for ``hybrid-ray status`` and
-    tests."""
+    manager (``start``); ``state`` says how far it got (the tier manager's
+    ``object_store_warm_up``)."""
 
     requested_bytes: int = 0
     warmed_bytes: int = 0

@@ -743,13 +743,18 @@ def test_a_memory_batch_that_times_out_is_a_stall_naming_the_fix(ray_local, tmp_
 
     from hybrid_ray.errors import ShuffleStalledError
 
+    from hybrid_ray.tiers import memory
+
     tm = TierManager("node-a", 0)
     shuffle, io, metas, _ = _memory_segments(tm, tmp_path, 3)
+    real_get = ray.get
 
-    def hung(batch):
-        raise ray.exceptions.GetTimeoutError("timed out")
+    def hung(refs, timeout=None):  # a node that stopped answering: the batch's get
+        if isinstance(refs, list):
+            raise ray.exceptions.GetTimeoutError("timed out")
+        return real_get(refs, timeout=timeout)
 
-    monkeypatch.setattr(io[TierName.MEMORY], "read_many", hung)
+    monkeypatch.setattr(memory.ray, "get", hung)
     with pytest.raises(ShuffleStalledError, match=r"3 memory-tier segment\(s\).*ray status"):
         next(ReadClient(io).read_in_order(metas))
     tm.release_shuffle(shuffle)
