@@ -7,7 +7,7 @@ from hybrid_ray.config import (
 from hybrid_ray.errors import (
     ActorStartError, ConfigError, CorruptSegmentError, HybridRayError, OutOfSpaceError,
     RemoteTierError, SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError,
-    ShuffleNotFoundError, ShuffleStalledError, UnknownTierError,
+    ShuffleNotFoundError, ShuffleReleasedError, ShuffleStalledError, UnknownTierError,
 )
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
 from hybrid_ray.tier_manager import TierManager, build_io_tiers
@@ -18,7 +18,7 @@ __all__ = [
     "OutOfSpaceError", "ReadClient", "RemoteTierError", "SegmentId", "SegmentMeta",
     "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMasterLostError",
     "ShuffleMode",
-    "ShuffleNotFoundError", "ShuffleStalledError", "Spilling", "TierManager", "TierName", "UnknownTierError",
+    "ShuffleNotFoundError", "ShuffleReleasedError", "ShuffleStalledError", "Spilling", "TierManager", "TierName", "UnknownTierError",
     "WriteClient", "WriteStats", "build_io_tiers", "decode_segment", "encode_segment",
 ]
 

@@ -136,6 +136,8 @@ class WriteClient:
         # stats already but committed only once the upload finished.
         self._uploads: collections.deque[concurrent.futures.Future[SegmentMeta]] = \
             collections.deque()
+        # Whether this client sent anything to the remote tier (see ``abort``).
+        self._wrote_remote = False
         self._closed = False
 
     # ---- public API ----------------------------------------------------------------------------
@@ -229,8 +231,15 @@ class WriteClient:
             return None
         return settled
 
-    def abort(self) -> None:
-        """Delete everything this client wrote and give its space back (failed producer)."""
+    def abort(self, shuffle_released: bool = False) -> None:
+        """Delete everything this client wrote and give its space back (failed producer).
+
+        ``shuffle_released``: the shuffle is gone (its master or tier manager said so). Its
+        release removed the shuffle's remote directory, and an upload of this client that
+        landed after that removal re-created the directory's marker, which is not a
+        segment and stayed (cleanup then finds a marked directory of a shuffle nobody
+        will release again). The whole remote directory of the shuffle goes too: nothing
+        in it is needed any more, and each late writer removes it after its own uploads."""
         # Let running uploads end first: an object landing after the delete below would
         # outlive the attempt. (Uploads not started yet are cancelled.)
         for upload in self._uploads:
@@ -268,6 +277,11 @@ class WriteClient:
                     self.io_tiers[TierName.REMOTE].delete(meta)
                 except Exception as exc:  # noqa: BLE001
                     errors.append(exc)
+        if shuffle_released and self._wrote_remote:
+            try:
+                self.io_tiers[TierName.REMOTE].remove_shuffle_data(self.shuffle_id)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
         self.written, self._uncommitted = [], []
         self._closed = True
         if errors:
@@ -463,6 +477,7 @@ class WriteClient:
                 f"no tier can take {sid} ({len(payload)} bytes): " + "; ".join(refusals)
                 + ". Configure a remote tier (ShuffleConfig(remote_path='s3://bucket/prefix')), "
                 "add spill_dirs, or free disk space.")
+        self._wrote_remote = True
         if isinstance(remote, RemoteTier):
             return remote.write_async(sid, payload, self.node_id)
         return remote.write(sid, payload, None, self.node_id)

@@ -78,6 +78,14 @@ class ShuffleStalledError(ShuffleFailedError):
     tier manager went unanswered for its bound (``actors.answer_of``), naming the call."""
 
 
+class ShuffleReleasedError(ShuffleNotFoundError, ShuffleFailedError):
+    """The shuffle was released while a task of it still ran (it failed: another map's
+    error, a stall; or its driver released it): its data is gone for good and the task's
+    output is not needed. The message carries the release's reason where one was given.
+    Both a ``ShuffleNotFoundError`` (the master or tier manager no longer knows it) and a
+    ``ShuffleFailedError``."""
+
+
 class ShuffleMasterLostError(ShuffleFailedError):
     """The namespace's shuffle master is gone (its node died or it was killed): the books
     of every shuffle in flight went with it."""

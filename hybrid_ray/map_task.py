@@ -24,7 +24,9 @@ import ray
 from hybrid_ray.actors import ActorNodeStorage, answer_of, get_tier_manager, restarted_worker
 from hybrid_ray.clients import WriteClient, WriteStats
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleStalledError
+from hybrid_ray.errors import (
+    ConfigError, ShuffleFailedError, ShuffleReleasedError, ShuffleStalledError,
+)
 from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.partitioning import Partitioner, split_by_partition
 from hybrid_ray.report import Stopwatch
@@ -131,8 +133,8 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             # A newer attempt of this map runs (a lost map run again): the master refused
             # and deleted this attempt's segments; its work is simply not needed.
             client.abort()
-    except BaseException:
-        _abort_keeping_the_cause(client)
+    except BaseException as exc:
+        _abort_keeping_the_cause(client, exc)
         raise
     finally:
         # Drop this process's references to the memory-tier objects it wrote: the master
@@ -164,13 +166,13 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         # by the tier manager's late-files sweep), and this attempt fails.
         settled()  # (its error is the lesser one: the stall is raised)
         raise
-    except BaseException:
+    except BaseException as exc:
         # No answer, or the shuffle is gone (failed and released while this map wrote):
         # the master never took the last segments, and a release that came after this
         # map's reservation may have found none of its files yet. Delete them here, once
         # the settle answered: if it failed, its settlements go again with the abort.
         settled()
-        _abort_keeping_the_cause(client)
+        _abort_keeping_the_cause(client, exc)
         raise
     _settled_after_finish(client, settled(), shuffle_id, map_index)
     if not finished and raise_if_superseded:
@@ -266,8 +268,8 @@ def _ray_task_attempt() -> int | None:
         return None
 
 
-def _abort_keeping_the_cause(client: WriteClient) -> None:
-    """Abort a failed map attempt's writes without masking why it failed.
+def _abort_keeping_the_cause(client: WriteClient, cause: BaseException) -> None:
+    """Abort a failed map attempt's writes without masking why it failed (``cause``).
 
     The storage that failed the map often fails the abort's deletions too (an S3 store
     that went down fails the upload, then the delete of what was uploaded before): the
@@ -277,9 +279,16 @@ def _abort_keeping_the_cause(client: WriteClient) -> None:
     master retries that deletion until the data is gone.
     """
     try:
-        client.abort()
+        client.abort(shuffle_released=_says_shuffle_released(cause))
     except Exception:  # noqa: BLE001 - the map's own error is what the caller needs
         pass
+
+
+def _says_shuffle_released(error: BaseException) -> bool:
+    """Whether a map's error says its shuffle was released (by the master or the node's
+    tier manager): nothing will release it again. (Not a bare ``ShuffleNotFoundError``:
+    a master started again after a crash knows no shuffle, and a live one's data stays.)"""
+    return isinstance(error, ShuffleReleasedError)
 
 
 @dataclasses.dataclass(frozen=True)

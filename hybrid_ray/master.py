@@ -19,7 +19,7 @@ from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import (
-    ConfigError, ShuffleFailedError, ShuffleNotFoundError, ShuffleStateError,
+    ConfigError, ShuffleNotFoundError, ShuffleReleasedError, ShuffleStateError,
 )
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import SegmentMeta
@@ -182,12 +182,14 @@ class ShuffleRegistry:
         except KeyError:
             reason, failed = self.release_reasons.get(shuffle_id, ("", False))
             if failed:
-                raise ShuffleFailedError(
+                raise ShuffleReleasedError(
                     f"shuffle {shuffle_id!r} failed and was released: {reason}") from None
-            hint = (f" (it was released because {reason})" if reason else
-                    " (it was released: its data is gone; re-run the shuffle)"
-                    if shuffle_id in self.released else "")
-            raise ShuffleNotFoundError(f"unknown shuffle {shuffle_id!r}{hint}") from None
+            if reason or shuffle_id in self.released:
+                hint = (f" because {reason}" if reason else
+                        ": its data is gone; re-run the shuffle")
+                raise ShuffleReleasedError(
+                    f"unknown shuffle {shuffle_id!r} (it was released{hint})") from None
+            raise ShuffleNotFoundError(f"unknown shuffle {shuffle_id!r}") from None
 
     # ---- lifecycle --------------------------------------------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ConfigError, ShuffleNotFoundError, UnsafePathError
+from hybrid_ray.errors import (
+    ConfigError, ShuffleNotFoundError, ShuffleReleasedError, UnsafePathError,
+)
 from hybrid_ray.ids import (
     check_id, is_below_resolved, is_inside, realpath_cached, resolved_dir,
 )
@@ -126,7 +128,7 @@ class TierManager:
         if shuffle_id in self._shuffles:
             return self.memory.quota(shuffle_id)
         if shuffle_id in self._released:
-            raise ShuffleNotFoundError(f"shuffle {shuffle_id!r} was released on node "
+            raise ShuffleReleasedError(f"shuffle {shuffle_id!r} was released on node "
                                        f"{self.node_id}; a map of it cannot start writing")
         disk_key = self._disk_key(config)
         remote_key = self._remote_key(config)
@@ -197,9 +199,10 @@ class TierManager:
     def _local_tiers(self, shuffle_id: str) -> list[Tier]:
         info = self._shuffles.get(shuffle_id)
         if info is None:
+            if shuffle_id in self._released:
+                raise ShuffleReleasedError(f"shuffle {shuffle_id!r} was released on node "
+                                           f"{self.node_id}; a map of it cannot write")
             raise ShuffleNotFoundError(
-                f"shuffle {shuffle_id!r} was released on node {self.node_id}; a map of it "
-                "cannot write" if shuffle_id in self._released else
                 f"shuffle {shuffle_id!r} is not registered on node {self.node_id}: "
                 "reserve space with the shuffle's config first (register_shuffle)")
         tiers: list[Tier] = [self.memory] if info["memory"] else []

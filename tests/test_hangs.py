@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import assert_no_leftovers, base_config
+from conftest import assert_no_leftovers, base_config, files_under
 
 
 @pytest.fixture
@@ -267,6 +267,53 @@ def test_a_finish_map_answered_late_keeps_the_files_the_master_took(ray_local, t
         assert all(os.path.exists(s.location) for s in segments)
     finally:
         ray.get(master.release.remote(shuffle_id))
+    assert_no_leftovers(config, ray)
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["refused-at-finish", "refused-at-commit"])
+def test_a_writer_s_first_remote_write_after_the_release_leaves_no_marker(
+        ray_local, tmp_path, monkeypatch, chunks):
+    """A map that reserved space before its shuffle was released (a failed shuffle's other
+    map) and uploaded its first remote segment after the release's removal re-created the
+    shuffle's remote marker. The refused commit's abort deleted the segment, not the
+    marker, and the released shuffle's remote directory stayed (seen once in
+    ``test_failed_shuffle_cleans_everything``). The writer now removes what it re-created."""
+    import ray
+
+    from hybrid_ray import HashPartitioner
+    from hybrid_ray.actors import get_master
+    from hybrid_ray.errors import ShuffleFailedError
+    from hybrid_ray.map_task import write_map_partition
+    from hybrid_ray.tiers.remote import RemoteTier
+
+    remote = tmp_path / "remote"
+    config = base_config(tmp_path, memory_capacity_bytes=0, disk_capacity_bytes=0,
+                         remote_path=f"file://{remote}",
+                         namespace=f"hr-late-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    real_write = RemoteTier.write
+    released = []
+    first_upload = threading.Lock()
+
+    def upload_after_the_release(self, segment, *args, **kwargs):
+        """The shuffle fails elsewhere while this map's first upload is on its way (the
+        uploads run on several threads: all wait until the release is done)."""
+        with first_upload:
+            if not released:
+                ray.get(master.release.remote(shuffle_id, "map 1 failed", True))
+                released.append(True)
+        return real_write(self, segment, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteTier, "write", upload_after_the_release)
+    table = pa.table({"key": np.arange(20_000) % 7, "id": np.arange(20_000)})
+    pieces = [table.slice(i * 10_000, 10_000) for i in range(2)] if chunks == 2 else [table]
+    with pytest.raises(ShuffleFailedError, match="map 1 failed"):
+        write_map_partition(shuffle_id, 0, pieces, 2, HashPartitioner(["key"]), config,
+                            master)
+    assert released
+    assert files_under(str(remote)) == []
     assert_no_leftovers(config, ray)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybrid_ray import (
-    SegmentId, SegmentMeta, ShuffleConfig, ShuffleFailedError, ShuffleNotFoundError, TierName,
+    SegmentId, SegmentMeta, ShuffleConfig, ShuffleFailedError, ShuffleNotFoundError,
+    ShuffleReleasedError, TierName,
 )
 from hybrid_ray.errors import ShuffleStateError
 from hybrid_ray.master import ShuffleRegistry
@@ -74,8 +75,22 @@ def test_release_and_unknown_shuffle(registry):
     assert registry.release("s")
     assert not registry.release("s")  # released once
     assert registry.released_ids == ["s"]
-    with pytest.raises(ShuffleNotFoundError, match="released"):
+    with pytest.raises(ShuffleReleasedError, match="released"):
         registry.poll("s", 0, {})
+    # Never known (a master started again after a crash): not "released", so a writer
+    # keeps the shuffle's remote directory (see map_task._says_shuffle_released).
+    with pytest.raises(ShuffleNotFoundError) as unknown:
+        registry.poll("never", 0, {})
+    assert not isinstance(unknown.value, ShuffleReleasedError)
+
+
+def test_a_failed_shuffle_s_late_calls_get_its_reason_as_a_released_error(registry):
+    registry.release("s", "map 3 raised ValueError: boom", failed=True)
+    with pytest.raises(ShuffleReleasedError,
+                       match="shuffle 's' failed and was released: map 3 raised") as err:
+        registry.commit("s", 0, 0, [])
+    assert isinstance(err.value, ShuffleFailedError)
+    assert isinstance(err.value, ShuffleNotFoundError)
 
 
 def test_readers_of_a_shuffle_released_for_a_failure_are_told_why(registry):

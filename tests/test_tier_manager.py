@@ -8,7 +8,8 @@ import os
 import pytest
 
 from hybrid_ray import (
-    MiB, SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, TierName,
+    MiB, SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, ShuffleReleasedError,
+    TierName,
 )
 from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, TierManager
 
@@ -90,9 +91,9 @@ def test_a_reservation_registers_the_shuffle_it_carries_the_config_of(tmp_path):
     assert placement.grant.tier == TierName.MEMORY and tm.usage().shuffles == ("a",)
     assert tm.reserve("a", [10], register=cfg)[0].grant is not None  # again: a no-op
     tm.release_shuffle("a")
-    with pytest.raises(ShuffleNotFoundError, match="'a' was released on node n1"):
+    with pytest.raises(ShuffleReleasedError, match="'a' was released on node n1"):
         tm.reserve("a", [10])
-    with pytest.raises(ShuffleNotFoundError, match="'a' was released on node n1"):
+    with pytest.raises(ShuffleReleasedError, match="'a' was released on node n1"):
         tm.reserve("a", [10], register=cfg)
 
 

@@ -405,6 +405,7 @@ class RemoteTier(Tier):
                 self._fail(RemoteTierError, f"removing shuffle {shuffle_id} from the remote "
                            f"tier at {path} failed: {type(exc).__name__}: {exc}", exc)
         self.fs.invalidate_cache()
+        self._marked.discard(shuffle_id)  # a write after this marks the directory again
 
 
 def remove_remote_tree(fs: Any, path: str) -> None:
