@@ -461,23 +461,33 @@ class ShuffleMasterActor:
 
     def _release_data(self, state: ShuffleState) -> None:
         """Remove all of a shuffle's data on every node it used and in the remote tier;
-        raises if some of it could not be removed (the registry retries)."""
+        raises if some of it could not be removed (the registry retries).
+
+        The remote tree goes after the nodes answered: a tier manager runs one call at a
+        time and stores JVM writers' remote segments (``spark_write_remote``), so once its
+        release has run, no such write of the shuffle can come after the removal and
+        re-create the tree. (Removed side by side, a write queued before the release
+        landed after the removal, and the shuffle's marked directory stayed.)"""
         waits = []
         for node_id in state.nodes:
             tm = self._tier_manager(node_id, start=True)
             if tm is not None:
                 waits.append((node_id, tm.release_shuffle.remote(state.shuffle_id,
                                                                  state.config)))
-        remote_error = None
+        node_error = None
+        try:
+            _wait_for_nodes(waits, f"releasing shuffle {state.shuffle_id}",
+                            self._tier_managers.discard)
+        except OSError as exc:  # raised after the remote tree was tried too
+            node_error = exc
         if state.config.remote_path:
             try:
                 self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
-            except Exception as exc:  # noqa: BLE001 - reported after the nodes' outcome
-                remote_error = exc
-        _wait_for_nodes(waits, f"releasing shuffle {state.shuffle_id}",
-                        self._tier_managers.discard)
-        if remote_error is not None:
-            raise remote_error
+            except Exception as exc:  # noqa: BLE001 - the nodes' error is reported first
+                if node_error is None:
+                    raise
+        if node_error is not None:
+            raise node_error
 
     def _tier_manager(self, node_id: str, start: bool = False) -> Any | None:
         """The tier manager of ``node_id`` (None: none runs there), its handle kept: a

@@ -13,7 +13,9 @@ import pytest
 import ray
 
 from conftest import S3_KEY, S3_SECRET, TcpProxy, base_config, files_under
-from hybrid_ray import HashPartitioner, ShuffleConfig, ShuffleFailedError, TierName
+from hybrid_ray import (
+    HashPartitioner, RemoteTierError, ShuffleConfig, ShuffleFailedError, TierName,
+)
 from hybrid_ray.actors import existing_tier_manager, get_master, get_tier_manager
 
 
@@ -722,3 +724,49 @@ def test_deletions_reach_tier_managers_without_object_refs(ray_local):
         assert metas[0].object_ref == [ref]
     finally:
         ray.kill(recorder)
+
+
+def test_a_jvm_remote_write_queued_before_a_release_leaves_no_remote_tree(ray_local, tmp_path):
+    """A JVM writer's remote segment is stored by its node's tier manager, which runs one
+    call at a time. The master removed the remote tree while that tier manager was still
+    busy, then the write queued before the release ran: the tree (marker and segment) was
+    re-created after the removal and stayed. The master now removes the remote tree after
+    the tier managers answered their release, so nothing is queued behind it."""
+    import json
+
+    namespace = f"jvmlate-{uuid.uuid4().hex[:6]}"
+    remote = tmp_path / "remote"
+    cfg = base_config(tmp_path, remote_path=f"file://{remote}", namespace=namespace,
+                      job_id="job-jvmlate")
+    master = get_master(namespace)
+    node = ray.get_runtime_context().get_node_id()
+    tm = get_tier_manager(node, namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg, False, [node]))
+    ray.get(tm.register_shuffle.remote(shuffle_id, cfg))
+    # Keep the tier manager busy: a read of a FIFO blocks until the test opens its
+    # writing end (below), after the master got the release; then it fails.
+    job_dir = remote / "job-jvmlate"
+    job_dir.mkdir(parents=True, mode=0o700)
+    fifo = job_dir / "busy.fifo"
+    os.mkfifo(fifo, 0o600)
+    busy = tm.spark_read_remote.remote(json.dumps(
+        {"shuffle": shuffle_id, "location": str(fifo), "nbytes": 4}))
+    late_write = tm.spark_write_remote.remote(json.dumps(
+        {"shuffle": shuffle_id, "map_index": 0, "partition": 0, "index": 0, "map_id": 0}),
+        b"late segment bytes")
+    time.sleep(0.5)  # both calls are queued at the tier manager
+    release = master.release.remote(shuffle_id)
+    time.sleep(1.0)  # the master is releasing meanwhile
+    with open(fifo, "wb") as f:  # let the tier manager go on: read, then the late write
+        f.write(b"done")
+    with pytest.raises(RemoteTierError):  # (a FIFO cannot be read as a segment)
+        ray.get(busy, timeout=30)
+    assert "shf-" in json.loads(ray.get(late_write, timeout=30))["location"]
+    ray.get(release, timeout=90)
+    deadline = time.monotonic() + 60
+    while ray.get(master.status.remote())["pending_deletions"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.unlink(fifo)
+    assert files_under(str(remote)) == []
