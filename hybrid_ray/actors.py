@@ -28,7 +28,8 @@ from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError
 from hybrid_ray.master import (
-    PendingDeletion, PollResult, ShuffleRegistry, ShuffleState, ShuffleSummary, metas_by_node,
+    LATE_REMOTE_SWEEP_S, PendingDeletion, PollResult, ShuffleRegistry, ShuffleState,
+    ShuffleSummary, metas_by_node,
 )
 from hybrid_ray.nodes import node_alive
 from hybrid_ray.object_store import ObjectStoreWarmUp, default_warm_up_bytes
@@ -415,7 +416,8 @@ class ShuffleMasterActor:
     backoff sleep waited for the sleep to end.
     """
 
-    def __init__(self, namespace: str, release_wait_s: float = RELEASE_WAIT_S) -> None:
+    def __init__(self, namespace: str, release_wait_s: float = RELEASE_WAIT_S,
+                 late_sweep_s: float = LATE_REMOTE_SWEEP_S) -> None:
         self.namespace = namespace
         self._release_wait_s = release_wait_s
         self._lock = threading.RLock()
@@ -425,7 +427,9 @@ class ShuffleMasterActor:
         self._deletion_lock = threading.Lock()
         self._wake = threading.Event()
         self.registry = ShuffleRegistry(self._delete_segments, self._release_data,
-                                        delete_inline=False)
+                                        delete_inline=False,
+                                        sweep_remote=self._sweep_remote,
+                                        late_sweep_s=late_sweep_s)
         self.loop_errors = 0
         self.last_loop_error = ""
         self._spark_history: collections.deque[dict[str, Any]] = collections.deque(
@@ -504,6 +508,10 @@ class ShuffleMasterActor:
             if tm is not None:
                 tm = self._tier_managers.get_or_create(node_id, lambda: tm)
         return tm
+
+    def _sweep_remote(self, state: ShuffleState) -> None:
+        """Remove a released shuffle's remote tree once more (``LATE_REMOTE_SWEEP_S``)."""
+        self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
 
     def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:
         """The remote tier deletions go through, opened once per config (it was opened

@@ -119,6 +119,13 @@ class PollResult:
 Deleter = Callable[[ShuffleState, Sequence[SegmentMeta]], None]
 Releaser = Callable[[ShuffleState], None]
 
+# A released shuffle's remote tree is removed once more this long after its release: a
+# writer killed after its upload landed (its abort, which removes what it re-created after
+# a release, never ran) or an upload still in flight then (bounded by the store's call
+# deadline) left objects that nothing else removes. Local disks have the tier managers'
+# late-files sweep for the same.
+LATE_REMOTE_SWEEP_S = 120.0
+
 
 # A long poll answers before its deadline once new segments of 1/POLL_BATCH_DIVISOR of the
 # shuffle's maps arrived (``ShuffleRegistry.poll_batch``).
@@ -140,9 +147,13 @@ class PendingDeletion:
     # Set when its first attempt ran, whatever came of it (a release waits for it, bounded).
     tried: threading.Event = dataclasses.field(default_factory=threading.Event,
                                                compare=False, repr=False)
+    # A second removal of a released shuffle's remote tree (``LATE_REMOTE_SWEEP_S``).
+    late_sweep: bool = False
 
     @property
     def what(self) -> str:
+        if self.late_sweep:
+            return f"late writes to the remote tier of shuffle {self.state.shuffle_id}"
         return (f"shuffle {self.state.shuffle_id}" if self.metas is None else
                 f"{len(self.metas)} segment(s) of shuffle {self.state.shuffle_id}")
 
@@ -152,24 +163,35 @@ class ShuffleRegistry:
     of deleting, so this class is testable without a cluster."""
 
     def __init__(self, delete_segments: Deleter, release_data: Releaser,
-                 clock: Callable[[], float] = time.monotonic, delete_inline: bool = True
-                 ) -> None:
+                 clock: Callable[[], float] = time.monotonic, delete_inline: bool = True,
+                 sweep_remote: Releaser | None = None,
+                 late_sweep_s: float = LATE_REMOTE_SWEEP_S) -> None:
         """``delete_inline``: run queued deletions at the end of each call that queued one
         (plain use and tests). The master actor passes False and runs ``run_deletions``
         itself, outside its lock, so slow or failing storage never blocks the books.
 
         ``clock``: monotonic, as orphan expiry compares heartbeat ages with it: on the wall
         clock, a VM resumed from a pause (or a clock stepped forward) expired every shuffle
-        at the next check, before any driver could beat, deleting data in use."""
+        at the next check, before any driver could beat, deleting data in use.
+
+        ``sweep_remote``: removes a released shuffle's remote tree again, ``late_sweep_s``
+        after its release succeeded, for shuffles with a remote tier (see
+        ``LATE_REMOTE_SWEEP_S``); None: no second removal."""
         self._shuffles: dict[str, ShuffleState] = {}
         self._delete_segments_io = delete_segments
         self._release_data_io = release_data
         self._clock = clock
         self._delete_inline = delete_inline
+        self._sweep_remote_io = sweep_remote
+        self._late_sweep_s = late_sweep_s
         # Deletions not done yet: queued by state changes, run by ``run_deletions``,
         # retried with backoff until the data is gone (a shuffle is forgotten by the books
         # at release, but its deletion stays here until it succeeded).
         self.pending: collections.deque[PendingDeletion] = collections.deque()
+        # Late sweeps of released shuffles' remote trees, in the order they come due (kept
+        # apart from ``pending``: a call that queues nothing must not wake the deletion
+        # runner for them; it finds them due on its periodic round).
+        self.late_sweeps: collections.deque[PendingDeletion] = collections.deque()
         self.deletion_failures = 0
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
         # Why a recently released shuffle was released, if its driver said, and whether it
@@ -555,12 +577,19 @@ class ShuffleRegistry:
         now = self._clock()
         due = [d for d in self.pending if d.not_before <= now]
         self.pending = collections.deque(d for d in self.pending if d.not_before > now)
+        while self.late_sweeps and self.late_sweeps[0].not_before <= now:
+            due.append(self.late_sweeps.popleft())
         return due
 
     def perform_deletion(self, deletion: PendingDeletion) -> Exception | None:
         """Run one deletion's I/O; returns its error instead of raising it."""
         try:
-            if deletion.metas is None:
+            if deletion.late_sweep:
+                # Never the tree of a shuffle registered again under the same id.
+                if self._sweep_remote_io is not None \
+                        and deletion.state.shuffle_id not in self._shuffles:
+                    self._sweep_remote_io(deletion.state)
+            elif deletion.metas is None:
                 self._release_data_io(deletion.state)
             else:
                 self._delete_segments_io(deletion.state, deletion.metas)
@@ -569,9 +598,16 @@ class ShuffleRegistry:
         return None
 
     def deletion_done(self, deletion: PendingDeletion, error: Exception | None) -> None:
-        """Record a deletion's outcome: on ``error`` it is queued again with backoff."""
+        """Record a deletion's outcome: on ``error`` it is queued again with backoff. A
+        release that succeeded queues its remote tree's late sweep."""
         deletion.tried.set()
         if error is None:
+            if deletion.metas is None and not deletion.late_sweep \
+                    and self._sweep_remote_io is not None \
+                    and deletion.state.config.remote_path:
+                self.late_sweeps.append(PendingDeletion(
+                    deletion.state, None, late_sweep=True,
+                    not_before=self._clock() + self._late_sweep_s))
             return
         deletion.attempts += 1
         deletion.last_error = f"{type(error).__name__}: {error}"
@@ -581,7 +617,9 @@ class ShuffleRegistry:
         self.pending.append(deletion)
 
     def pending_deletions(self) -> list[dict[str, Any]]:
-        """Deletions not done yet, with their last error (for status and tests)."""
+        """Deletions not done yet, with their last error (for status and tests). A late
+        sweep waiting for its time is not listed (nothing is known to be left); one that
+        failed is, queued again like any failed deletion."""
         return [{"shuffle_id": d.state.shuffle_id, "what": d.what, "attempts": d.attempts,
                  "last_error": d.last_error} for d in self.pending]
 

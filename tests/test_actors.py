@@ -770,3 +770,38 @@ def test_a_jvm_remote_write_queued_before_a_release_leaves_no_remote_tree(ray_lo
         time.sleep(0.2)
     os.unlink(fifo)
     assert files_under(str(remote)) == []
+
+
+def test_objects_a_killed_writer_uploaded_after_the_release_go_with_the_late_sweep(
+        ray_local, tmp_path):
+    """A writer killed after its upload landed past its shuffle's release never aborts,
+    so nothing removed what it re-created (marker and segment). The master removes the
+    released shuffle's remote tree once more ``late_sweep_s`` after the release (120 s by
+    default; 1 s here)."""
+    from hybrid_ray.actors import (
+        HEAD_NODE_RESOURCE, MASTER_NAME, RELEASE_WAIT_S, ShuffleMasterActor, _get_or_start,
+    )
+    from hybrid_ray.segment import SegmentId
+    from hybrid_ray.tiers.remote import open_remote_tier
+
+    namespace = f"sweep-{uuid.uuid4().hex[:6]}"
+    remote = tmp_path / "remote"
+    cfg = base_config(tmp_path, remote_path=f"file://{remote}", namespace=namespace,
+                      job_id="job-sweep")
+    master = _get_or_start(ShuffleMasterActor, MASTER_NAME, namespace, namespace,
+                           RELEASE_WAIT_S, 1.0, resources={HEAD_NODE_RESOURCE: 0.001})
+    try:
+        shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+        ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+        ray.get(master.release.remote(shuffle_id))
+        # The killed writer's upload, landing after the release: its marker and segment.
+        open_remote_tier(cfg).write_frame(SegmentId(shuffle_id, 0, 1, 0, 0, "job-sweep"),
+                                          b"a late segment")
+        assert files_under(str(remote)) != []
+        deadline = time.monotonic() + 30
+        while files_under(str(remote)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert files_under(str(remote)) == []
+        assert ray.get(master.status.remote())["pending_deletions"] == []
+    finally:
+        ray.kill(master)

@@ -348,3 +348,87 @@ def test_the_books_run_on_a_monotonic_clock():
     assert abs(registry.now() - time.monotonic()) < 5
     assert abs(registry.state("m").created - time.monotonic()) < 5
     assert registry.expire() == []
+
+
+def _remote_registry(fail_sweeps: int = 0):
+    """A registry whose releases and late remote sweeps are recorded (the first
+    ``fail_sweeps`` sweeps fail, as a store that is down would)."""
+    calls: list[tuple[str, str]] = []
+
+    def sweep(state):
+        calls.append(("sweep", state.shuffle_id))
+        if sum(1 for c in calls if c[0] == "sweep") <= fail_sweeps:
+            raise OSError("store down (injected)")
+
+    clock = Clock()
+    reg = ShuffleRegistry(lambda state, metas: None,
+                          lambda state: calls.append(("release", state.shuffle_id)),
+                          clock, sweep_remote=sweep, late_sweep_s=120)
+    return reg, calls, clock
+
+
+def test_a_released_shuffle_s_remote_tree_is_swept_once_more_later():
+    """A writer killed after its upload landed past the release leaves objects its abort
+    would have removed; the master removes the remote tree again ``late_sweep_s`` after
+    the release, once, without listing that as a pending deletion meanwhile."""
+    reg, calls, clock = _remote_registry()
+    reg.register("r", 1, 2, ShuffleConfig(remote_path="s3://bucket/prefix"))
+    reg.register("local", 1, 2, ShuffleConfig())
+    reg.release("r")
+    reg.release("local")
+    assert calls == [("release", "r"), ("release", "local")]
+    assert reg.pending_deletions() == []
+    clock.now += 119
+    reg.run_deletions()
+    assert calls == [("release", "r"), ("release", "local")]  # not due yet
+    clock.now += 2
+    reg.run_deletions()
+    assert calls[2:] == [("sweep", "r")]  # only the shuffle with a remote tier
+    clock.now += 1000
+    reg.run_deletions()
+    assert calls[2:] == [("sweep", "r")]  # once
+    assert reg.pending_deletions() == []
+    # An id registered again before its sweep came due: its new data stays.
+    reg.register("again", 1, 2, ShuffleConfig(remote_path="s3://bucket/prefix"))
+    reg.release("again")
+    reg.register("again", 1, 2, ShuffleConfig(remote_path="s3://bucket/prefix"))
+    clock.now += 121
+    reg.run_deletions()
+    assert ("sweep", "again") not in calls
+
+
+def test_a_failed_late_sweep_is_reported_and_retried_until_it_succeeds():
+    reg, calls, clock = _remote_registry(fail_sweeps=1)
+    reg.register("r", 1, 2, ShuffleConfig(remote_path="s3://bucket/prefix"))
+    reg.release("r")
+    clock.now += 121
+    assert [d.what for d in reg.run_deletions()] == [
+        "late writes to the remote tier of shuffle r"]
+    [pending] = reg.pending_deletions()
+    assert pending["attempts"] == 1 and "store down (injected)" in pending["last_error"]
+    clock.now += 1000
+    reg.run_deletions()
+    assert calls == [("release", "r"), ("sweep", "r"), ("sweep", "r")]
+    assert reg.pending_deletions() == []
+
+
+def test_a_release_that_failed_sweeps_only_after_it_succeeded():
+    calls: list[str] = []
+    failures = [OSError("node down (injected)")]
+
+    def release(state):
+        calls.append("release")
+        if failures:
+            raise failures.pop()
+
+    clock = Clock()
+    reg = ShuffleRegistry(lambda state, metas: None, release, clock,
+                          sweep_remote=lambda state: calls.append("sweep"), late_sweep_s=120)
+    reg.register("r", 1, 2, ShuffleConfig(remote_path="s3://bucket/prefix"))
+    reg.release("r")
+    clock.now += 121
+    reg.run_deletions()  # the release again (its backoff passed), not yet the sweep
+    assert calls == ["release", "release"]
+    clock.now += 121
+    reg.run_deletions()
+    assert calls == ["release", "release", "sweep"]
