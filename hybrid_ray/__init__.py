@@ -18,7 +18,8 @@ __all__ = [
     "OutOfSpaceError", "ReadClient", "RemoteTierError", "SegmentId", "SegmentMeta",
     "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMasterLostError",
     "ShuffleMode",
-    "ShuffleNotFoundError", "ShuffleReleasedError", "ShuffleStalledError", "Spilling", "TierManager", "TierName", "UnknownTierError",
+    "ShuffleNotFoundError", "ShuffleReleasedError", "ShuffleStalledError", "Spilling",
+    "TierManager", "TierName", "UnknownTierError",
     "WriteClient", "WriteStats", "build_io_tiers", "decode_segment", "encode_segment",
 ]
 

@@ -428,7 +428,7 @@ class ShuffleMasterActor:
         self._wake = threading.Event()
         self.registry = ShuffleRegistry(self._delete_segments, self._release_data,
                                         delete_inline=False,
-                                        sweep_remote=self._sweep_remote,
+                                        sweep_remote=self._remove_remote_tree,
                                         late_sweep_s=late_sweep_s)
         self.loop_errors = 0
         self.last_loop_error = ""
@@ -486,7 +486,7 @@ class ShuffleMasterActor:
             node_error = exc
         if state.config.remote_path:
             try:
-                self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
+                self._remove_remote_tree(state)
             except Exception as exc:  # noqa: BLE001 - the nodes' error is reported first
                 if node_error is None:
                     raise
@@ -509,8 +509,9 @@ class ShuffleMasterActor:
                 tm = self._tier_managers.get_or_create(node_id, lambda: tm)
         return tm
 
-    def _sweep_remote(self, state: ShuffleState) -> None:
-        """Remove a released shuffle's remote tree once more (``LATE_REMOTE_SWEEP_S``)."""
+    def _remove_remote_tree(self, state: ShuffleState) -> None:
+        """Remove a shuffle's remote tree: at its release, and once more for late writes
+        (``LATE_REMOTE_SWEEP_S``)."""
         self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
 
     def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:

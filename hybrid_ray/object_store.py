@@ -14,9 +14,9 @@ that (``madvise(MADV_POPULATE_WRITE)``: 2 GiB in 1.3 s of one core here, against
 (``ObjectStoreWarmUp``), so it overlaps whatever the driver does next (loading its data).
 Ray's own ``--preallocate-plasma`` does this for the whole store at start-up, before
 ``ray.init`` returns (10 s instead of 2.8 s on this VM for its default 7 GiB store: see
-the README's start-up section); this warms only the part a shuffle is likely to use. The pages warmed are memory of the object store that Ray has reserved
-anyway: it stays with the store (a tmpfs file) until Ray stops, as pages a shuffle wrote
-would.
+the README's start-up section); this warms only the part a shuffle is likely to use. The
+pages warmed are memory of the object store that Ray has reserved anyway: it stays with
+the store (a tmpfs file) until Ray stops, as pages a shuffle wrote would.
 """
 
 from __future__ import annotations
