@@ -3,6 +3,7 @@ managers give back what a vanished master can no longer release."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -742,8 +743,8 @@ def test_a_jvm_remote_write_queued_before_a_release_leaves_no_remote_tree(ray_lo
     node = ray.get_runtime_context().get_node_id()
     tm = get_tier_manager(node, namespace)
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray.get(master.register.remote(shuffle_id, 1, 2, cfg, False, [node]))
-    ray.get(tm.register_shuffle.remote(shuffle_id, cfg))
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg, False, [node]), timeout=60)
+    ray.get(tm.register_shuffle.remote(shuffle_id, cfg), timeout=60)
     # Keep the tier manager busy: a read of a FIFO blocks until the test opens its
     # writing end (below), after the master got the release; then it fails.
     job_dir = remote / "job-jvmlate"
@@ -758,14 +759,25 @@ def test_a_jvm_remote_write_queued_before_a_release_leaves_no_remote_tree(ray_lo
     time.sleep(0.5)  # both calls are queued at the tier manager
     release = master.release.remote(shuffle_id)
     time.sleep(1.0)  # the master is releasing meanwhile
-    with open(fifo, "wb") as f:  # let the tier manager go on: read, then the late write
-        f.write(b"done")
+    # Let the tier manager go on (read, then the late write). Opened without blocking,
+    # retried until the tier manager's read has the FIFO open: bounded, never a hang.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    os.write(fd, b"done")
+    os.close(fd)
     with pytest.raises(RemoteTierError):  # (a FIFO cannot be read as a segment)
         ray.get(busy, timeout=30)
     assert "shf-" in json.loads(ray.get(late_write, timeout=30))["location"]
     ray.get(release, timeout=90)
     deadline = time.monotonic() + 60
-    while ray.get(master.status.remote())["pending_deletions"] \
+    while ray.get(master.status.remote(), timeout=60)["pending_deletions"] \
             and time.monotonic() < deadline:
         time.sleep(0.2)
     os.unlink(fifo)
@@ -792,8 +804,8 @@ def test_objects_a_killed_writer_uploaded_after_the_release_go_with_the_late_swe
                            RELEASE_WAIT_S, 1.0, resources={HEAD_NODE_RESOURCE: 0.001})
     try:
         shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-        ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
-        ray.get(master.release.remote(shuffle_id))
+        ray.get(master.register.remote(shuffle_id, 1, 2, cfg), timeout=60)
+        ray.get(master.release.remote(shuffle_id), timeout=60)
         # The killed writer's upload, landing after the release: its marker and segment.
         open_remote_tier(cfg).write_frame(SegmentId(shuffle_id, 0, 1, 0, 0, "job-sweep"),
                                           b"a late segment")
@@ -802,6 +814,6 @@ def test_objects_a_killed_writer_uploaded_after_the_release_go_with_the_late_swe
         while files_under(str(remote)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert files_under(str(remote)) == []
-        assert ray.get(master.status.remote())["pending_deletions"] == []
+        assert ray.get(master.status.remote(), timeout=60)["pending_deletions"] == []
     finally:
         ray.kill(master)

@@ -292,7 +292,7 @@ def test_a_writer_s_first_remote_write_after_the_release_leaves_no_marker(
                          namespace=f"hr-late-{uuid.uuid4().hex[:6]}")
     master = get_master(config.namespace)
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    ray.get(master.register.remote(shuffle_id, 1, 2, config, True), timeout=60)
     real_write = RemoteTier.write
     released = []
     first_upload = threading.Lock()
@@ -302,7 +302,7 @@ def test_a_writer_s_first_remote_write_after_the_release_leaves_no_marker(
         uploads run on several threads: all wait until the release is done)."""
         with first_upload:
             if not released:
-                ray.get(master.release.remote(shuffle_id, "map 1 failed", True))
+                ray.get(master.release.remote(shuffle_id, "map 1 failed", True), timeout=60)
                 released.append(True)
         return real_write(self, segment, *args, **kwargs)
 
