@@ -26,7 +26,7 @@ from hybrid_ray.ids import (
 from hybrid_ray.segment import SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
-    marked_shuffle_dir_problem, read_segment_file, require_segment_file, unlink_quietly,
+    marked_shuffle_dir_problem, read_segment_file, require_segment_file, unlink_all,
 )
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
@@ -320,16 +320,25 @@ class TierManager:
         freed = self._freed.setdefault(shuffle_id, set()) if registered else set()
         refused = []
         resolved: dict[str, str] = {}  # this call's resolved directories (realpath_cached)
+        todo: list[tuple[SegmentMeta, str | None]] = []  # (segment, its file if on disk)
         for meta in metas:
             if meta.tier == TierName.REMOTE or meta.id in freed:
                 continue
+            location = None
             if meta.tier == TierName.DISK:
                 try:
                     location = self._deletable_segment_file(shuffle_id, meta, resolved)
                 except UnsafePathError as exc:
                     refused.append(str(exc))
                     continue
-                unlink_quietly(location)
+            todo.append((meta, location))
+        # The files go first, every one tried even if some fail (unlink_all), then the
+        # books of those that went. (The first failure used to stop the batch: every
+        # later file stayed, and its bytes counted, until the retry.)
+        unlink_errors = unlink_all([loc for _, loc in todo if loc is not None])
+        for meta, location in todo:
+            if location in unlink_errors:
+                continue  # its bytes stay counted; the error is raised below
             if registered:
                 tier = self._tier(shuffle_id, meta.tier)
                 if meta.tier != TierName.DISK:  # (a disk file is gone already: unlinked above)
@@ -348,6 +357,10 @@ class TierManager:
         if refused:
             self.refused_deletions += len(refused)
             self.last_refused_deletion = refused[-1][:500]
+        if unlink_errors:
+            path, error = next(iter(unlink_errors.items()))
+            raise OSError(f"freeing segments of shuffle {shuffle_id} could not delete "
+                          f"{len(unlink_errors)} file(s), first {path}: {error}") from error
         return refused
 
     def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta,

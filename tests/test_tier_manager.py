@@ -456,3 +456,44 @@ def test_a_restarted_tier_manager_ignores_a_settlement_of_its_predecessor_s_gran
     assert disk.used_by("s") == 40
     restarted.release_shuffle("s")
     old.release_shuffle("s")
+
+
+def test_freeing_segments_tries_every_file_and_frees_the_bytes_of_those_that_went(
+        tmp_path, monkeypatch):
+    """A segment file that cannot be unlinked fails the call, so the master retries, but
+    no longer stops the batch's other files at the first failure: they are gone and their
+    bytes given back, once; the retry frees only what is left."""
+    import errno
+
+    from hybrid_ray.tiers.disk import DiskTier
+
+    spill = tmp_path / "spill"
+    tm = TierManager("n1", object_store_bytes=0)
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[str(spill)])
+    placements = tm.reserve("s", [100] * 12, register=cfg)
+    writer_disk = DiskTier(cfg.segment_bytes[TierName.DISK], cfg.spill_dirs_for("n1"))
+    metas = [writer_disk.write(SegmentId("s", 0, sub, 0, 0), b"x" * 100, p.grant)
+             for sub, p in enumerate(placements)]
+    tm.settle("s", [(p.grant, 100) for p in placements])
+    disk = tm._tier("s", TierName.DISK)
+    assert disk.used_by("s") == 1200
+    busy = {metas[3].location, metas[8].location}
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if str(path) in busy:
+            raise OSError(errno.EBUSY, "Device or resource busy", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(OSError, match=r"freeing segments of shuffle s could not delete 2 "
+                                      r"file\(s\), first .*Device or resource busy"):
+        tm.free_segments("s", metas)
+    assert sorted(str(p) for p in spill.rglob("*.seg")) == sorted(busy)
+    assert disk.used_by("s") == 200
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert tm.free_segments("s", metas) == []  # the master's retry
+    assert list(spill.rglob("*.seg")) == []
+    assert disk.used_by("s") == 0
+    tm.free_segments("s", metas)  # a retry of a retry gives nothing back twice
+    assert disk.used_by("s") == 0

@@ -571,3 +571,15 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def unlink_all(paths: Sequence[str]) -> dict[str, OSError]:
+    """Unlink every path (already gone counts as unlinked); returns path -> error of those
+    that could not be. One that fails does not stop the others."""
+    errors: dict[str, OSError] = {}
+    for path in paths:
+        try:
+            unlink_quietly(path)
+        except OSError as exc:
+            errors[path] = exc
+    return errors
