@@ -641,3 +641,54 @@ def test_first_calls_follow_only_the_documented_start_up(monkeypatch, tmp_path):
     finally:
         bench.close()
     assert calls == [("init", 4_000_000, True), ("init", 1_000_000, True)]
+
+
+_SCHED = """\
+[000] 10.000: prev_comm=a prev_pid=7 prev_prio=120 prev_state=S ==> next_comm=w next_pid=11 next_prio=120
+[001] 10.000: prev_comm=a prev_pid=8 prev_prio=120 prev_state=S ==> next_comm=r next_pid=12 next_prio=120
+[000] 10.030: prev_comm=w prev_pid=11 prev_prio=120 prev_state=S ==> next_comm=swapper/0 next_pid=0 next_prio=120
+[001] 10.040: prev_comm=r prev_pid=12 prev_prio=120 prev_state=S ==> next_comm=m next_pid=13 next_prio=120
+[000] 10.050: prev_comm=swapper/0 prev_pid=0 prev_prio=120 prev_state=R ==> next_comm=w next_pid=11 next_prio=120
+[001] 10.100: prev_comm=m prev_pid=13 prev_prio=120 prev_state=S ==> next_comm=r next_pid=12 next_prio=120
+[000] 10.100: prev_comm=w prev_pid=11 prev_prio=120 prev_state=S ==> next_comm=swapper/0 next_pid=0 next_prio=120
+"""
+
+
+def test_idle_timeline_finds_when_a_core_idled_and_what_ran_beside_it():
+    """From perf's context switches: each core's runs, the CPU of each role, the idle
+    time per slice (split across slice boundaries) and the idle stretch with what ran on
+    the other core meanwhile."""
+    from benchmarks.idle_timeline import (
+        IDLE, Run, cpu_by_role, idle_line, idle_per_bucket, idle_stretches, parse_switches,
+        runs_of,
+    )
+
+    runs = runs_of(parse_switches(_SCHED + "not a switch line\n"))
+    assert runs == [Run(10.0, 10.03, 0, 11, "w"), Run(10.0, 10.04, 1, 12, "r"),
+                    Run(10.03, 10.05, 0, 0, "swapper/0"), Run(10.05, 10.1, 0, 11, "w"),
+                    Run(10.04, 10.1, 1, 13, "m")]
+    roles = {11: "writer", 12: "reader", 13: "master"}
+
+    def role_of(run):
+        return roles[run.tid]
+
+    by_role = cpu_by_role(runs, 10.0, 10.1, role_of)
+    assert {k: round(v, 6) for k, v in by_role.items()} == {
+        "writer": 0.08, "reader": 0.04, "master": 0.06, IDLE: 0.02}
+    idle = idle_per_bucket(runs, 10.0, 10.1, 0.025)
+    assert [round(x, 6) for x in idle] == [0.0, 0.02, 0.0, 0.0]
+    assert idle_line(idle, 0.025, 2, mark_at=2) == "04|00"
+    [(gap, beside)] = idle_stretches(runs, 10.0, 10.1, 0.002, role_of)
+    assert (gap.cpu, gap.start, gap.end) == (0, 10.03, 10.05)
+    assert {k: round(v, 6) for k, v in beside.items()} == {"reader": 0.01, "master": 0.01}
+    assert idle_stretches(runs, 10.0, 10.1, 0.03, role_of) == []
+
+
+def test_idle_timeline_says_what_is_missing_when_perf_cannot_trace(monkeypatch, capsys):
+    from benchmarks import idle_timeline
+
+    monkeypatch.setattr(idle_timeline.shutil, "which", lambda name: None)
+    assert idle_timeline.main(["--rounds", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "idle_timeline: perf is not installed: install it (Debian: apt-get install "
+        "linux-perf)\n")

@@ -1,0 +1,266 @@
+"""When, within a warm hybrid_ray repartition, the machine's cores sit idle, and what ran
+beside them: the scheduler's own record, not sampled shares.
+
+``cpu_by_process`` says how much of a round the cores were idle (the lifecycle issue's
+goal: at most 5%); this says *when*. It records every context switch on every core with
+``perf record -e sched:sched_switch`` (clock: CLOCK_MONOTONIC, the one ``time.monotonic``
+reads, so the rounds' start and end line up with the switches) around ``--rounds`` warm
+repartitions (memory budget half the data, the rest on disk, as in ``cpu_by_process``),
+and prints for each round:
+
+- the CPU seconds of each role (writers and readers are both ``ShuffleWorkerActor``;
+  threads started after the round are counted by their thread name),
+- the cores' idle time, and per ``--bucket-ms`` slice the idle share in tenths of the
+  cores (``0``: busy, ``9``: all idle), with ``|`` where the map phase ended,
+- the longest idle stretches on one core and what ran on the others meanwhile.
+
+    python -m benchmarks.idle_timeline --size 1 --rounds 3
+
+Found with it (1 GiB, 2 cores, warm rounds of 1.2-1.5 s, 0.22-0.29 core-s idle each): the
+idle is not a tail after the last reducer (the release's unlinks end within a few ms). It
+is 2-4 ms gaps on one core, spread over the whole round, while one worker runs on the
+other (Ray's calls between them), and in some rounds the last map running alone for up to
+a map's time (40-60 ms) while every reducer waits for its output. Splitting the tail maps
+finer (``TAIL_PIECES`` 4) removed the latter and spread about the same idle over the
+reduce phase; threads that ended within a round are shown by their thread name.
+
+Needs Linux ``perf`` with permission to trace every core (root, or
+``kernel.perf_event_paranoid`` at most 0): it says so and exits otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+# One sched_switch line of ``perf script -F cpu,time,trace``.
+_SWITCH = re.compile(r"\[(\d+)\]\s+([\d.]+):\s+prev_comm=(.*?) prev_pid=(\d+) .*?"
+                     r"==> next_comm=(.*?) next_pid=(\d+)")
+# Roles by a process's command line (first match wins), as in cpu_by_process.
+ROLE_MARKS = ("ShuffleWorkerActor", "ShuffleMasterActor", "TierManagerActor", "raylet",
+              "gcs_server", "DashboardAgent")
+IDLE = "idle"
+PERF_WAIT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Thread ``tid`` (0: the core was idle) on core ``cpu`` from ``start`` to ``end``
+    (seconds, CLOCK_MONOTONIC)."""
+
+    start: float
+    end: float
+    cpu: int
+    tid: int
+    comm: str
+
+
+def parse_switches(text: str) -> list[tuple[float, int, int, str]]:
+    """(time, cpu, next tid, next comm) of every sched_switch line, in time order."""
+    out = []
+    for line in text.splitlines():
+        m = _SWITCH.search(line)
+        if m:
+            out.append((float(m[2]), int(m[1]), int(m[6]), m[5]))
+    return sorted(out)
+
+
+def runs_of(switches: Iterable[tuple[float, int, int, str]]) -> list[Run]:
+    """What ran on each core between consecutive switches (a core's first switch only
+    starts its first run: what ran before it is unknown)."""
+    current: dict[int, tuple[float, int, str]] = {}
+    runs = []
+    for t, cpu, tid, comm in switches:
+        if cpu in current:
+            start, prev_tid, prev_comm = current[cpu]
+            runs.append(Run(start, t, cpu, prev_tid, prev_comm))
+        current[cpu] = (t, tid, comm)
+    return runs
+
+
+def overlap(run: Run, start: float, end: float) -> float:
+    return max(0.0, min(run.end, end) - max(run.start, start))
+
+
+def cpu_by_role(runs: Sequence[Run], start: float, end: float,
+                role_of: Callable[[Run], str]) -> collections.Counter[str]:
+    """Seconds of each role (``role_of``; tid 0 is ``IDLE``) between ``start`` and ``end``."""
+    out: collections.Counter[str] = collections.Counter()
+    for run in runs:
+        seconds = overlap(run, start, end)
+        if seconds > 0:
+            out[IDLE if run.tid == 0 else role_of(run)] += seconds
+    return out
+
+
+def idle_per_bucket(runs: Sequence[Run], start: float, end: float,
+                    bucket_s: float) -> list[float]:
+    """Idle core-seconds in each ``bucket_s`` slice from ``start`` to ``end``."""
+    n = max(1, int((end - start) / bucket_s + 0.999999))
+    idle = [0.0] * n
+    for run in runs:
+        if run.tid != 0 or run.end <= start or run.start >= end:
+            continue
+        first = max(0, int((run.start - start) / bucket_s))
+        for k in range(first, min(n, int((run.end - start) / bucket_s) + 1)):
+            idle[k] += overlap(run, start + k * bucket_s, start + (k + 1) * bucket_s)
+    return idle
+
+
+def idle_line(idle: Sequence[float], bucket_s: float, cores: int,
+              mark_at: int | None = None) -> str:
+    """One digit per bucket: its idle share in tenths of ``cores`` (9 caps it), with ``|``
+    before bucket ``mark_at``."""
+    digits = [str(min(9, int(10 * x / (cores * bucket_s)))) for x in idle]
+    if mark_at is not None and 0 <= mark_at <= len(digits):
+        digits.insert(mark_at, "|")
+    return "".join(digits)
+
+
+def idle_stretches(runs: Sequence[Run], start: float, end: float, min_s: float,
+                   role_of: Callable[[Run], str]) -> list[tuple[Run, dict[str, float]]]:
+    """Idle runs of at least ``min_s`` within the window, longest first, each with the
+    seconds each role ran on the other cores meanwhile."""
+    window = [r for r in runs if r.end > start and r.start < end]
+    out = []
+    for gap in window:
+        if gap.tid != 0 or min(gap.end, end) - max(gap.start, start) < min_s:
+            continue
+        beside: collections.Counter[str] = collections.Counter()
+        for other in window:
+            if other.cpu != gap.cpu and other.tid != 0:
+                seconds = overlap(other, gap.start, gap.end)
+                if seconds > 0:
+                    beside[role_of(other)] += seconds
+        out.append((gap, dict(beside.most_common())))
+    return sorted(out, key=lambda x: x[0].start - x[0].end)
+
+
+def thread_roles(proc: str = "/proc") -> dict[int, str]:
+    """tid -> role (``ROLE_MARKS``, else the command's first 40 characters) of every
+    thread alive now."""
+    out = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            tids = os.listdir(os.path.join(proc, name, "task"))
+        except OSError:
+            continue
+        role = next((m for m in ROLE_MARKS if m in cmd), cmd[:40] or "kernel")
+        for tid in tids:
+            out[int(tid)] = role
+    return out
+
+
+def perf_problem() -> str | None:
+    """Why ``perf`` cannot trace every core here, with the fix; None if it can."""
+    if shutil.which("perf") is None:
+        return "perf is not installed: install it (Debian: apt-get install linux-perf)"
+    try:
+        with open("/proc/sys/kernel/perf_event_paranoid") as f:
+            paranoid = int(f.read())
+    except (OSError, ValueError):
+        paranoid = 2
+    if os.geteuid() != 0 and paranoid > 0:
+        return (f"kernel.perf_event_paranoid is {paranoid}: tracing every core needs root "
+                "or `sysctl kernel.perf_event_paranoid=0`")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=float, default=1.0, help="GiB of data (default 1)")
+    p.add_argument("--rounds", type=int, default=3, help="warm rounds traced")
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--bucket-ms", type=float, default=25.0)
+    p.add_argument("--stretches", type=int, default=8, help="longest idle stretches shown")
+    args = p.parse_args(argv)
+    if args.size <= 0 or args.rounds < 1 or args.bucket_ms <= 0:
+        p.error("--size and --bucket-ms must be > 0 and --rounds >= 1")
+    problem = perf_problem()
+    if problem:
+        print(f"idle_timeline: {problem}", file=sys.stderr)
+        return 2
+    import ray
+
+    import hybrid_ray
+    from benchmarks.workloads import generate
+
+    size = int(args.size * (1 << 30))
+    work = tempfile.mkdtemp(prefix="hr-idle-")
+    trace = os.path.join(work, "sched.data")
+    try:
+        ray.init(address="local", num_cpus=args.cpus, include_dashboard=False,
+                 log_to_driver=False)
+        config = hybrid_ray.ShuffleConfig(spill_dirs=[os.path.join(work, "spill")],
+                                          progress=False, memory_capacity_bytes=size // 2)
+        hybrid_ray.init(config)
+        ds = ray.data.from_arrow(generate("gensort", size, 0)).materialize()
+        for _ in range(2):  # warm: the actors' first calls are not what is looked at
+            warmup = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
+            del warmup
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "sched:sched_switch", "-a",
+                                 "-k", "CLOCK_MONOTONIC", "-o", trace],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rounds = []
+        try:
+            time.sleep(1.0)  # perf is tracing by then
+            for _ in range(args.rounds):
+                start = time.monotonic()
+                out = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
+                end = time.monotonic()
+                phases = hybrid_ray.last_report().phases
+                rounds.append((start, end, phases.startup + phases.map))
+                del out
+                time.sleep(0.3)
+        finally:
+            perf.send_signal(signal.SIGINT)
+            perf.wait(timeout=PERF_WAIT_S)
+        roles = thread_roles()  # before the session's processes go
+    finally:
+        ray.shutdown()
+    try:
+        text = subprocess.run(["perf", "script", "-i", trace, "-F", "cpu,time,trace"],
+                              capture_output=True, text=True, check=True,
+                              timeout=600).stdout
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    runs = runs_of(parse_switches(text))
+
+    def role_of(run: Run) -> str:
+        return roles.get(run.tid, f"thread {run.comm}")
+
+    bucket = args.bucket_ms / 1000
+    for i, (start, end, map_end) in enumerate(rounds):
+        wall = end - start
+        by_role = cpu_by_role(runs, start, end, role_of)
+        idle = idle_per_bucket(runs, start, end, bucket)
+        print(f"round {i}: {wall:.3f} s, map phase ended at {map_end:.3f} s; idle "
+              f"{by_role[IDLE]:.3f} core-s ({by_role[IDLE] / (args.cpus * wall):.1%})")
+        for role, seconds in by_role.most_common():
+            if role != IDLE and seconds >= 0.005:
+                print(f"  {seconds:6.3f} {role}")
+        print(f"  idle per {args.bucket_ms:g} ms, tenths of the cores ('|': map end): "
+              + idle_line(idle, bucket, args.cpus, int(map_end / bucket)))
+        for gap, beside in idle_stretches(runs, start, end, 0.002, role_of)[:args.stretches]:
+            print(f"  core {gap.cpu} idle {1000 * (gap.start - start):7.1f}-"
+                  f"{1000 * (gap.end - start):7.1f} ms; beside it: " + ", ".join(
+                      f"{role} {1000 * s:.1f} ms" for role, s in list(beside.items())[:3]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
