@@ -2,27 +2,35 @@
 beside them: the scheduler's own record, not sampled shares.
 
 ``cpu_by_process`` says how much of a round the cores were idle (the lifecycle issue's
-goal: at most 5%); this says *when*. It records every context switch on every core with
-``perf record -e sched:sched_switch`` (clock: CLOCK_MONOTONIC, the one ``time.monotonic``
-reads, so the rounds' start and end line up with the switches) around ``--rounds`` warm
-repartitions (memory budget half the data, the rest on disk, as in ``cpu_by_process``),
-and prints for each round:
+goal: at most 5%); this says *when*. It records every context switch and wakeup on every core with ``perf record -e
+sched:sched_switch -e sched:sched_wakeup`` (clock: CLOCK_MONOTONIC, the one
+``time.monotonic`` reads, so the rounds' start and end line up with the events) around
+``--rounds`` warm repartitions (memory budget half the data, the rest on disk, as in
+``cpu_by_process``), and prints for each round:
 
+- the cores' idle time, and how much of it passed while some thread had been woken (or
+  preempted) within ``WAITING_FRESH_S`` and waited for a busy core: idle the scheduler's
+  placement left, not a lack of work; and how many wakeups while a core idled the
+  scheduler queued on a busy core rather than on the idle one,
 - the CPU seconds of each role (writers and readers are both ``ShuffleWorkerActor``;
-  threads started after the round are counted by their thread name),
-- the cores' idle time, and per ``--bucket-ms`` slice the idle share in tenths of the
-  cores (``0``: busy, ``9``: all idle), with ``|`` where the map phase ended,
+  threads that ended within the round are shown by their thread name),
+- per ``--bucket-ms`` slice the idle share in tenths of the cores (``0``: busy, ``9``:
+  all idle), with ``|`` where the map phase ended,
 - the longest idle stretches on one core and what ran on the others meanwhile.
 
     python -m benchmarks.idle_timeline --size 1 --rounds 3
 
-Found with it (1 GiB, 2 cores, warm rounds of 1.2-1.5 s, 0.22-0.29 core-s idle each): the
-idle is not a tail after the last reducer (the release's unlinks end within a few ms). It
-is 2-4 ms gaps on one core, spread over the whole round, while one worker runs on the
-other (Ray's calls between them), and in some rounds the last map running alone for up to
-a map's time (40-60 ms) while every reducer waits for its output. Splitting the tail maps
-finer (``TAIL_PIECES`` 4) removed the latter and spread about the same idle over the
-reduce phase; threads that ended within a round are shown by their thread name.
+Found with it on 2026-11-27 (1 GiB, 2 cores, warm rounds of 1.2-1.8 s, 0.22-0.29
+core-s idle each): the idle is not a tail after the last reducer (the release's unlinks
+end within a few ms). It is 2-6 ms gaps on one core spread over the round while one
+worker runs on the other, and in some rounds the last map running alone for up to a map's
+time (40-60 ms). In five rounds 0.16-0.20 core-s of it (62-71%) passed while a thread
+woken or preempted within the last 5 ms waited for the busy core, and while a core idled
+the scheduler queued more wakeups on the busy core than on the idle one (523-825 against
+477-721): this VM's guest kernel (booted with ``sched_vcpu_pack=15`` and the haltpoll
+cpuidle driver) leaves a core idle beside runnable work, which no change in hybrid_ray
+can use. Splitting the tail maps finer (``TAIL_PIECES`` 4) removed the lone map and spread
+about the same idle over the reduce phase.
 
 Needs Linux ``perf`` with permission to trace every core (root, or
 ``kernel.perf_event_paranoid`` at most 0): it says so and exits otherwise.
@@ -43,9 +51,16 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-# One sched_switch line of ``perf script -F cpu,time,trace``.
-_SWITCH = re.compile(r"\[(\d+)\]\s+([\d.]+):\s+prev_comm=(.*?) prev_pid=(\d+) .*?"
-                     r"==> next_comm=(.*?) next_pid=(\d+)")
+# One sched_switch or sched_wakeup line of ``perf script -F tid,cpu,time,event,trace``
+# (the event's name and the tid before the core are optional).
+_SWITCH = re.compile(r"\[(\d+)\]\s+([\d.]+):\s+(?:sched:sched_switch:\s+)?prev_comm=(.*?) "
+                     r"prev_pid=(\d+) prev_prio=\d+ prev_state=(\S+) ==> next_comm=(.*?) "
+                     r"next_pid=(\d+)")
+_WAKEUP = re.compile(r"\[(\d+)\]\s+([\d.]+):\s+(?:sched:sched_wakeup:\s+)?comm=(.*?) "
+                     r"pid=(\d+) prio=\d+ target_cpu=(\d+)")
+# A thread woken this recently and not running yet counts as waiting for a core (older
+# wakeups whose switch-in perf did not record must not count for ever).
+WAITING_FRESH_S = 0.005
 # Roles by a process's command line (first match wins), as in cpu_by_process.
 ROLE_MARKS = ("ShuffleWorkerActor", "ShuffleMasterActor", "TierManagerActor", "raylet",
               "gcs_server", "DashboardAgent")
@@ -65,14 +80,104 @@ class Run:
     comm: str
 
 
-def parse_switches(text: str) -> list[tuple[float, int, int, str]]:
-    """(time, cpu, next tid, next comm) of every sched_switch line, in time order."""
-    out = []
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """Core ``cpu`` switched at ``time`` from ``prev_tid`` (still runnable: it was
+    preempted, not asleep) to ``next_tid`` (0: idle)."""
+
+    time: float
+    cpu: int
+    prev_tid: int
+    prev_runnable: bool
+    next_tid: int
+    next_comm: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Wakeup:
+    """Thread ``tid`` became runnable at ``time``, queued on core ``target_cpu``."""
+
+    time: float
+    tid: int
+    target_cpu: int
+
+
+def parse_events(text: str) -> list[Switch | Wakeup]:
+    """The sched_switch and sched_wakeup events of ``perf script`` output, in time order."""
+    out: list[Switch | Wakeup] = []
     for line in text.splitlines():
         m = _SWITCH.search(line)
         if m:
-            out.append((float(m[2]), int(m[1]), int(m[6]), m[5]))
-    return sorted(out)
+            out.append(Switch(float(m[2]), int(m[1]), int(m[4]), m[5].startswith("R"),
+                              int(m[7]), m[6]))
+            continue
+        m = _WAKEUP.search(line)
+        if m:
+            out.append(Wakeup(float(m[2]), int(m[4]), int(m[5])))
+    return sorted(out, key=lambda e: (e.time, e.cpu if isinstance(e, Switch) else -1))
+
+
+def parse_switches(text: str) -> list[tuple[float, int, int, str]]:
+    """(time, cpu, next tid, next comm) of every sched_switch line, in time order."""
+    return [(e.time, e.cpu, e.next_tid, e.next_comm) for e in parse_events(text)
+            if isinstance(e, Switch)]
+
+
+def _waiting_overlap(waiting: dict[int, float], a: float, b: float, idle_cores: int,
+                     fresh_s: float) -> float:
+    """Core-seconds within [a, b] that ``idle_cores`` idle cores could have spent on the
+    threads of ``waiting`` (tid -> since), each counted for ``fresh_s`` after its since."""
+    cuts = sorted({a, b} | {since + fresh_s for since in waiting.values()
+                            if a < since + fresh_s < b})
+    total = 0.0
+    for p, q in zip(cuts, cuts[1:]):
+        fresh = sum(1 for since in waiting.values() if since <= p and since + fresh_s >= q)
+        total += min(idle_cores, fresh) * (q - p)
+    return total
+
+
+def idle_while_waiting(events: Sequence[Switch | Wakeup], start: float, end: float,
+                       fresh_s: float = WAITING_FRESH_S) -> tuple[float, float, int, int]:
+    """(idle core-seconds, those of them while some thread was runnable but not running,
+    wakeups while a core idled placed on a busy core, wakeups placed on an idle one)
+    between ``start`` and ``end``.
+
+    A thread counts as waiting from its wakeup (or its preemption) until it runs, for at
+    most ``fresh_s``. Idle while threads wait is the scheduler's doing, not a lack of
+    work: each idle core there could have run one of them."""
+    on_cpu: dict[int, int] = {}  # core -> tid running (0: idle)
+    waiting: dict[int, float] = {}  # tid -> since when
+    idle = idle_waiting = 0.0
+    to_busy = to_idle = 0
+    last = None
+    for e in events:
+        if e.time > end:
+            break
+        if last is not None and e.time > start:
+            dt = e.time - max(last, start)
+            idle_cores = sum(1 for tid in on_cpu.values() if tid == 0)
+            if dt > 0 and idle_cores:
+                idle += idle_cores * dt
+                idle_waiting += _waiting_overlap(waiting, e.time - dt, e.time, idle_cores,
+                                                 fresh_s)
+            for tid in [t for t, since in waiting.items() if e.time - since >= fresh_s]:
+                del waiting[tid]
+        last = e.time
+        if isinstance(e, Wakeup):
+            if e.tid != 0 and e.tid not in on_cpu.values():
+                waiting.setdefault(e.tid, e.time)
+                idle_cores = [c for c, tid in on_cpu.items() if tid == 0]
+                if idle_cores and e.time >= start:
+                    if e.target_cpu in idle_cores:
+                        to_idle += 1
+                    else:
+                        to_busy += 1
+            continue
+        if e.prev_runnable and e.prev_tid != 0:
+            waiting.setdefault(e.prev_tid, e.time)
+        on_cpu[e.cpu] = e.next_tid
+        waiting.pop(e.next_tid, None)
+    return idle, idle_waiting, to_busy, to_idle
 
 
 def runs_of(switches: Iterable[tuple[float, int, int, str]]) -> list[Run]:
@@ -212,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):  # warm: the actors' first calls are not what is looked at
             warmup = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
             del warmup
-        perf = subprocess.Popen(["perf", "record", "-q", "-e", "sched:sched_switch", "-a",
+        perf = subprocess.Popen(["perf", "record", "-q", "-e", "sched:sched_switch",
+                                 "-e", "sched:sched_wakeup", "-a",
                                  "-k", "CLOCK_MONOTONIC", "-o", trace],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         rounds = []
@@ -233,12 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     try:
-        text = subprocess.run(["perf", "script", "-i", trace, "-F", "cpu,time,trace"],
+        text = subprocess.run(["perf", "script", "-i", trace, "-F",
+                               "tid,cpu,time,event,trace"],
                               capture_output=True, text=True, check=True,
                               timeout=600).stdout
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    runs = runs_of(parse_switches(text))
+    events = parse_events(text)
+    runs = runs_of((e.time, e.cpu, e.next_tid, e.next_comm) for e in events
+                   if isinstance(e, Switch))
 
     def role_of(run: Run) -> str:
         return roles.get(run.tid, f"thread {run.comm}")
@@ -250,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         idle = idle_per_bucket(runs, start, end, bucket)
         print(f"round {i}: {wall:.3f} s, map phase ended at {map_end:.3f} s; idle "
               f"{by_role[IDLE]:.3f} core-s ({by_role[IDLE] / (args.cpus * wall):.1%})")
+        idle_s, waiting_s, to_busy, to_idle = idle_while_waiting(events, start, end)
+        print(f"  of the idle, {waiting_s:.3f} core-s while a woken or preempted thread "
+              f"waited for a busy core; wakeups while a core idled: {to_busy} placed on a "
+              f"busy core, {to_idle} on the idle one")
         for role, seconds in by_role.most_common():
             if role != IDLE and seconds >= 0.005:
                 print(f"  {seconds:6.3f} {role}")

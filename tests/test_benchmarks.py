@@ -648,6 +648,8 @@ _SCHED = """\
 [001] 10.000: prev_comm=a prev_pid=8 prev_prio=120 prev_state=S ==> next_comm=r next_pid=12 next_prio=120
 [000] 10.030: prev_comm=w prev_pid=11 prev_prio=120 prev_state=S ==> next_comm=swapper/0 next_pid=0 next_prio=120
 [001] 10.040: prev_comm=r prev_pid=12 prev_prio=120 prev_state=S ==> next_comm=m next_pid=13 next_prio=120
+[000] 10.031: comm=w pid=11 prio=120 target_cpu=001
+[000] 10.045: comm=w pid=11 prio=120 target_cpu=000
 [000] 10.050: prev_comm=swapper/0 prev_pid=0 prev_prio=120 prev_state=R ==> next_comm=w next_pid=11 next_prio=120
 [001] 10.100: prev_comm=m prev_pid=13 prev_prio=120 prev_state=S ==> next_comm=r next_pid=12 next_prio=120
 [000] 10.100: prev_comm=w prev_pid=11 prev_prio=120 prev_state=S ==> next_comm=swapper/0 next_pid=0 next_prio=120
@@ -682,6 +684,21 @@ def test_idle_timeline_finds_when_a_core_idled_and_what_ran_beside_it():
     assert (gap.cpu, gap.start, gap.end) == (0, 10.03, 10.05)
     assert {k: round(v, 6) for k, v in beside.items()} == {"reader": 0.01, "master": 0.01}
     assert idle_stretches(runs, 10.0, 10.1, 0.03, role_of) == []
+
+
+def test_idle_timeline_counts_the_idle_a_waiting_thread_could_have_used():
+    """Core 0 idles from 10.030 to 10.050. The writer woken at 10.031 is queued on the busy
+    core 1 and counts as waiting for 5 ms (an older wakeup may have lost its switch-in);
+    woken again at 10.045, on the idle core, it waits until it runs at 10.050."""
+    from benchmarks.idle_timeline import Switch, Wakeup, idle_while_waiting, parse_events
+
+    events = parse_events(_SCHED)
+    assert Wakeup(10.031, 11, 1) in events
+    assert Switch(10.1, 1, 13, False, 12, "r") in events
+    idle, waiting, to_busy, to_idle = idle_while_waiting(events, 10.0, 10.1)
+    assert (round(idle, 6), round(waiting, 6), to_busy, to_idle) == (0.02, 0.01, 1, 1)
+    idle, waiting, _, _ = idle_while_waiting(events, 10.0, 10.1, fresh_s=0.1)
+    assert (round(idle, 6), round(waiting, 6)) == (0.02, 0.019)
 
 
 def test_idle_timeline_says_what_is_missing_when_perf_cannot_trace(monkeypatch, capsys):
