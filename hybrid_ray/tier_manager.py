@@ -321,9 +321,11 @@ class TierManager:
         refused = []
         resolved: dict[str, str] = {}  # this call's resolved directories (realpath_cached)
         todo: list[tuple[SegmentMeta, str | None]] = []  # (segment, its file if on disk)
+        in_batch: set[Any] = set()  # a segment listed twice is freed once
         for meta in metas:
-            if meta.tier == TierName.REMOTE or meta.id in freed:
+            if meta.tier == TierName.REMOTE or meta.id in freed or meta.id in in_batch:
                 continue
+            in_batch.add(meta.id)
             location = None
             if meta.tier == TierName.DISK:
                 try:

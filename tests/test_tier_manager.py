@@ -497,3 +497,18 @@ def test_freeing_segments_tries_every_file_and_frees_the_bytes_of_those_that_wen
     assert disk.used_by("s") == 0
     tm.free_segments("s", metas)  # a retry of a retry gives nothing back twice
     assert disk.used_by("s") == 0
+
+
+def test_a_segment_listed_twice_in_one_free_gives_its_bytes_back_once(tmp_path):
+    """Within one batch too: a memory segment listed twice (an abort's list and the
+    master's drop merged) is freed once, so the tier does not under-count its use."""
+    tm = TierManager("n1", object_store_bytes=1000)
+    tm.register_shuffle("s", ShuffleConfig(memory_capacity_bytes=1000))
+    [first, second] = tm.reserve("s", [100, 100])
+    assert {first.grant.tier, second.grant.tier} == {TierName.MEMORY}
+    tm.settle("s", [(first.grant, 100), (second.grant, 100)])
+    memory = tm._tier("s", TierName.MEMORY)
+    assert memory.used_by("s") == 200
+    meta = SegmentMeta(SegmentId("s", 0, 0, 0, 0), TierName.MEMORY, 100, 1, "n1")
+    tm.free_segments("s", [meta, meta])
+    assert memory.used_by("s") == 100
