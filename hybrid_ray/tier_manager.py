@@ -23,7 +23,7 @@ from hybrid_ray.errors import (
 from hybrid_ray.ids import (
     check_id, is_below_resolved, is_inside, realpath_cached, resolved_dir,
 )
-from hybrid_ray.segment import SegmentMeta
+from hybrid_ray.segment import SegmentId, SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
     marked_shuffle_dir_problem, read_segment_file, require_segment_file, unlink_all,
@@ -315,13 +315,15 @@ class TierManager:
         A disk segment whose file this node may not delete (``_deletable_segment_file``)
         is left alone, counted (``usage``) and returned as the refusal's message: retrying
         would never make it ours, so it does not fail the deletion (whose other segments
-        are gone) nor come back to it."""
+        are gone) nor come back to it. A file that cannot be unlinked (EBUSY, EIO) fails
+        the call, so the master retries, after every other file of the batch was tried
+        and the bytes of those that went were given back."""
         registered = shuffle_id in self._shuffles
         freed = self._freed.setdefault(shuffle_id, set()) if registered else set()
         refused = []
         resolved: dict[str, str] = {}  # this call's resolved directories (realpath_cached)
         todo: list[tuple[SegmentMeta, str | None]] = []  # (segment, its file if on disk)
-        in_batch: set[Any] = set()  # a segment listed twice is freed once
+        in_batch: set[SegmentId] = set()  # a segment listed twice is freed once
         for meta in metas:
             if meta.tier == TierName.REMOTE or meta.id in freed or meta.id in in_batch:
                 continue
@@ -351,6 +353,14 @@ class TierManager:
             # until the shuffle's release; DiskTier.delete's literal-prefix check raised
             # for a file _deletable_segment_file had accepted through a symlinked dir).
             freed.add(meta.id)
+        if unlink_errors:
+            # Raised before the refusals are counted: the master's retry refuses them again
+            # and counts them then (once), as before the files were tried all together.
+            path, error = next(iter(unlink_errors.items()))
+            also = f"; {len(refused)} refused: {refused[0]}" if refused else ""
+            raise OSError(f"freeing segments of shuffle {shuffle_id} could not delete "
+                          f"{len(unlink_errors)} file(s), first {path}: {error}{also}"
+                          ) from error
         if not registered and shuffle_id in self._released:
             # A late writer reserved before the release and wrote after it, creating the
             # shuffle's directories (and marker) again: they go with its files.
@@ -359,10 +369,6 @@ class TierManager:
         if refused:
             self.refused_deletions += len(refused)
             self.last_refused_deletion = refused[-1][:500]
-        if unlink_errors:
-            path, error = next(iter(unlink_errors.items()))
-            raise OSError(f"freeing segments of shuffle {shuffle_id} could not delete "
-                          f"{len(unlink_errors)} file(s), first {path}: {error}") from error
         return refused
 
     def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta,

@@ -485,14 +485,19 @@ def test_freeing_segments_tries_every_file_and_frees_the_bytes_of_those_that_wen
             raise OSError(errno.EBUSY, "Device or resource busy", path)
         return real_unlink(path, *args, **kwargs)
 
+    forged = SegmentMeta(SegmentId("s", 0, 99, 0, 0), TierName.DISK, 100, 1, "n1",
+                         str(tmp_path / "not-ours.seg"))  # refused, never deleted
     monkeypatch.setattr(os, "unlink", unlink)
     with pytest.raises(OSError, match=r"freeing segments of shuffle s could not delete 2 "
-                                      r"file\(s\), first .*Device or resource busy"):
-        tm.free_segments("s", metas)
+                                      r"file\(s\), first .*Device or resource busy.*; 1 "
+                                      r"refused: refusing to delete .*not-ours\.seg"):
+        tm.free_segments("s", metas + [forged])
+    assert tm.refused_deletions == 0  # counted by the call that returns the refusal
     assert sorted(str(p) for p in spill.rglob("*.seg")) == sorted(busy)
     assert disk.used_by("s") == 200
     monkeypatch.setattr(os, "unlink", real_unlink)
-    assert tm.free_segments("s", metas) == []  # the master's retry
+    [refusal] = tm.free_segments("s", metas + [forged])  # the master's retry
+    assert "not-ours.seg" in refusal and tm.refused_deletions == 1
     assert list(spill.rglob("*.seg")) == []
     assert disk.used_by("s") == 0
     tm.free_segments("s", metas)  # a retry of a retry gives nothing back twice
