@@ -2,8 +2,8 @@
 beside them: the scheduler's own record, not sampled shares.
 
 ``cpu_by_process`` says how much of a round the cores were idle (the lifecycle issue's
-goal: at most 5%); this says *when*. It records every context switch and wakeup on every core with ``perf record -e
-sched:sched_switch -e sched:sched_wakeup`` (clock: CLOCK_MONOTONIC, the one
+goal: at most 5%); this says *when*. It records every context switch and wakeup on every
+core with ``perf record -e sched:sched_switch -e sched:sched_wakeup`` (clock: CLOCK_MONOTONIC, the one
 ``time.monotonic`` reads, so the rounds' start and end line up with the events) around
 ``--rounds`` warm repartitions (memory budget half the data, the rest on disk, as in
 ``cpu_by_process``), and prints for each round:
@@ -20,17 +20,17 @@ sched:sched_switch -e sched:sched_wakeup`` (clock: CLOCK_MONOTONIC, the one
 
     python -m benchmarks.idle_timeline --size 1 --rounds 3
 
-Found with it on 2026-11-27 (1 GiB, 2 cores, warm rounds of 1.2-1.8 s, 0.22-0.29
+Found with it on 2026-11-27 (1 GiB, 2 cores, warm rounds of 1.2-1.9 s, 0.21-0.32
 core-s idle each): the idle is not a tail after the last reducer (the release's unlinks
 end within a few ms). It is 2-6 ms gaps on one core spread over the round while one
 worker runs on the other, and in some rounds the last map running alone for up to a map's
-time (40-60 ms). In five rounds 0.16-0.20 core-s of it (62-71%) passed while a thread
-woken or preempted within the last 5 ms waited for the busy core, and while a core idled
-the scheduler queued more wakeups on the busy core than on the idle one (523-825 against
-477-721): this VM's guest kernel (booted with ``sched_vcpu_pack=15`` and the haltpoll
-cpuidle driver) leaves a core idle beside runnable work, which no change in hybrid_ray
-can use. Splitting the tail maps finer (``TAIL_PIECES`` 4) removed the lone map and spread
-about the same idle over the reduce phase.
+time (40-60 ms). In five rounds 0.12-0.21 core-s of it (59-70%) passed while a thread
+woken or preempted within the last 5 ms was queued on the busy core, and while a core
+idled the scheduler queued more wakeups on the busy core than on the idle one (617-916
+against 551-753): this VM's guest kernel (booted with ``sched_vcpu_pack=15`` and the
+haltpoll cpuidle driver) leaves a core idle beside runnable work, which no change in
+hybrid_ray can use. Splitting the tail maps finer (``TAIL_PIECES`` 4) removed the lone
+map and spread about the same idle over the reduce phase.
 
 Needs Linux ``perf`` with permission to trace every core (root, or
 ``kernel.perf_event_paranoid`` at most 0): it says so and exits otherwise.
@@ -114,7 +114,8 @@ def parse_events(text: str) -> list[Switch | Wakeup]:
         m = _WAKEUP.search(line)
         if m:
             out.append(Wakeup(float(m[2]), int(m[4]), int(m[5])))
-    return sorted(out, key=lambda e: (e.time, e.cpu if isinstance(e, Switch) else -1))
+    # Stable: events with equal times keep perf's order (it prints them in time order).
+    return sorted(out, key=lambda e: e.time)
 
 
 def parse_switches(text: str) -> list[tuple[float, int, int, str]]:
@@ -123,60 +124,71 @@ def parse_switches(text: str) -> list[tuple[float, int, int, str]]:
             if isinstance(e, Switch)]
 
 
-def _waiting_overlap(waiting: dict[int, float], a: float, b: float, idle_cores: int,
+def _waiting_overlap(since: Sequence[float], a: float, b: float, idle_cores: int,
                      fresh_s: float) -> float:
-    """Core-seconds within [a, b] that ``idle_cores`` idle cores could have spent on the
-    threads of ``waiting`` (tid -> since), each counted for ``fresh_s`` after its since."""
-    cuts = sorted({a, b} | {since + fresh_s for since in waiting.values()
-                            if a < since + fresh_s < b})
+    """Core-seconds within [a, b] that ``idle_cores`` idle cores could have spent on
+    threads waiting since the times ``since``, each counted for ``fresh_s`` after it."""
+    cuts = sorted({a, b} | {t + fresh_s for t in since if a < t + fresh_s < b})
     total = 0.0
     for p, q in zip(cuts, cuts[1:]):
-        fresh = sum(1 for since in waiting.values() if since <= p and since + fresh_s >= q)
+        fresh = sum(1 for t in since if t <= p and t + fresh_s >= q)
         total += min(idle_cores, fresh) * (q - p)
     return total
 
 
 def idle_while_waiting(events: Sequence[Switch | Wakeup], start: float, end: float,
                        fresh_s: float = WAITING_FRESH_S) -> tuple[float, float, int, int]:
-    """(idle core-seconds, those of them while some thread was runnable but not running,
-    wakeups while a core idled placed on a busy core, wakeups placed on an idle one)
+    """(idle core-seconds, those of them while some thread was queued on a busy core,
+    wakeups while a core idled queued on a busy core, wakeups queued on an idle one)
     between ``start`` and ``end``.
 
-    A thread counts as waiting from its wakeup (or its preemption) until it runs, for at
-    most ``fresh_s``. Idle while threads wait is the scheduler's doing, not a lack of
-    work: each idle core there could have run one of them."""
+    A thread waits from its wakeup (on its target core) or its preemption (on the core it
+    ran on) until it runs or sleeps, counted for at most ``fresh_s``. Idle while threads
+    wait behind a busy core is the scheduler's placement, not a lack of work: each idle
+    core could have run one of them. (A thread queued on the idle core itself is not
+    counted: that wait is the idle core's wake-up latency.)"""
     on_cpu: dict[int, int] = {}  # core -> tid running (0: idle)
-    waiting: dict[int, float] = {}  # tid -> since when
+    waiting: dict[int, tuple[float, int]] = {}  # tid -> (since when, core queued on)
     idle = idle_waiting = 0.0
     to_busy = to_idle = 0
-    last = None
+
+    def account(a: float, b: float) -> float:
+        idle_cores = sum(1 for tid in on_cpu.values() if tid == 0)
+        if b <= a or not idle_cores:
+            return 0.0
+        behind_busy = [t for t, cpu in waiting.values() if on_cpu.get(cpu, 0) != 0]
+        nonlocal idle_waiting
+        idle_waiting += _waiting_overlap(behind_busy, a, b, idle_cores, fresh_s)
+        return idle_cores * (b - a)
+
+    last: float | None = None
     for e in events:
         if e.time > end:
             break
         if last is not None and e.time > start:
-            dt = e.time - max(last, start)
-            idle_cores = sum(1 for tid in on_cpu.values() if tid == 0)
-            if dt > 0 and idle_cores:
-                idle += idle_cores * dt
-                idle_waiting += _waiting_overlap(waiting, e.time - dt, e.time, idle_cores,
-                                                 fresh_s)
-            for tid in [t for t, since in waiting.items() if e.time - since >= fresh_s]:
-                del waiting[tid]
+            idle += account(max(last, start), e.time)
+        for tid in [t for t, (since, _) in waiting.items() if e.time - since >= fresh_s]:
+            del waiting[tid]
         last = e.time
         if isinstance(e, Wakeup):
             if e.tid != 0 and e.tid not in on_cpu.values():
-                waiting.setdefault(e.tid, e.time)
-                idle_cores = [c for c, tid in on_cpu.items() if tid == 0]
-                if idle_cores and e.time >= start:
-                    if e.target_cpu in idle_cores:
+                waiting.setdefault(e.tid, (e.time, e.target_cpu))
+                idle_now = [c for c, tid in on_cpu.items() if tid == 0]
+                if idle_now and e.time >= start:
+                    if e.target_cpu in idle_now:
                         to_idle += 1
                     else:
                         to_busy += 1
             continue
-        if e.prev_runnable and e.prev_tid != 0:
-            waiting.setdefault(e.prev_tid, e.time)
+        if e.prev_tid != 0:
+            if e.prev_runnable:
+                waiting.setdefault(e.prev_tid, (e.time, e.cpu))
+            else:
+                waiting.pop(e.prev_tid, None)  # asleep: waits for nothing
         on_cpu[e.cpu] = e.next_tid
         waiting.pop(e.next_tid, None)
+    if last is not None and last < end:  # the window's last stretch, up to its end
+        idle += account(max(last, start), end)
     return idle, idle_waiting, to_busy, to_idle
 
 
@@ -226,7 +238,8 @@ def idle_line(idle: Sequence[float], bucket_s: float, cores: int,
               mark_at: int | None = None) -> str:
     """One digit per bucket: its idle share in tenths of ``cores`` (9 caps it), with ``|``
     before bucket ``mark_at``."""
-    digits = [str(min(9, int(10 * x / (cores * bucket_s)))) for x in idle]
+    # (+1e-9: a slice exactly 30% idle is 2.9999... in floating point)
+    digits = [str(min(9, int(10 * x / (cores * bucket_s) + 1e-9))) for x in idle]
     if mark_at is not None and 0 <= mark_at <= len(digits):
         digits.insert(mark_at, "|")
     return "".join(digits)
@@ -238,9 +251,10 @@ def idle_stretches(runs: Sequence[Run], start: float, end: float, min_s: float,
     seconds each role ran on the other cores meanwhile."""
     window = [r for r in runs if r.end > start and r.start < end]
     out = []
-    for gap in window:
-        if gap.tid != 0 or min(gap.end, end) - max(gap.start, start) < min_s:
+    for run in window:
+        if run.tid != 0 or min(run.end, end) - max(run.start, start) < min_s:
             continue
+        gap = dataclasses.replace(run, start=max(run.start, start), end=min(run.end, end))
         beside: collections.Counter[str] = collections.Counter()
         for other in window:
             if other.cpu != gap.cpu and other.tid != 0:
@@ -268,6 +282,10 @@ def thread_roles(proc: str = "/proc") -> dict[int, str]:
         for tid in tids:
             out[int(tid)] = role
     return out
+
+
+class PerfFailed(Exception):
+    """perf could not record (no tracefs, events unavailable): its own message."""
 
 
 def perf_problem() -> str | None:
@@ -317,13 +335,18 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):  # warm: the actors' first calls are not what is looked at
             warmup = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
             del warmup
+        perf_log = open(os.path.join(work, "perf.log"), "w+")  # noqa: SIM115 - closed below
         perf = subprocess.Popen(["perf", "record", "-q", "-e", "sched:sched_switch",
                                  "-e", "sched:sched_wakeup", "-a",
                                  "-k", "CLOCK_MONOTONIC", "-o", trace],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=perf_log)
         rounds = []
         try:
-            time.sleep(1.0)  # perf is tracing by then
+            time.sleep(1.0)  # perf is tracing by then, or has failed
+            if perf.poll() is not None:
+                perf_log.seek(0)
+                raise PerfFailed(f"perf record ended at once (exit {perf.returncode}): "
+                                 f"{perf_log.read().strip()[:1000]}")
             for _ in range(args.rounds):
                 start = time.monotonic()
                 out = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
@@ -333,13 +356,23 @@ def main(argv: list[str] | None = None) -> int:
                 del out
                 time.sleep(0.3)
         finally:
-            perf.send_signal(signal.SIGINT)
-            perf.wait(timeout=PERF_WAIT_S)
+            if perf.poll() is None:
+                perf.send_signal(signal.SIGINT)
+                try:
+                    perf.wait(timeout=PERF_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    perf.kill()
+                    perf.wait(timeout=PERF_WAIT_S)
+            perf_log.close()
         roles = thread_roles()  # before the session's processes go
+    except PerfFailed as exc:
+        print(f"idle_timeline: {exc}", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+        return 2
     finally:
         ray.shutdown()
     try:
-        text = subprocess.run(["perf", "script", "-i", trace, "-F",
+        text = subprocess.run(["perf", "script", "--ns", "-i", trace, "-F",
                                "tid,cpu,time,event,trace"],
                               capture_output=True, text=True, check=True,
                               timeout=600).stdout
@@ -353,21 +386,22 @@ def main(argv: list[str] | None = None) -> int:
         return roles.get(run.tid, f"thread {run.comm}")
 
     bucket = args.bucket_ms / 1000
+    cores = os.cpu_count() or args.cpus  # perf traced every core of the machine
     for i, (start, end, map_end) in enumerate(rounds):
         wall = end - start
         by_role = cpu_by_role(runs, start, end, role_of)
         idle = idle_per_bucket(runs, start, end, bucket)
         print(f"round {i}: {wall:.3f} s, map phase ended at {map_end:.3f} s; idle "
-              f"{by_role[IDLE]:.3f} core-s ({by_role[IDLE] / (args.cpus * wall):.1%})")
-        idle_s, waiting_s, to_busy, to_idle = idle_while_waiting(events, start, end)
-        print(f"  of the idle, {waiting_s:.3f} core-s while a woken or preempted thread "
-              f"waited for a busy core; wakeups while a core idled: {to_busy} placed on a "
+              f"{by_role[IDLE]:.3f} core-s ({by_role[IDLE] / (cores * wall):.1%})")
+        _, waiting_s, to_busy, to_idle = idle_while_waiting(events, start, end)
+        print(f"  of the idle, {waiting_s:.3f} core-s while a woken or preempted thread was "
+              f"queued on a busy core; wakeups while a core idled: {to_busy} placed on a "
               f"busy core, {to_idle} on the idle one")
         for role, seconds in by_role.most_common():
             if role != IDLE and seconds >= 0.005:
                 print(f"  {seconds:6.3f} {role}")
         print(f"  idle per {args.bucket_ms:g} ms, tenths of the cores ('|': map end): "
-              + idle_line(idle, bucket, args.cpus, int(map_end / bucket)))
+              + idle_line(idle, bucket, cores, int(map_end / bucket)))
         for gap, beside in idle_stretches(runs, start, end, 0.002, role_of)[:args.stretches]:
             print(f"  core {gap.cpu} idle {1000 * (gap.start - start):7.1f}-"
                   f"{1000 * (gap.end - start):7.1f} ms; beside it: " + ", ".join(

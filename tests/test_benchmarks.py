@@ -667,8 +667,8 @@ def test_idle_timeline_finds_when_a_core_idled_and_what_ran_beside_it():
 
     runs = runs_of(parse_switches(_SCHED + "not a switch line\n"))
     assert runs == [Run(10.0, 10.03, 0, 11, "w"), Run(10.0, 10.04, 1, 12, "r"),
-                    Run(10.03, 10.05, 0, 0, "swapper/0"), Run(10.05, 10.1, 0, 11, "w"),
-                    Run(10.04, 10.1, 1, 13, "m")]
+                    Run(10.03, 10.05, 0, 0, "swapper/0"), Run(10.04, 10.1, 1, 13, "m"),
+                    Run(10.05, 10.1, 0, 11, "w")]  # equal times: in perf's order
     roles = {11: "writer", 12: "reader", 13: "master"}
 
     def role_of(run):
@@ -686,19 +686,24 @@ def test_idle_timeline_finds_when_a_core_idled_and_what_ran_beside_it():
     assert idle_stretches(runs, 10.0, 10.1, 0.03, role_of) == []
 
 
-def test_idle_timeline_counts_the_idle_a_waiting_thread_could_have_used():
+def test_idle_timeline_counts_the_idle_a_thread_queued_on_a_busy_core_could_have_used():
     """Core 0 idles from 10.030 to 10.050. The writer woken at 10.031 is queued on the busy
     core 1 and counts as waiting for 5 ms (an older wakeup may have lost its switch-in);
-    woken again at 10.045, on the idle core, it waits until it runs at 10.050."""
+    woken at 10.045 onto the idle core itself it does not count (that wait is the idle
+    core's wake-up latency). Core 0 idles again from 10.100: a window past the last event
+    counts that stretch up to its end."""
     from benchmarks.idle_timeline import Switch, Wakeup, idle_while_waiting, parse_events
 
     events = parse_events(_SCHED)
     assert Wakeup(10.031, 11, 1) in events
     assert Switch(10.1, 1, 13, False, 12, "r") in events
     idle, waiting, to_busy, to_idle = idle_while_waiting(events, 10.0, 10.1)
-    assert (round(idle, 6), round(waiting, 6), to_busy, to_idle) == (0.02, 0.01, 1, 1)
+    assert (round(idle, 6), round(waiting, 6), to_busy, to_idle) == (0.02, 0.005, 1, 1)
+    # Counted until it ran (the wakeup at 10.045 finds it queued on core 1 already).
     idle, waiting, _, _ = idle_while_waiting(events, 10.0, 10.1, fresh_s=0.1)
     assert (round(idle, 6), round(waiting, 6)) == (0.02, 0.019)
+    idle, waiting, _, _ = idle_while_waiting(events, 10.0, 10.12)
+    assert (round(idle, 6), round(waiting, 6)) == (0.04, 0.005)
 
 
 def test_idle_timeline_says_what_is_missing_when_perf_cannot_trace(monkeypatch, capsys):
