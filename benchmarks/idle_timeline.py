@@ -118,12 +118,6 @@ def parse_events(text: str) -> list[Switch | Wakeup]:
     return sorted(out, key=lambda e: e.time)
 
 
-def parse_switches(text: str) -> list[tuple[float, int, int, str]]:
-    """(time, cpu, next tid, next comm) of every sched_switch line, in time order."""
-    return [(e.time, e.cpu, e.next_tid, e.next_comm) for e in parse_events(text)
-            if isinstance(e, Switch)]
-
-
 def _waiting_overlap(since: Sequence[float], a: float, b: float, idle_cores: int,
                      fresh_s: float) -> float:
     """Core-seconds within [a, b] that ``idle_cores`` idle cores could have spent on
@@ -192,16 +186,18 @@ def idle_while_waiting(events: Sequence[Switch | Wakeup], start: float, end: flo
     return idle, idle_waiting, to_busy, to_idle
 
 
-def runs_of(switches: Iterable[tuple[float, int, int, str]]) -> list[Run]:
+def runs_of(events: Iterable[Switch | Wakeup]) -> list[Run]:
     """What ran on each core between consecutive switches (a core's first switch only
-    starts its first run: what ran before it is unknown)."""
+    starts its first run: what ran before it is unknown); wakeups are skipped."""
     current: dict[int, tuple[float, int, str]] = {}
     runs = []
-    for t, cpu, tid, comm in switches:
-        if cpu in current:
-            start, prev_tid, prev_comm = current[cpu]
-            runs.append(Run(start, t, cpu, prev_tid, prev_comm))
-        current[cpu] = (t, tid, comm)
+    for e in events:
+        if not isinstance(e, Switch):
+            continue
+        if e.cpu in current:
+            start, prev_tid, prev_comm = current[e.cpu]
+            runs.append(Run(start, e.time, e.cpu, prev_tid, prev_comm))
+        current[e.cpu] = (e.time, e.next_tid, e.next_comm)
     return runs
 
 
@@ -303,6 +299,65 @@ def perf_problem() -> str | None:
     return None
 
 
+def _trace_rounds(args: argparse.Namespace, work: str
+                  ) -> tuple[str, list[tuple[float, float, float]], dict[int, str]]:
+    """Warm a local Ray and hybrid_ray up, then run ``args.rounds`` repartitions under
+    ``perf record`` (files in ``work``). Returns perf's text, each round's (start, end,
+    map phase end) and the roles of the threads alive after the rounds."""
+    import ray
+
+    import hybrid_ray
+    from benchmarks.workloads import generate
+
+    size = int(args.size * (1 << 30))
+    trace = os.path.join(work, "sched.data")
+    try:
+        ray.init(address="local", num_cpus=args.cpus, include_dashboard=False,
+                 log_to_driver=False)
+        config = hybrid_ray.ShuffleConfig(spill_dirs=[os.path.join(work, "spill")],
+                                          progress=False, memory_capacity_bytes=size // 2)
+        hybrid_ray.init(config)
+        ds = ray.data.from_arrow(generate("gensort", size, 0)).materialize()
+        for _ in range(2):  # warm: the actors' first calls are not what is looked at
+            warmup = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
+            del warmup
+        rounds = []
+        with open(os.path.join(work, "perf.log"), "w+") as perf_log:
+            perf = subprocess.Popen(["perf", "record", "-q", "-e", "sched:sched_switch",
+                                     "-e", "sched:sched_wakeup", "-a",
+                                     "-k", "CLOCK_MONOTONIC", "-o", trace],
+                                    stdout=subprocess.DEVNULL, stderr=perf_log)
+            try:
+                time.sleep(1.0)  # perf is tracing by then, or has failed
+                if perf.poll() is not None:
+                    perf_log.seek(0)
+                    raise PerfFailed(f"perf record ended at once (exit {perf.returncode}): "
+                                     f"{perf_log.read().strip()[:1000]}")
+                for _ in range(args.rounds):
+                    start = time.monotonic()
+                    out = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
+                    end = time.monotonic()
+                    phases = hybrid_ray.last_report().phases
+                    rounds.append((start, end, phases.startup + phases.map))
+                    del out
+                    time.sleep(0.3)
+            finally:
+                if perf.poll() is None:
+                    perf.send_signal(signal.SIGINT)
+                    try:
+                        perf.wait(timeout=PERF_WAIT_S)
+                    except subprocess.TimeoutExpired:
+                        perf.kill()
+                        perf.wait(timeout=PERF_WAIT_S)
+        roles = thread_roles()  # before the session's processes go
+    finally:
+        ray.shutdown()
+    text = subprocess.run(["perf", "script", "--ns", "-i", trace, "-F",
+                           "tid,cpu,time,event,trace"],
+                          capture_output=True, text=True, check=True, timeout=600).stdout
+    return text, rounds, roles
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=float, default=1.0, help="GiB of data (default 1)")
@@ -317,70 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"idle_timeline: {problem}", file=sys.stderr)
         return 2
-    import ray
-
-    import hybrid_ray
-    from benchmarks.workloads import generate
-
-    size = int(args.size * (1 << 30))
     work = tempfile.mkdtemp(prefix="hr-idle-")
-    trace = os.path.join(work, "sched.data")
-    try:
-        ray.init(address="local", num_cpus=args.cpus, include_dashboard=False,
-                 log_to_driver=False)
-        config = hybrid_ray.ShuffleConfig(spill_dirs=[os.path.join(work, "spill")],
-                                          progress=False, memory_capacity_bytes=size // 2)
-        hybrid_ray.init(config)
-        ds = ray.data.from_arrow(generate("gensort", size, 0)).materialize()
-        for _ in range(2):  # warm: the actors' first calls are not what is looked at
-            warmup = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
-            del warmup
-        perf_log = open(os.path.join(work, "perf.log"), "w+")  # noqa: SIM115 - closed below
-        perf = subprocess.Popen(["perf", "record", "-q", "-e", "sched:sched_switch",
-                                 "-e", "sched:sched_wakeup", "-a",
-                                 "-k", "CLOCK_MONOTONIC", "-o", trace],
-                                stdout=subprocess.DEVNULL, stderr=perf_log)
-        rounds = []
-        try:
-            time.sleep(1.0)  # perf is tracing by then, or has failed
-            if perf.poll() is not None:
-                perf_log.seek(0)
-                raise PerfFailed(f"perf record ended at once (exit {perf.returncode}): "
-                                 f"{perf_log.read().strip()[:1000]}")
-            for _ in range(args.rounds):
-                start = time.monotonic()
-                out = hybrid_ray.repartition(ds, 16, keys=["key"], config=config)
-                end = time.monotonic()
-                phases = hybrid_ray.last_report().phases
-                rounds.append((start, end, phases.startup + phases.map))
-                del out
-                time.sleep(0.3)
-        finally:
-            if perf.poll() is None:
-                perf.send_signal(signal.SIGINT)
-                try:
-                    perf.wait(timeout=PERF_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    perf.kill()
-                    perf.wait(timeout=PERF_WAIT_S)
-            perf_log.close()
-        roles = thread_roles()  # before the session's processes go
+    try:  # the work dir goes whatever fails in there (Ray's start, a round, perf)
+        traced = _trace_rounds(args, work)
     except PerfFailed as exc:
         print(f"idle_timeline: {exc}", file=sys.stderr)
-        shutil.rmtree(work, ignore_errors=True)
         return 2
     finally:
-        ray.shutdown()
-    try:
-        text = subprocess.run(["perf", "script", "--ns", "-i", trace, "-F",
-                               "tid,cpu,time,event,trace"],
-                              capture_output=True, text=True, check=True,
-                              timeout=600).stdout
-    finally:
         shutil.rmtree(work, ignore_errors=True)
+    text, rounds, roles = traced
     events = parse_events(text)
-    runs = runs_of((e.time, e.cpu, e.next_tid, e.next_comm) for e in events
-                   if isinstance(e, Switch))
+    runs = runs_of(events)
 
     def role_of(run: Run) -> str:
         return roles.get(run.tid, f"thread {run.comm}")

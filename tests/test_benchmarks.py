@@ -661,11 +661,11 @@ def test_idle_timeline_finds_when_a_core_idled_and_what_ran_beside_it():
     time per slice (split across slice boundaries) and the idle stretch with what ran on
     the other core meanwhile."""
     from benchmarks.idle_timeline import (
-        IDLE, Run, cpu_by_role, idle_line, idle_per_bucket, idle_stretches, parse_switches,
+        IDLE, Run, cpu_by_role, idle_line, idle_per_bucket, idle_stretches, parse_events,
         runs_of,
     )
 
-    runs = runs_of(parse_switches(_SCHED + "not a switch line\n"))
+    runs = runs_of(parse_events(_SCHED + "not a switch line\n"))
     assert runs == [Run(10.0, 10.03, 0, 11, "w"), Run(10.0, 10.04, 1, 12, "r"),
                     Run(10.03, 10.05, 0, 0, "swapper/0"), Run(10.04, 10.1, 1, 13, "m"),
                     Run(10.05, 10.1, 0, 11, "w")]  # equal times: in perf's order
@@ -714,3 +714,27 @@ def test_idle_timeline_says_what_is_missing_when_perf_cannot_trace(monkeypatch, 
     assert capsys.readouterr().err == (
         "idle_timeline: perf is not installed: install it (Debian: apt-get install "
         "linux-perf)\n")
+
+
+def test_idle_timeline_removes_its_work_dir_when_tracing_fails(monkeypatch, capsys, tmp_path):
+    """perf that ends at once (no tracefs, say) is reported with its own message, and the
+    trace directory the tool made goes with the failure (as with any other)."""
+    from benchmarks import idle_timeline
+
+    work = tmp_path / "hr-idle-x"
+
+    def make_dir(prefix):
+        work.mkdir()
+        return str(work)
+
+    def fails(args, directory):
+        (work / "perf.log").write_text("no tracefs")
+        raise idle_timeline.PerfFailed("perf record ended at once (exit 1): no tracefs")
+
+    monkeypatch.setattr(idle_timeline, "perf_problem", lambda: None)
+    monkeypatch.setattr(idle_timeline.tempfile, "mkdtemp", make_dir)
+    monkeypatch.setattr(idle_timeline, "_trace_rounds", fails)
+    assert idle_timeline.main(["--rounds", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "idle_timeline: perf record ended at once (exit 1): no tracefs\n")
+    assert not work.exists()
