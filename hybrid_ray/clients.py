@@ -34,7 +34,7 @@ from hybrid_ray.segment import (
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import map_segment_file
-from hybrid_ray.tiers.memory import MemoryTier
+from hybrid_ray.tiers.memory import MemoryTier, pack_bytes_for
 from hybrid_ray.tiers.remote import RemoteTier
 
 # Compression that does not pay is switched off for a while (Arrow's IPC writer would only
@@ -392,13 +392,16 @@ class WriteClient:
                       granted: set[int]) -> None:
         """Write each piece where it was placed; ``granted`` loses each index whose grant
         went into ``_unsettled``."""
-        # Memory-tier segments go to the node's object store in one round trip.
+        # Memory-tier segments go to the node's object store in one round trip, packed
+        # into shared objects where their readers are on this node (``pack_bytes_for``).
         metas: dict[int, SegmentMeta] = {}
         in_memory = [i for i, p in enumerate(placements)
                      if p.grant is not None and p.grant.tier == TierName.MEMORY]
         if in_memory:
+            pack_bytes = pack_bytes_for(self.config.memory_pack_bytes) \
+                if len(in_memory) > 1 else 0
             written = self.io_tiers[TierName.MEMORY].write_many(
-                [(sids[i], payloads[i]) for i in in_memory], self.node_id)
+                [(sids[i], payloads[i]) for i in in_memory], self.node_id, pack_bytes)
             for i, meta in zip(in_memory, written):
                 self._unsettled.append((placements[i].grant, len(payloads[i])))
                 granted.discard(i)

@@ -199,6 +199,12 @@ class ShuffleConfig:
             seconds fails with ``ShuffleStalledError`` (its data removed, the stuck
             worker processes restarted) instead of waiting forever. Raise it for maps or
             reducers that legitimately take longer (very large blocks, a slow store).
+        memory_pack_bytes: a writer puts the memory-tier segments of one flush (one per
+            subpartition) into shared objects of at most this many bytes: one object-store
+            create and seal per pack, not per segment. A reader on another node pulls a
+            segment's whole pack, so None (the default) packs up to 64 MiB while the
+            cluster has one node and not at all on more (``hybrid_ray.tiers.memory.
+            pack_bytes_for``); 0 never packs.
         remote_transfers: remote-tier transfers each writer or reader process keeps in
             flight while it goes on partitioning or decoding (an object store's latency
             and per-connection bandwidth are hidden by concurrency). A writer holds at most
@@ -228,6 +234,7 @@ class ShuffleConfig:
     max_concurrent_reducers: int | None = None
     map_chunk_bytes: int = 32 * MiB
     remote_transfers: int = 4
+    memory_pack_bytes: int | None = None
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -257,6 +264,13 @@ class ShuffleConfig:
         # per row, a shuffle that ran for hours or stalled.
         _require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES)
         _require_count("remote_transfers", self.remote_transfers)
+        if self.memory_pack_bytes is not None:
+            _require_bytes("memory_pack_bytes", self.memory_pack_bytes)
+            if self.memory_pack_bytes > GiB:
+                raise ConfigError(
+                    f"memory_pack_bytes must be at most 1 GiB ({GiB} bytes), got "
+                    f"{self.memory_pack_bytes!r}: a reader fetches a segment's whole pack "
+                    "(0 turns packing off, None packs on single-node clusters)")
         _require_number("stall_timeout_s", self.stall_timeout_s, 1.0, float("inf"), False)
         _require_at_most("stall_timeout_s", self.stall_timeout_s, MAX_DURATION_S,
                          "Ray's timeouts overflow beyond it")

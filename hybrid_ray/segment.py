@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -115,13 +115,35 @@ def identity_digest(segment: SegmentId) -> int:
     return _checksum(text.encode("utf-8", "surrogatepass"))
 
 
+class PackSlot(NamedTuple):
+    """Where a memory-tier segment sits in an object it shares with others of its batch.
+
+    A writer puts the memory-tier segments of one batch (a map's flush: one per
+    subpartition) as one object, a list of their payloads, instead of one object each: each
+    object costs the node's object store a create and a seal round trip (0.7 ms of raylet
+    CPU per object here, and the writer waits for both), whatever its size (see
+    ``hybrid_ray.tiers.memory``). The object stays in the store until every member is freed,
+    so a pack is known by its first member (``lead_subpartition``, ``lead_index``; the map
+    and attempt are every member's) and counts ``members``: the node's tier manager gives the
+    pack's bytes back once all of them were freed. ``position`` is this segment's place in
+    the list.
+    """
+
+    lead_subpartition: int
+    lead_index: int
+    members: int
+    position: int
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentMeta:
     """Where a committed segment lives and how big it is.
 
     ``location`` is the file path (disk tier, on ``node_id``) or the full remote URL path
     (remote tier). For the memory tier ``object_ref`` is a one-element list holding the
-    Ray ObjectRef: wrapping it keeps Ray from resolving it when the meta is passed around.
+    Ray ObjectRef: wrapping it keeps Ray from resolving it when the meta is passed around;
+    ``pack`` says where the segment is in an object shared with others (None: the object
+    is the segment's alone).
     """
 
     id: SegmentId
@@ -131,6 +153,7 @@ class SegmentMeta:
     node_id: str = ""
     location: str = ""
     object_ref: list[Any] | None = None
+    pack: PackSlot | None = None
 
     def __reduce__(self) -> tuple[Any, tuple]:
         # Segment metadata crosses processes in bulk (a map's commit, every poll answer, the
@@ -141,7 +164,8 @@ class SegmentMeta:
         i = self.id
         return _segment_meta, (i.shuffle_id, i.map_partition, i.subpartition, i.index,
                                i.attempt, i.job_id, self.tier.value, self.nbytes,
-                               self.num_rows, self.node_id, self.location, self.object_ref)
+                               self.num_rows, self.node_id, self.location, self.object_ref,
+                               None if self.pack is None else tuple(self.pack))
 
     def without_object_ref(self) -> "SegmentMeta":
         """This meta without its ObjectRef, for a process that only needs to know what to
@@ -154,11 +178,12 @@ class SegmentMeta:
 
 def _segment_meta(shuffle_id: str, map_partition: int, subpartition: int, index: int,
                   attempt: int, job_id: str, tier: str, nbytes: int, num_rows: int,
-                  node_id: str, location: str, object_ref: list[Any] | None) -> SegmentMeta:
+                  node_id: str, location: str, object_ref: list[Any] | None,
+                  pack: tuple[int, int, int, int] | None = None) -> SegmentMeta:
     """Rebuild a ``SegmentMeta`` pickled by ``SegmentMeta.__reduce__``."""
     return SegmentMeta(SegmentId(shuffle_id, map_partition, subpartition, index, attempt,
                                  job_id), TierName(tier), nbytes, num_rows, node_id, location,
-                       object_ref)
+                       object_ref, None if pack is None else PackSlot(*pack))
 
 
 class ScratchArena:

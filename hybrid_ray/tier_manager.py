@@ -107,6 +107,12 @@ class TierManager:
         # writer's abort and again when the master drops the attempt; space must come
         # back once, or the tier under-counts and overshoots its budget.
         self._freed: dict[str, set[Any]] = {}
+        # Memory-tier packs (``PackSlot``) some of whose members were freed, per shuffle:
+        # (map, attempt, lead subpartition, lead index) -> [members left, their bytes
+        # freed]. A pack's object stays in the store until its last member goes, so its
+        # bytes stay counted until then (given back per member, the budget would believe in
+        # room the store does not have).
+        self._open_packs: dict[str, dict[tuple[int, int, int, int], list[int]]] = {}
         # Shuffles released here -> when (monotonic), oldest first, the last RELEASED_MEMORY:
         # a map that began just before its shuffle was released must not register it again
         # (its space would stay counted, its quota taken, for good), and the recent ones are
@@ -347,7 +353,10 @@ class TierManager:
                 tier = self._tier(shuffle_id, meta.tier)
                 if meta.tier != TierName.DISK:  # (a disk file is gone already: unlinked above)
                     tier.delete(meta)
-                tier.free(shuffle_id, meta.nbytes)
+                nbytes = self._pack_bytes_gone(shuffle_id, meta) \
+                    if meta.tier == TierName.MEMORY and meta.pack is not None else meta.nbytes
+                if nbytes:
+                    tier.free(shuffle_id, nbytes)
             # Marked freed last: a deletion that raised before its bytes were freed is
             # done again by the master's retry (it was skipped as done, its bytes counted
             # until the shuffle's release; DiskTier.delete's literal-prefix check raised
@@ -370,6 +379,23 @@ class TierManager:
             self.refused_deletions += len(refused)
             self.last_refused_deletion = refused[-1][:500]
         return refused
+
+    def _pack_bytes_gone(self, shuffle_id: str, meta: SegmentMeta) -> int:
+        """A packed memory-tier segment of ``shuffle_id`` is freed (once: see ``_freed``):
+        the bytes of its whole pack once it was the last member, else 0."""
+        slot = meta.pack
+        key = (meta.id.map_partition, meta.id.attempt, slot.lead_subpartition,
+               slot.lead_index)
+        packs = self._open_packs.setdefault(shuffle_id, {})
+        left_and_bytes = packs.setdefault(key, [slot.members, 0])
+        left_and_bytes[0] -= 1
+        left_and_bytes[1] += meta.nbytes
+        if left_and_bytes[0] > 0:
+            return 0
+        del packs[key]
+        if not packs:
+            del self._open_packs[shuffle_id]
+        return left_and_bytes[1]
 
     def _deletable_segment_file(self, shuffle_id: str, meta: SegmentMeta,
                                 resolved_dirs: dict[str, str] | None = None) -> str:
@@ -442,6 +468,7 @@ class TierManager:
         info = self._shuffles.pop(shuffle_id, None)
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)
+        self._open_packs.pop(shuffle_id, None)
         self._released[shuffle_id] = time.monotonic()
         self._released.move_to_end(shuffle_id)
         while len(self._released) > RELEASED_MEMORY:

@@ -758,3 +758,32 @@ def test_a_memory_batch_that_times_out_is_a_stall_naming_the_fix(ray_local, tmp_
     with pytest.raises(ShuffleStalledError, match=r"3 memory-tier segment\(s\).*ray status"):
         next(ReadClient(io).read_in_order(metas))
     tm.release_shuffle(shuffle)
+
+
+@pytest.mark.parametrize("pack_bytes", [None, 0])
+def test_a_flush_s_memory_segments_share_one_object_freed_with_its_last_member(
+        ray_local, tmp_path, pack_bytes):
+    """On one node (``memory_pack_bytes=None``) a map's flush puts its memory-tier
+    segments as one object: read back exact, and its bytes counted until every member
+    is freed. ``memory_pack_bytes=0``: one object per segment, freed one by one."""
+    cfg = ShuffleConfig(memory_capacity_bytes=64 * MiB, spill_dirs=[str(tmp_path / "spill")],
+                        memory_pack_bytes=pack_bytes)
+    tm = TierManager("node-a", 0)
+    shuffle = f"pk-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=4)
+    table = random_table(20_000, seed=3)
+    parts = np.asarray(table["k"]) % 4
+    client.write_many((s, table.filter(pa.array(parts == s))) for s in range(4))
+    metas = client.close()
+    assert [m.tier for m in metas] == [TierName.MEMORY] * 4
+    objects = {m.object_ref[0] for m in metas}
+    assert len(objects) == (1 if pack_bytes is None else 4)
+    assert row_fingerprint(ReadClient(io).read_segments(metas)) == row_fingerprint([table])
+    memory = tm._tier(shuffle, TierName.MEMORY)
+    total = sum(m.nbytes for m in metas)
+    assert memory.used_by(shuffle) == total
+    tm.free_segments(shuffle, metas[1:])
+    assert memory.used_by(shuffle) == (total if pack_bytes is None else metas[0].nbytes)
+    tm.free_segments(shuffle, metas[:1])
+    assert memory.used_by(shuffle) == 0
+    tm.release_shuffle(shuffle)

@@ -35,6 +35,11 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("memory_weight", 0, "memory_weight"),
     ("job_id", "a/b", "job_id"),
     ("remote_transfers", 0, "remote_transfers must be an integer >= 1"),
+    ("memory_pack_bytes", -1, "memory_pack_bytes must be an integer number of bytes >= 0"),
+    ("memory_pack_bytes", 2.0, "memory_pack_bytes must be an integer number of bytes"),
+    ("memory_pack_bytes", 2 << 30, "memory_pack_bytes must be at most 1 GiB (1073741824 "
+                                   "bytes), got 2147483648: a reader fetches a segment's "
+                                   "whole pack"),
     ("max_concurrent_reducers", 2.5, "max_concurrent_reducers must be an integer >= 1"),
     ("stall_timeout_s", 0.5, "stall_timeout_s must be in [1.0, inf)"),
     ("stall_timeout_s", float("inf"), "stall_timeout_s must be in [1.0, inf)"),

@@ -517,3 +517,45 @@ def test_a_segment_listed_twice_in_one_free_gives_its_bytes_back_once(tmp_path):
     meta = SegmentMeta(SegmentId("s", 0, 0, 0, 0), TierName.MEMORY, 100, 1, "n1")
     tm.free_segments("s", [meta, meta])
     assert memory.used_by("s") == 100
+
+
+def test_a_pack_s_bytes_come_back_when_its_last_member_is_freed(tmp_path):
+    """Memory-tier segments packed into one object (``PackSlot``) leave the store only
+    when the last member is freed: their bytes stay counted until then, once, however the
+    members' frees are split and repeated. (Freed per member, the budget believed in room
+    the object store did not have.)"""
+    from hybrid_ray.segment import PackSlot
+
+    tm = TierManager("n1", object_store_bytes=10_000)
+    tm.register_shuffle("s", ShuffleConfig(memory_capacity_bytes=10_000))
+    sizes = [100, 200, 300, 400]
+    grants = [p.grant for p in tm.reserve("s", sizes + [50])]
+    assert {g.tier for g in grants} == {TierName.MEMORY}
+    tm.settle("s", [(g, n) for g, n in zip(grants, sizes + [50])])
+    memory = tm._tier("s", TierName.MEMORY)
+    assert memory.used_by("s") == 1050
+    # Map 3 attempt 1's flush: subpartitions 4..7 as one pack led by (4, 2).
+    pack = [SegmentMeta(SegmentId("s", 3, 4 + k, 2, 1), TierName.MEMORY, n, 1, "n1",
+                        pack=PackSlot(4, 2, 4, k)) for k, n in enumerate(sizes)]
+    alone = SegmentMeta(SegmentId("s", 3, 9, 0, 1), TierName.MEMORY, 50, 1, "n1")
+    tm.free_segments("s", [pack[0], alone])
+    assert memory.used_by("s") == 1000  # the segment alone went; the pack stays whole
+    tm.free_segments("s", [pack[2], pack[0]])  # pack[0] again: counted once
+    assert memory.used_by("s") == 1000
+    tm.free_segments("s", [pack[1], pack[3]])
+    assert memory.used_by("s") == 0
+    assert tm._open_packs == {}
+
+
+def test_a_released_shuffle_s_half_freed_packs_are_forgotten(tmp_path):
+    from hybrid_ray.segment import PackSlot
+
+    tm = TierManager("n1", object_store_bytes=10_000)
+    tm.register_shuffle("s", ShuffleConfig(memory_capacity_bytes=10_000))
+    [placement] = tm.reserve("s", [100])
+    tm.settle("s", [(placement.grant, 100)])
+    tm.free_segments("s", [SegmentMeta(SegmentId("s", 0, 0, 0), TierName.MEMORY, 100, 1,
+                                       "n1", pack=PackSlot(0, 0, 2, 0))])
+    assert tm.memory.used_by("s") == 100 and "s" in tm._open_packs
+    tm.release_shuffle("s")
+    assert tm.memory.used_by("s") == 0 and tm._open_packs == {}

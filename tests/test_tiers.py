@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import time
@@ -154,6 +155,65 @@ class TestMemoryTier(TierConformance):
         ray.get(writer.remote(owner))
         assert bytes(MemoryTier(MiB, 0).read(meta)) == payload
 
+
+    def test_a_flush_s_segments_share_objects_up_to_the_pack_bound(self, tier):
+        """``pack_bytes``: consecutive segments go into shared objects of at most that
+        many bytes (a larger one alone); each reads back as itself, alone or in a batch."""
+        items = []
+        for k in range(5):
+            sid = SegmentId("pk", 1, k, 0)
+            items.append((sid, _payload(k, sid, rows=1000 * (1 + (k == 3) * 5))[1]))
+        sizes = [len(p) for _, p in items]
+        bound = sizes[0] + sizes[1] + sizes[2]
+        assert sizes[3] > bound > sizes[4]
+        metas = tier.write_many(items, "n" * 56, pack_bytes=bound)
+        refs = [m.object_ref[0] for m in metas]
+        assert refs[0] == refs[1] == refs[2] and len({refs[0], refs[3], refs[4]}) == 3
+        assert [m.pack for m in metas] == [(0, 0, 3, 0), (0, 0, 3, 1), (0, 0, 3, 2),
+                                           None, None]
+        assert [m.nbytes for m in metas] == sizes
+        for meta, (_, payload) in zip(metas, items):
+            assert bytes(tier.read(meta)) == payload
+        order = [4, 2, 0, 3, 1, 2]
+        got = tier.read_many([metas[i] for i in order])
+        assert [bytes(g) for g in got] == [items[i][1] for i in order]
+        unpacked = tier.write_many(items[:3], "n" * 56, pack_bytes=0)
+        assert len({m.object_ref[0] for m in unpacked}) == 3
+        assert all(m.pack is None for m in unpacked)
+
+    def test_a_packed_segment_whose_object_is_not_its_pack_is_corrupt(self, tier, ray_local):
+        """A meta whose ref names some other object (one segment, or a pack of another
+        size) must not hand over that object's bytes as the segment's."""
+        from hybrid_ray.segment import PackSlot
+
+        sid = SegmentId("pk", 0, 0, 0)
+        [alone] = tier.write_many([(sid, _payload(1, sid)[1])], "n1")
+        as_member = dataclasses.replace(alone, pack=PackSlot(0, 0, 2, 1))
+        with pytest.raises(CorruptSegmentError, match=r"should be member 1 of a pack of 2 "
+                                                      r"in the memory tier of node n1, but "
+                                                      r"its object holds ndarray"):
+            tier.read(as_member)
+        three = [(SegmentId("pk", 0, k, 1), _payload(k, SegmentId("pk", 0, k, 1))[1])
+                 for k in range(3)]
+        packed = tier.write_many(three, "n1", pack_bytes=64 * MiB)
+        wrong = dataclasses.replace(packed[0], pack=PackSlot(0, 1, 2, 0))
+        with pytest.raises(CorruptSegmentError, match="holds a list of 3"):
+            tier.read_many([packed[1], wrong])
+
+    def test_packing_is_automatic_on_one_node_only(self, ray_local, monkeypatch):
+        import hybrid_ray.tiers.memory as memory_mod
+
+        monkeypatch.setattr(memory_mod, "_node_count_cache", [])
+        assert memory_mod.pack_bytes_for(None) == memory_mod.AUTO_PACK_BYTES  # local Ray
+        assert memory_mod.pack_bytes_for(0) == 0 and memory_mod.pack_bytes_for(5) == 5
+        alive = [{"Alive": True}, {"Alive": False}]
+        monkeypatch.setattr(memory_mod.ray, "nodes", lambda: alive)
+        assert memory_mod.pack_bytes_for(None) == memory_mod.AUTO_PACK_BYTES  # cached
+        monkeypatch.setattr(memory_mod, "_node_count_cache", [])
+        assert memory_mod.pack_bytes_for(None) == memory_mod.AUTO_PACK_BYTES  # one alive
+        alive.append({"Alive": True})
+        monkeypatch.setattr(memory_mod, "_node_count_cache", [])
+        assert memory_mod.pack_bytes_for(None) == 0
 
     def test_a_segment_that_never_arrives_fails_the_read_within_its_bound(
             self, ray_local, monkeypatch):

@@ -7,6 +7,7 @@ tier-manager actor own them (``owner``), which puts them itself (see ``put_many_
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +15,8 @@ import numpy as np
 import ray
 
 from hybrid_ray.config import TierName
-from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError
-from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
+from hybrid_ray.errors import CorruptSegmentError, SegmentNotFoundError, ShuffleStalledError
+from hybrid_ray.segment import PackSlot, SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
 
 # How long a reader waits for one memory-tier segment (a pull from another node included):
@@ -68,25 +69,39 @@ class MemoryTier(Tier):
               node_id: str = "") -> SegmentMeta:
         return self.write_many([(segment, payload)], node_id)[0]
 
-    def write_many(self, items: Sequence[tuple[SegmentId, bytes]],
-                   node_id: str = "") -> list[SegmentMeta]:
-        """Store several granted segments with one round trip to the owner."""
-        # A numpy array is stored out-of-band, so readers on the node get a zero-copy view.
+    def write_many(self, items: Sequence[tuple[SegmentId, bytes]], node_id: str = "",
+                   pack_bytes: int = 0) -> list[SegmentMeta]:
+        """Store several granted segments with one round trip to the owner.
+
+        ``pack_bytes`` > 0: consecutive segments go into shared objects (``PackSlot``) of
+        at most that many bytes each (a larger segment alone): one object-store create and
+        seal per pack instead of per segment. Readers on the writer's node read a member
+        zero-copy, but one on another node pulls the whole pack, so packing is for
+        segments read where they are written (``pack_bytes_for``)."""
+        # A numpy array is stored out-of-band, so readers on the node get a zero-copy view;
+        # a list of them is one object holding each as its own out-of-band buffer.
         arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in items]
-        refs = put_many_owned_by(self.owner, arrays)
+        groups = pack_groups([len(a) for a in arrays], pack_bytes)
+        refs = put_many_owned_by(self.owner, [arrays[g[0]] if len(g) == 1
+                                              else [arrays[i] for i in g] for g in groups])
         metas = []
-        for (segment, payload), ref in zip(items, refs):
-            self._refs[segment] = ref
-            metas.append(SegmentMeta(segment, self.name, len(payload),
-                                     segment_num_rows(payload), node_id=node_id,
-                                     object_ref=[ref]))
+        for group, ref in zip(groups, refs):
+            lead = items[group[0]][0]
+            for position, i in enumerate(group):
+                segment, payload = items[i]
+                self._refs[segment] = ref
+                slot = None if len(group) == 1 else PackSlot(
+                    lead.subpartition, lead.index, len(group), position)
+                metas.append(SegmentMeta(segment, self.name, len(payload),
+                                         segment_num_rows(payload), node_id=node_id,
+                                         object_ref=[ref], pack=slot))
         return metas
 
     def read(self, meta: SegmentMeta) -> Any:
         if not meta.object_ref:
             raise SegmentNotFoundError(f"{meta.id} has no object reference in the memory tier")
         try:
-            return ray.get(meta.object_ref[0], timeout=READ_TIMEOUT_S)
+            return _member(meta, ray.get(meta.object_ref[0], timeout=READ_TIMEOUT_S))
         except ray.exceptions.GetTimeoutError as exc:
             # A pull from a node that stopped answering but was not declared dead: every
             # other wait of a reader is bounded; this one waited forever.
@@ -109,13 +124,18 @@ class MemoryTier(Tier):
         with ``read`` to find out and get its error)."""
         if not all(meta.object_ref for meta in metas):
             raise SegmentNotFoundError("a segment has no object reference in the memory tier")
+        # Members of one pack share a ref: each object is fetched (and deserialized) once.
+        unique: dict[ray.ObjectRef, int] = {}
+        for meta in metas:
+            unique.setdefault(meta.object_ref[0], len(unique))
         try:
-            return ray.get([meta.object_ref[0] for meta in metas], timeout=READ_TIMEOUT_S)
+            objects = ray.get(list(unique), timeout=READ_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as exc:  # as in read: every wait is bounded
             raise ShuffleStalledError(
                 f"{len(metas)} memory-tier segment(s) from {metas[0].id} on could not be "
                 f"fetched within {READ_TIMEOUT_S:g} s: a node or its object store stopped "
                 "answering; check the nodes' health (ray status)") from exc
+        return [_member(meta, objects[unique[meta.object_ref[0]]]) for meta in metas]
 
     def has(self, segment: SegmentId) -> bool:
         return segment in self._refs
@@ -127,6 +147,61 @@ class MemoryTier(Tier):
         for sid in [s for s in self._refs if s.shuffle_id == shuffle_id]:
             del self._refs[sid]
         self._quotas.pop(shuffle_id, None)
+
+
+def _member(meta: SegmentMeta, stored: Any) -> Any:
+    """Segment ``meta``'s payload out of its object as read (``stored``): the object
+    itself, or its member at ``meta.pack.position``. A pack that is not a list of the
+    member count (a ref swapped with another object's) is a ``CorruptSegmentError``, as
+    a swapped segment file is: nothing else of it is handed over."""
+    if meta.pack is None:
+        return stored
+    if not isinstance(stored, list) or len(stored) != meta.pack.members \
+            or not 0 <= meta.pack.position < len(stored):
+        got = f"a list of {len(stored)}" if isinstance(stored, list) else type(stored).__name__
+        raise CorruptSegmentError(
+            f"{meta.id} should be member {meta.pack.position} of a pack of "
+            f"{meta.pack.members} in the memory tier of node {meta.node_id}, but its object "
+            f"holds {got}")
+    return stored[meta.pack.position]
+
+
+def pack_groups(sizes: Sequence[int], pack_bytes: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` in groups whose sizes sum to at most
+    ``pack_bytes`` (a larger one alone); ``pack_bytes <= 0``: every index alone."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not groups or pack_bytes <= 0 or total + size > pack_bytes:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+# Packs of at most this many bytes where packing is automatic (``pack_bytes_for``): a
+# map's flush of 16 subpartitions of 4 MiB segments is one object.
+AUTO_PACK_BYTES = 64 * 1024 * 1024
+# How long a process trusts its last count of the cluster's nodes (``pack_bytes_for``).
+NODE_COUNT_TTL_S = 30.0
+_node_count_cache: list[float] = []  # [count, when] (monotonic)
+
+
+def pack_bytes_for(configured: int | None) -> int:
+    """The pack bound a writer uses: ``ShuffleConfig.memory_pack_bytes``, or where that is
+    None (automatic) ``AUTO_PACK_BYTES`` while the cluster has one node and 0 (no packing)
+    when it has more. A reader on another node pulls a member's whole pack: across N nodes
+    packing would multiply the bytes sent between them by up to N. The count is the one
+    seen within the last ``NODE_COUNT_TTL_S`` (a node that joins meanwhile only makes its
+    readers pull more)."""
+    if configured is not None:
+        return configured
+    now = time.monotonic()
+    if not _node_count_cache or now - _node_count_cache[1] > NODE_COUNT_TTL_S:
+        alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        _node_count_cache[:] = [alive, now]
+    return AUTO_PACK_BYTES if _node_count_cache[0] <= 1 else 0
 
 
 def put_many_owned_by(owner: Any, values: Sequence[Any]) -> list[ray.ObjectRef]:
