@@ -34,7 +34,7 @@ from hybrid_ray.segment import (
 from hybrid_ray.tier_manager import Placement
 from hybrid_ray.tiers import Grant, Tier
 from hybrid_ray.tiers.disk import map_segment_file
-from hybrid_ray.tiers.memory import MemoryTier, pack_bytes_for
+from hybrid_ray.tiers.memory import MemoryTier, pack_bytes_for, pack_members_for
 from hybrid_ray.tiers.remote import RemoteTier
 
 # Compression that does not pay is switched off for a while (Arrow's IPC writer would only
@@ -398,10 +398,12 @@ class WriteClient:
         in_memory = [i for i, p in enumerate(placements)
                      if p.grant is not None and p.grant.tier == TierName.MEMORY]
         if in_memory:
+            members = pack_members_for(self.num_subpartitions)
             pack_bytes = pack_bytes_for(self.config.memory_pack_bytes) \
-                if len(in_memory) > 1 else 0
+                if len(in_memory) > 1 and members > 1 else 0
             written = self.io_tiers[TierName.MEMORY].write_many(
-                [(sids[i], payloads[i]) for i in in_memory], self.node_id, pack_bytes)
+                [(sids[i], payloads[i]) for i in in_memory], self.node_id, pack_bytes,
+                members)
             for i, meta in zip(in_memory, written):
                 self._unsettled.append((placements[i].grant, len(payloads[i])))
                 granted.discard(i)
@@ -544,14 +546,22 @@ class MemoryBatches:
 
     def _get_batch(self, first: int) -> None:
         indices, nbytes = [], 0
+        objects: set[Any] = set()  # refs in this batch already
         i = first
         while i < len(self._metas) and len(indices) < MEMORY_BATCH_SEGMENTS:
             meta = self._metas[i]
             if meta.tier == TierName.MEMORY:
-                if indices and nbytes + meta.nbytes > MEMORY_BATCH_BYTES:
+                # What the get pins: a packed member's whole object (estimated from its
+                # member count; pulled whole from another node), counted once.
+                ref = meta.object_ref[0] if meta.object_ref else None
+                pinned = 0 if ref is not None and ref in objects else \
+                    meta.nbytes * (meta.pack.members if meta.pack is not None else 1)
+                if indices and nbytes + pinned > MEMORY_BATCH_BYTES:
                     break
                 indices.append(i)
-                nbytes += meta.nbytes
+                nbytes += pinned
+                if ref is not None:
+                    objects.add(ref)
             i += 1
         self._batched_up_to = i
         self._stalled, self._stalled_batch = None, set()

@@ -200,8 +200,9 @@ class ShuffleConfig:
             worker processes restarted) instead of waiting forever. Raise it for maps or
             reducers that legitimately take longer (very large blocks, a slow store).
         memory_pack_bytes: a writer puts the memory-tier segments of one flush (one per
-            subpartition) into shared objects of at most this many bytes: one object-store
-            create and seal per pack, not per segment. A reader on another node pulls a
+            subpartition) into shared objects of at most this many bytes, each of a few
+            neighbouring subpartitions (``hybrid_ray.tiers.memory.pack_members_for``): one
+            object-store create and seal per pack, not per segment. A reader on another node pulls a
             segment's whole pack, so None (the default) packs up to 64 MiB while the
             cluster has one node and not at all on more (``hybrid_ray.tiers.memory.
             pack_bytes_for``); 0 never packs.

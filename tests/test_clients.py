@@ -763,27 +763,56 @@ def test_a_memory_batch_that_times_out_is_a_stall_naming_the_fix(ray_local, tmp_
 @pytest.mark.parametrize("pack_bytes", [None, 0])
 def test_a_flush_s_memory_segments_share_one_object_freed_with_its_last_member(
         ray_local, tmp_path, pack_bytes):
-    """On one node (``memory_pack_bytes=None``) a map's flush puts its memory-tier
-    segments as one object: read back exact, and its bytes counted until every member
-    is freed. ``memory_pack_bytes=0``: one object per segment, freed one by one."""
+    """On one node (``memory_pack_bytes=None``) a map's flush of 16 subpartitions puts
+    its memory-tier segments as 4 objects of 4 neighbours (``pack_members_for``): read
+    back exact, and a pack's bytes counted until its every member is freed.
+    ``memory_pack_bytes=0``: one object per segment, freed one by one."""
     cfg = ShuffleConfig(memory_capacity_bytes=64 * MiB, spill_dirs=[str(tmp_path / "spill")],
                         memory_pack_bytes=pack_bytes)
     tm = TierManager("node-a", 0)
     shuffle = f"pk-{uuid.uuid4().hex[:6]}"
-    client, io = make_client(cfg, tm, shuffle, subs=4)
-    table = random_table(20_000, seed=3)
-    parts = np.asarray(table["k"]) % 4
-    client.write_many((s, table.filter(pa.array(parts == s))) for s in range(4))
-    metas = client.close()
-    assert [m.tier for m in metas] == [TierName.MEMORY] * 4
-    objects = {m.object_ref[0] for m in metas}
-    assert len(objects) == (1 if pack_bytes is None else 4)
+    client, io = make_client(cfg, tm, shuffle, subs=16)
+    table = random_table(40_000, seed=3)
+    parts = np.asarray(table["k"]) % 16
+    client.write_many((s, table.filter(pa.array(parts == s))) for s in range(16))
+    metas = sorted(client.close(), key=lambda m: m.id)
+    assert [m.tier for m in metas] == [TierName.MEMORY] * 16
+    objects = [m.object_ref[0] for m in metas]
+    if pack_bytes is None:
+        assert [objects.index(o) for o in objects] == [0] * 4 + [4] * 4 + [8] * 4 + [12] * 4
+    else:
+        assert len(set(objects)) == 16
     assert row_fingerprint(ReadClient(io).read_segments(metas)) == row_fingerprint([table])
     memory = tm._tier(shuffle, TierName.MEMORY)
     total = sum(m.nbytes for m in metas)
     assert memory.used_by(shuffle) == total
-    tm.free_segments(shuffle, metas[1:])
-    assert memory.used_by(shuffle) == (total if pack_bytes is None else metas[0].nbytes)
+    tm.free_segments(shuffle, metas[1:])  # every reducer but the first one's
+    held = sum(m.nbytes for m in metas[:4]) if pack_bytes is None else metas[0].nbytes
+    assert memory.used_by(shuffle) == held
     tm.free_segments(shuffle, metas[:1])
     assert memory.used_by(shuffle) == 0
+    tm.release_shuffle(shuffle)
+
+
+def test_a_memory_batch_counts_a_packed_member_s_whole_object_once(ray_local, tmp_path,
+                                                                  monkeypatch):
+    """A get pins (and from another node, pulls) a packed member's whole object: the
+    batch's byte bound counts each pack once, at its size, not each member at its own."""
+    import hybrid_ray.clients as clients_mod
+
+    tm = TierManager("node-a", 0)
+    shuffle, io, metas, tables = _memory_segments(tm, tmp_path, 12)
+    assert [m.pack.members for m in metas] == [3] * 12  # pack_members_for(12)
+    monkeypatch.setattr(clients_mod, "MEMORY_BATCH_BYTES", 7 * max(m.nbytes for m in metas))
+    memory = io[TierName.MEMORY]
+    batches, real_many = [], memory.read_many
+
+    def read_many(batch):
+        batches.append(len(batch))
+        return real_many(batch)
+
+    monkeypatch.setattr(memory, "read_many", read_many)
+    out = list(ReadClient(io).read_in_order(metas))
+    assert [t.equals(x) for t, x in zip(out, tables)] == [True] * 12
+    assert batches == [6, 6]  # two packs of 3 (counted per member: 7, then 5)
     tm.release_shuffle(shuffle)

@@ -200,6 +200,37 @@ class TestMemoryTier(TierConformance):
         with pytest.raises(CorruptSegmentError, match="holds a list of 3"):
             tier.read_many([packed[1], wrong])
 
+    def test_packs_hold_a_few_neighbouring_members_at_most(self, tier):
+        """Reducers consume subpartitions in order: a pack of neighbours goes soon after
+        its reducers finish, and a reader deserializes a few members to get one."""
+        from hybrid_ray.tiers.memory import PACK_MEMBERS_MAX, pack_groups, pack_members_for
+
+        # A flush goes into 4 packs at least, of at most PACK_MEMBERS_MAX (8) members.
+        assert [pack_members_for(n) for n in (1, 4, 7, 8, 16, 33, 200)] == \
+            [1, 1, 1, 2, 4, 8, 8]
+
+        assert pack_groups([1] * 20, 100, max_members=8) == [
+            list(range(8)), list(range(8, 16)), list(range(16, 20))]
+        assert pack_groups([5, 5, 5, 5], 10, max_members=3) == [[0, 1], [2, 3]]
+        assert pack_groups([5, 5], 0) == [[0], [1]]
+        items = [(SegmentId("pk", 2, k, 0), _payload(k, SegmentId("pk", 2, k, 0), 50)[1])
+                 for k in range(PACK_MEMBERS_MAX + 1)]
+        metas = tier.write_many(items, "n1", pack_bytes=64 * MiB)
+        assert [m.pack.members if m.pack else 1 for m in metas] == \
+            [PACK_MEMBERS_MAX] * PACK_MEMBERS_MAX + [1]
+
+    def test_a_lone_segment_whose_object_is_a_pack_is_corrupt(self, tier):
+        from hybrid_ray.segment import PackSlot
+
+        three = [(SegmentId("pk", 0, k, 1), _payload(k, SegmentId("pk", 0, k, 1))[1])
+                 for k in range(3)]
+        packed = tier.write_many(three, "n1", pack_bytes=64 * MiB)
+        assert packed[0].pack == PackSlot(0, 1, 3, 0)
+        with pytest.raises(CorruptSegmentError, match="should be an object of its own in "
+                                                      "the memory tier of node n1, but its "
+                                                      "object holds a pack of 3"):
+            tier.read(dataclasses.replace(packed[0], pack=None))
+
     def test_packing_is_automatic_on_one_node_only(self, ray_local, monkeypatch):
         import hybrid_ray.tiers.memory as memory_mod
 
@@ -214,6 +245,13 @@ class TestMemoryTier(TierConformance):
         alive.append({"Alive": True})
         monkeypatch.setattr(memory_mod, "_node_count_cache", [])
         assert memory_mod.pack_bytes_for(None) == 0
+
+        def unreachable():
+            raise ConnectionError("GCS down")
+
+        monkeypatch.setattr(memory_mod, "_node_count_cache", [])
+        monkeypatch.setattr(memory_mod.ray, "nodes", unreachable)
+        assert memory_mod.pack_bytes_for(None) == 0  # not a failed write: no packing
 
     def test_a_segment_that_never_arrives_fails_the_read_within_its_bound(
             self, ray_local, monkeypatch):

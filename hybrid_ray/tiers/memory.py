@@ -70,18 +70,19 @@ class MemoryTier(Tier):
         return self.write_many([(segment, payload)], node_id)[0]
 
     def write_many(self, items: Sequence[tuple[SegmentId, bytes]], node_id: str = "",
-                   pack_bytes: int = 0) -> list[SegmentMeta]:
+                   pack_bytes: int = 0, max_members: int | None = None) -> list[SegmentMeta]:
         """Store several granted segments with one round trip to the owner.
 
         ``pack_bytes`` > 0: consecutive segments go into shared objects (``PackSlot``) of
-        at most that many bytes each (a larger segment alone): one object-store create and
-        seal per pack instead of per segment. Readers on the writer's node read a member
+        at most that many bytes and ``max_members`` segments each (``pack_groups``; a
+        larger segment alone): one object-store create and seal per pack instead of per
+        segment. Readers on the writer's node read a member
         zero-copy, but one on another node pulls the whole pack, so packing is for
         segments read where they are written (``pack_bytes_for``)."""
         # A numpy array is stored out-of-band, so readers on the node get a zero-copy view;
         # a list of them is one object holding each as its own out-of-band buffer.
         arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in items]
-        groups = pack_groups([len(a) for a in arrays], pack_bytes)
+        groups = pack_groups([len(a) for a in arrays], pack_bytes, max_members)
         refs = put_many_owned_by(self.owner, [arrays[g[0]] if len(g) == 1
                                               else [arrays[i] for i in g] for g in groups])
         metas = []
@@ -155,6 +156,10 @@ def _member(meta: SegmentMeta, stored: Any) -> Any:
     member count (a ref swapped with another object's) is a ``CorruptSegmentError``, as
     a swapped segment file is: nothing else of it is handed over."""
     if meta.pack is None:
+        if isinstance(stored, list):
+            raise CorruptSegmentError(
+                f"{meta.id} should be an object of its own in the memory tier of node "
+                f"{meta.node_id}, but its object holds a pack of {len(stored)}")
         return stored
     if not isinstance(stored, list) or len(stored) != meta.pack.members \
             or not 0 <= meta.pack.position < len(stored):
@@ -166,13 +171,35 @@ def _member(meta: SegmentMeta, stored: Any) -> Any:
     return stored[meta.pack.position]
 
 
-def pack_groups(sizes: Sequence[int], pack_bytes: int) -> list[list[int]]:
-    """Consecutive indices of ``sizes`` in groups whose sizes sum to at most
-    ``pack_bytes`` (a larger one alone); ``pack_bytes <= 0``: every index alone."""
+# Members of one pack at most: a reader deserializes every member of the list to get
+# one (3.6 ms a get for 1000 members against 0.2 for one).
+PACK_MEMBERS_MAX = 8
+# A flush (one segment per subpartition, in order) goes into at least this many packs.
+# Reducers consume subpartitions in order, so a pack of neighbours is freed once its
+# share of the reducers finished: a pack of all of them held the whole memory tier until
+# the last reducer, undoing the per-subpartition freeing that keeps the store from holding
+# input, memory tier and output at once (see ShuffleRegistry.free_subpartitions).
+MIN_PACKS_PER_FLUSH = 4
+
+
+def pack_members_for(num_subpartitions: int) -> int:
+    """Members of one pack at most for a writer of ``num_subpartitions``: at most
+    ``PACK_MEMBERS_MAX``, and few enough for ``MIN_PACKS_PER_FLUSH`` packs per flush (1,
+    no packing, below 8 subpartitions)."""
+    return max(1, min(PACK_MEMBERS_MAX, num_subpartitions // MIN_PACKS_PER_FLUSH))
+
+
+def pack_groups(sizes: Sequence[int], pack_bytes: int,
+                max_members: int | None = None) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` in groups of at most ``max_members`` (default
+    ``PACK_MEMBERS_MAX``) whose sizes sum to at most ``pack_bytes`` (a larger one alone);
+    ``pack_bytes <= 0``: every index alone."""
+    limit = PACK_MEMBERS_MAX if max_members is None else max_members
     groups: list[list[int]] = []
     total = 0
     for i, size in enumerate(sizes):
-        if not groups or pack_bytes <= 0 or total + size > pack_bytes:
+        if not groups or pack_bytes <= 0 or total + size > pack_bytes \
+                or len(groups[-1]) >= limit:
             groups.append([])
             total = 0
         groups[-1].append(i)
@@ -180,8 +207,7 @@ def pack_groups(sizes: Sequence[int], pack_bytes: int) -> list[list[int]]:
     return groups
 
 
-# Packs of at most this many bytes where packing is automatic (``pack_bytes_for``): a
-# map's flush of 16 subpartitions of 4 MiB segments is one object.
+# Packs of at most this many bytes where packing is automatic (``pack_bytes_for``).
 AUTO_PACK_BYTES = 64 * 1024 * 1024
 # How long a process trusts its last count of the cluster's nodes (``pack_bytes_for``).
 NODE_COUNT_TTL_S = 30.0
@@ -199,7 +225,10 @@ def pack_bytes_for(configured: int | None) -> int:
         return configured
     now = time.monotonic()
     if not _node_count_cache or now - _node_count_cache[1] > NODE_COUNT_TTL_S:
-        alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        try:
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        except Exception:  # noqa: BLE001 - the GCS did not answer: write without packing
+            return 0
         _node_count_cache[:] = [alive, now]
     return AUTO_PACK_BYTES if _node_count_cache[0] <= 1 else 0
 
