@@ -76,9 +76,9 @@ class MemoryTier(Tier):
         ``pack_bytes`` > 0: consecutive segments go into shared objects (``PackSlot``) of
         at most that many bytes and ``max_members`` segments each (``pack_groups``; a
         larger segment alone): one object-store create and seal per pack instead of per
-        segment. Readers on the writer's node read a member
-        zero-copy, but one on another node pulls the whole pack, so packing is for
-        segments read where they are written (``pack_bytes_for``)."""
+        segment. Readers on the writer's node read a member zero-copy, but one on another
+        node pulls the whole pack, so packing is for segments read where they are written
+        (``pack_bytes_for``)."""
         # A numpy array is stored out-of-band, so readers on the node get a zero-copy view;
         # a list of them is one object holding each as its own out-of-band buffer.
         arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in items]
