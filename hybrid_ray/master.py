@@ -387,7 +387,11 @@ class ShuffleRegistry:
         before, m.finished_rows = m.finished_rows, written
         if before is None:
             return
-        differ = sorted(sub for sub in state.freed if written.get(sub, 0) != before.get(sub, 0))
+        # Kept: freed, or its reader was told it has everything (its poll answered done:
+        # it polls no more, so it never hears of the re-run, and its free may still be on
+        # the way; checking the freed ones alone let such a re-run through).
+        kept = state.freed | {sub for sub, reader in state.readers.items() if reader.done}
+        differ = sorted(sub for sub in kept if written.get(sub, 0) != before.get(sub, 0))
         if differ:
             m.finished_rows = before
             examples = ", ".join(f"subpartition {sub}: {before.get(sub, 0)} rows then, "

@@ -283,6 +283,32 @@ def test_a_rerun_that_partitions_differently_is_refused_naming_the_partitioner(r
     assert registry.finish_map("e", 0, e1, last_segments=[rows(0, 2, 0, e1, 5, "e")])
 
 
+def test_a_rerun_is_checked_against_a_reader_told_it_has_everything_before_its_free(
+        registry):
+    """A reducer whose poll answered done polls no more: it keeps the first run's rows
+    even before the driver's (batched) free of its subpartition reaches the master. A
+    re-run that moved rows to or from its subpartition was accepted in that window, and
+    the output lost rows (review of 2026-11-27: 5 + 3 of 10)."""
+    from hybrid_ray.errors import ConfigError
+
+    def rows(sub, attempt, n):
+        return SegmentMeta(SegmentId("w", 0, sub, 0, attempt), TierName.DISK, 10, n, "n1",
+                           f"/x/w-{sub}-{attempt}")
+
+    registry.register("w", 1, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    a0 = registry.begin_map("w", 0, "n1")
+    assert registry.finish_map("w", 0, a0, last_segments=[rows(0, a0, 5), rows(1, a0, 5)])
+    assert registry.poll("w", 0, {}).done  # subpartition 0's reducer has it all
+    assert registry.report_lost("w", 0, a0)  # subpartition 1's reader lost a segment
+    a1 = registry.begin_map("w", 0, "n1")
+    with pytest.raises(ConfigError, match=r"\(subpartition 0: 5 rows then, 7 now\).*not "
+                                          r"deterministic"):
+        registry.finish_map("w", 0, a1, last_segments=[rows(0, a1, 7), rows(1, a1, 3)])
+    # The same rows per subpartition are accepted.
+    a2 = registry.begin_map("w", 0, "n1")
+    assert registry.finish_map("w", 0, a2, last_segments=[rows(0, a2, 5), rows(1, a2, 5)])
+
+
 def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     a0 = _finish(registry, 0)
     assert registry.report_lost("s", 0, a0) is False
