@@ -559,3 +559,31 @@ def test_a_released_shuffle_s_half_freed_packs_are_forgotten(tmp_path):
     assert tm.memory.used_by("s") == 100 and "s" in tm._open_packs
     tm.release_shuffle("s")
     assert tm.memory.used_by("s") == 0 and tm._open_packs == {}
+
+
+@pytest.mark.parametrize("bad_prefix", ["/\x00x", "/\ud800x", "/a\nb"])
+def test_an_unprintable_location_is_refused_and_the_rest_of_its_batch_freed(tmp_path,
+                                                                           bad_prefix):
+    """A location with a NUL or a lone surrogate passed the segment-file shape check, then
+    os.path.realpath raised ValueError: no file of the batch was unlinked, on every retry
+    (review of 2026-11-27). It is refused, counted, and the others go."""
+    from hybrid_ray.tiers.disk import segment_path
+
+    spill = str(tmp_path / "spill")
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("s", ShuffleConfig(spill_dirs=[spill], memory_fraction=0.0))
+    [placement] = tm.reserve("s", [1])
+    assert placement.grant.tier == TierName.DISK
+    good_id = SegmentId("s", 0, 1, 0)
+    good = segment_path(spill, good_id)
+    os.makedirs(os.path.dirname(good), exist_ok=True)
+    with open(good, "wb") as f:
+        f.write(b"x")
+    tm.settle("s", [(placement.grant, 1)])
+    bad = SegmentMeta(SegmentId("s", 1, 1, 0), TierName.DISK, 1, 1, "n1",
+                      bad_prefix + "/hybrid_ray/s/sub-00001/m000001-a000-s000000.seg")
+    [refusal] = tm.free_segments("s", [bad, SegmentMeta(good_id, TierName.DISK, 1, 1, "n1",
+                                                        good)])
+    assert "not a hybrid_ray segment file" in refusal
+    assert not os.path.exists(good)
+    assert tm._tier("s", TierName.DISK).used_by("s") == 0

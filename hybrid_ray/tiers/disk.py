@@ -58,8 +58,12 @@ def shuffle_dir(spill_dir: str, shuffle_id: str) -> str:
 def require_segment_file(location: str, action: str) -> str:
     """Raise ``UnsafePathError`` unless ``location`` has the shape of a disk-tier segment
     file (``.../hybrid_ray/<shuffle>/sub-<n>/<file>``, normalised, absolute): a location
-    comes from another process (the master's metadata) and is unlinked or served here."""
-    if _SEGMENT_FILE.fullmatch(location) is None or os.path.normpath(location) != location:
+    comes from another process (the master's metadata) and is unlinked or served here.
+    A NUL or a lone surrogate anywhere in it (not printable) is refused here too: the
+    checks after it (``os.path.realpath``) raised ``ValueError`` for them, not this error,
+    and one such location failed a whole batch of deletions on every retry."""
+    if not location.isprintable() or _SEGMENT_FILE.fullmatch(location) is None \
+            or os.path.normpath(location) != location:
         raise UnsafePathError(
             f"refusing to {action} {location!r}: not a hybrid_ray segment file "
             f"(.../{DATA_DIR_NAME}/<shuffle id>/sub-<n>/<file>). This is a bug in the "
