@@ -158,12 +158,14 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         finished = answer_of(master.finish_map.remote(shuffle_id, map_index, attempt,
                                                       client.stats, last_segments, pid),
                              f"the shuffle master's finish_map for map {map_index}")
-    except ShuffleStalledError:
-        # No answer in time: the call may still run and the master take this attempt as
-        # the map's output. Deleting its files now left the master listing segments that
-        # were gone (readers then failed naming "someone else" as the culprit). They are
-        # the shuffle's: its release removes them (a late write after a release is swept
-        # by the tier manager's late-files sweep), and this attempt fails.
+    except (ShuffleStalledError, ray.exceptions.ActorUnavailableError):
+        # No answer in time, or the master unreachable for a moment (Ray: the call "may
+        # or may not have been executed"): the call may have run or still run, and the
+        # master take this attempt as the map's output. Deleting its files now left the
+        # master listing segments that were gone (readers then failed naming "someone
+        # else" as the culprit). They are the shuffle's: its release removes them (a late
+        # write after a release is swept by the tier manager's late-files sweep), and
+        # this attempt fails.
         settled()  # (its error is the lesser one: the stall is raised)
         raise
     except BaseException as exc:
