@@ -377,6 +377,54 @@ def test_a_remote_removal_cut_short_keeps_the_marker_so_cleanup_finds_it_again(t
     assert not fs.exists(candidate.path)
 
 
+class _SilentlyFailingFs(_CutShortFs):
+    """An fsspec filesystem whose deletes skip one key without an error, as S3's
+    DeleteObjects answers 200 with a per-key error that s3fs does not raise."""
+
+    def __init__(self, fs, stuck):
+        super().__init__(fs)
+        self._stuck = stuck
+
+    def rm(self, path, recursive=False, **kwargs):
+        paths = self._fs.expand_path(path, recursive=recursive)
+        for p in sorted(paths, reverse=True):
+            if p == self._stuck:
+                continue
+            if self._fs.isfile(p):
+                self._fs.rm_file(p)
+            elif self._fs.isdir(p):
+                try:
+                    self._fs.rmdir(p)
+                except OSError:
+                    pass
+
+
+def test_a_key_the_store_silently_kept_keeps_the_marker_so_cleanup_finds_it_again(tmp_path):
+    """The marker went in the same recursive removal as data keys that S3 silently kept
+    (per-key errors are not raised): the removal raised, but what was left had no marker
+    and no cleanup would find it again (review of 2026-11-27). The data is looked for
+    before the marker goes."""
+    import fsspec
+
+    from hybrid_ray.cleanup import find_remote_orphans, remove
+    from hybrid_ray.tiers.remote import remove_remote_tree
+
+    fs = fsspec.filesystem("memory")
+    remote = f"memory://bkt-{uuid.uuid4().hex[:8]}/pre"
+    tier = _remote_tier(remote, "job-a")
+    for sub in range(3):
+        tier.write(SegmentId("shf-1", 0, sub, 0), _payload())
+    [candidate] = find_remote_orphans(remote).candidates
+    stuck = sorted(f for f in fs.find(candidate.path) if f.endswith(".seg"))[1]
+    with pytest.raises(OSError, match="not deleted, first .*; its marker stays"):
+        remove_remote_tree(_SilentlyFailingFs(fs, stuck), candidate.path)
+    assert [f for f in fs.find(candidate.path) if f.endswith(".seg")] == [stuck]
+    again = find_remote_orphans(remote)
+    assert [c.path for c in again.candidates] == [candidate.path]
+    assert remove(again, older_than_s=0).removed == [candidate.path]
+    assert not fs.exists(candidate.path)
+
+
 # ---- what another user could do; a removal cut short ----------------------------------------
 def test_a_spill_data_dir_others_can_write_is_reported_not_swept(tmp_path):
     """Cleanup (often run as root) removed marked directories of any ``hybrid_ray`` data

@@ -426,6 +426,18 @@ def remove_remote_tree(fs: Any, path: str) -> None:
             fs.rm(data)
         except FileNotFoundError:  # one vanished meanwhile; the local rm stops there
             pass
+        # S3's DeleteObjects answers 200 with per-key errors, which s3fs does not raise:
+        # the data is looked for again before the marker goes, or the recursive removal
+        # below took the marker beside keys that failed, and cleanup never saw them again.
+        fs.invalidate_cache(path)
+        try:
+            still = [f for f in fs.find(path)
+                     if f and posixpath.basename(f) != SHUFFLE_MARKER_NAME]
+        except FileNotFoundError:
+            still = []
+        if still:
+            raise OSError(errno.ENOTEMPTY, f"{len(still)} object(s) of the shuffle's remote "
+                          f"directory not deleted, first {still[0]}; its marker stays")
     try:
         fs.rm(path, recursive=True)
     except FileNotFoundError:
