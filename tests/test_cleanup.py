@@ -416,7 +416,8 @@ def test_a_key_the_store_silently_kept_keeps_the_marker_so_cleanup_finds_it_agai
         tier.write(SegmentId("shf-1", 0, sub, 0), _payload())
     [candidate] = find_remote_orphans(remote).candidates
     stuck = sorted(f for f in fs.find(candidate.path) if f.endswith(".seg"))[1]
-    with pytest.raises(OSError, match="not deleted, first .*; its marker stays"):
+    with pytest.raises(OSError, match="still under the shuffle's remote directory after "
+                                      "deleting them, first .*; its marker stays"):
         remove_remote_tree(_SilentlyFailingFs(fs, stuck), candidate.path)
     assert [f for f in fs.find(candidate.path) if f.endswith(".seg")] == [stuck]
     again = find_remote_orphans(remote)

@@ -436,8 +436,9 @@ def remove_remote_tree(fs: Any, path: str) -> None:
         except FileNotFoundError:
             still = []
         if still:
-            raise OSError(errno.ENOTEMPTY, f"{len(still)} object(s) of the shuffle's remote "
-                          f"directory not deleted, first {still[0]}; its marker stays")
+            raise OSError(errno.ENOTEMPTY, f"{len(still)} object(s) still under the "
+                          f"shuffle's remote directory after deleting them, first "
+                          f"{still[0]}; its marker stays")
     try:
         fs.rm(path, recursive=True)
     except FileNotFoundError:
