@@ -265,6 +265,50 @@ def test_world_writable_spill_dir_without_sticky_bit_is_refused(tmp_path):
     assert "chmod" in str(info.value)
 
 
+def test_a_group_writable_spill_dir_is_refused_when_its_group_has_others(tmp_path,
+                                                                        monkeypatch):
+    """A 0770/0775 spill dir passed: any other member of its group could rename the
+    data dir away and put a symlink to a directory of theirs in its place (review of
+    2026-11-27). Refused when the group has anyone besides the owner; a private group
+    (one per user, group-writable through umask 002) is fine."""
+    import collections
+    import grp
+    import pwd
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    os.chmod(spill, 0o775)
+    st = os.stat(spill)
+    Group = collections.namedtuple("Group", "gr_name gr_gid gr_mem")
+    User = collections.namedtuple("User", "pw_name pw_uid pw_gid")
+    owner = User("owner", st.st_uid, st.st_gid)
+    members: list[str] = []
+    users = [owner, User("elsewhere", st.st_uid + 1, st.st_gid + 1)]
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: Group("team", gid, members))
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: owner)
+    monkeypatch.setattr(pwd, "getpwall", lambda: users)
+    DiskTier(MiB, [str(spill)])  # a private group: accepted
+    members.append("mallory")
+    with pytest.raises(SpillDirError, match=r"group-writable without the sticky bit \(mode "
+                                            r"775\) and its group has other members "
+                                            r"\(mallory\).*chmod g-w"):
+        DiskTier(MiB, [str(spill)])
+    members.clear()
+    users.append(User("bob", st.st_uid + 2, st.st_gid))  # bob's primary group
+    with pytest.raises(SpillDirError, match=r"other members \(bob\)"):
+        DiskTier(MiB, [str(spill)])
+    os.chmod(spill, 0o1775)  # sticky: nobody can rename what is not theirs
+    DiskTier(MiB, [str(spill)])
+
+    def unknown(gid):
+        raise KeyError(gid)
+
+    os.chmod(spill, 0o770)
+    monkeypatch.setattr(grp, "getgrgid", unknown)
+    with pytest.raises(SpillDirError, match=rf"other members \(gid {st.st_gid}, unknown "):
+        DiskTier(MiB, [str(spill)])
+
+
 @needs_root
 def test_default_spill_dir_created_first_by_another_user_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -7,9 +7,9 @@ must hold. Files are written under a temporary name and renamed when complete, s
 never sees half a segment. Directories are 0700 and files 0600: shuffle data is private.
 
 Safety: a spill dir is checked before use (``check_spill_dir``): it must be a directory owned
-by this user or root, not world-writable without the sticky bit, and hybrid_ray's data dir in
-it (``spill_dir/hybrid_ray``) must be a real directory (not a symlink) owned by this user,
-mode 0700. Otherwise another local user could read the shuffle's rows or redirect its writes
+by this user or root, not writable by others (world, or a group with other members) without
+the sticky bit, and hybrid_ray's data dir in it (``spill_dir/hybrid_ray``) must be a real
+directory (not a symlink) owned by this user, mode 0700. Otherwise another local user could read the shuffle's rows or redirect its writes
 and deletes. Shuffle ids are checked (``hybrid_ray.ids``) before they become directory
 names, and nothing outside the data dirs is ever written or removed.
 """
@@ -83,7 +83,9 @@ def check_spill_dir(spill_dir: str) -> str:
       user or root), owned by this user or root: another owner could swap the data dir
       for a symlink to somewhere else at any time;
     * it is not world-writable unless sticky (/tmp is fine; a 0777 dir is not): anyone
-      could otherwise rename the data dir away and put their own in its place;
+      could otherwise rename the data dir away and put their own in its place; nor
+      group-writable unless sticky where its group has other members
+      (``group_members_besides``);
     * ``spill_dir/hybrid_ray`` is a real directory, not a symlink, owned by this user and
       mode 0700 (no group or other access): shuffle rows are private.
     """
@@ -138,7 +140,38 @@ def trusted_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
                 " so anyone can replace hybrid_ray's data dir in it",
                 f"run 'chmod o-w {spill_dir}' or 'chmod +t {spill_dir}', or use another "
                 "directory")
+    if st.st_mode & stat.S_IWGRP and not st.st_mode & stat.S_ISVTX:
+        others = group_members_besides(st.st_gid, st.st_uid)
+        if others:
+            return (f"is group-writable without the sticky bit (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}) and its group has other members "
+                    f"({others}), who could replace hybrid_ray's data dir in it",
+                    f"run 'chmod g-w {spill_dir}' or 'chmod +t {spill_dir}', or use another "
+                    "directory")
     return None
+
+
+def group_members_besides(gid: int, owner_uid: int) -> str:
+    """Who else than ``owner_uid`` belongs to group ``gid`` (listed in it, or with it as
+    their primary group), named for an error message; "" if nobody. A group this machine
+    cannot resolve (a numeric gid from a container image) counts as having others: who
+    is in it cannot be known. A private group (Debian's one group per user, often made
+    group-writable by umask 002) has nobody else."""
+    import grp
+    import pwd
+
+    try:
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return f"gid {gid}, unknown here"
+    try:
+        owner = pwd.getpwuid(owner_uid).pw_name
+    except KeyError:
+        owner = None
+    others = {name for name in group.gr_mem if name != owner}
+    others |= {user.pw_name for user in pwd.getpwall()
+               if user.pw_gid == gid and user.pw_uid != owner_uid}
+    return ", ".join(sorted(others)[:5]) + (" ..." if len(others) > 5 else "")
 
 
 def local_tree_problem(root: str, directories: Sequence[str]) -> str | None:
