@@ -10,8 +10,9 @@ Safety: a spill dir is checked before use (``check_spill_dir``): it must be a di
 by this user or root, not writable by others (world, or a group with other members) without
 the sticky bit, and hybrid_ray's data dir in it (``spill_dir/hybrid_ray``) must be a real
 directory (not a symlink) owned by this user, mode 0700. Otherwise another local user could
-read the shuffle's rows or redirect its writes and deletes. Shuffle ids are checked (``hybrid_ray.ids``) before they become directory
-names, and nothing outside the data dirs is ever written or removed.
+read the shuffle's rows or redirect its writes and deletes. Shuffle ids are checked
+(``hybrid_ray.ids``) before they become directory names, and nothing outside the data dirs
+is ever written or removed.
 """
 
 from __future__ import annotations
