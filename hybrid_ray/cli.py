@@ -225,6 +225,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# Where cleanup's fsspec options come from when --storage-options is not given: an
+# argument shows in every local user's process list, an environment variable does not.
+STORAGE_OPTIONS_ENV = "HYBRID_RAY_STORAGE_OPTIONS"
+
+
+def _storage_options(given: str | None) -> dict[str, Any]:
+    """The fsspec options of ``--storage-options``: JSON, ``@path`` of a file holding it,
+    or, not given, the JSON in ``$HYBRID_RAY_STORAGE_OPTIONS`` ({} without either).
+    Credentials belong in the file or the variable (or s3fs's own credential chain): an
+    argument is readable by every local user (``ps``). A file that cannot be read or
+    JSON that is not an object is a ``CliError`` naming it, never quoting its content."""
+    source = "--storage-options"
+    text = given
+    if given is None:
+        text, source = os.environ.get(STORAGE_OPTIONS_ENV), f"${STORAGE_OPTIONS_ENV}"
+    elif given.startswith("@"):
+        source = f"--storage-options file {given[1:]}"
+        try:
+            with open(given[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise CliError(f"hybrid-ray: cannot read the {source}: {exc.strerror or exc}",
+                           2) from None
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as exc:  # its position only: the text may hold credentials
+        raise CliError(f"hybrid-ray: {source} is not JSON (line {exc.lineno}, column "
+                       f"{exc.colno}: {exc.msg})", 2) from None
+    if not isinstance(options, dict):
+        raise CliError(f"hybrid-ray: {source} must be a JSON object", 2)
+    return options
+
+
 def cmd_cleanup(args: argparse.Namespace) -> int:
     """Remove orphaned shuffle directories: only marked ones hybrid_ray wrote, only those
     no running shuffle master lists as live (see ``hybrid_ray.cleanup``)."""
@@ -232,12 +267,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from hybrid_ray.config import default_spill_dir
     from hybrid_ray.errors import ConfigError
 
-    try:
-        options = json.loads(args.storage_options) if args.storage_options else {}
-    except ValueError as exc:
-        raise CliError(f"hybrid-ray: --storage-options is not JSON: {exc}", 2) from None
-    if not isinstance(options, dict):
-        raise CliError("hybrid-ray: --storage-options must be a JSON object", 2)
+    options = _storage_options(args.storage_options)
     if args.remote_path is not None and not args.remote_path.strip():
         raise CliError("hybrid-ray cleanup: --remote-path is empty; give the remote tier's "
                        "URL (e.g. s3://bucket/prefix) or leave the option out", 2)
@@ -327,7 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup.add_argument("--spill-dir", action="append",
                          help="a spill dir (repeatable); {node_id} matches every node's")
     cleanup.add_argument("--remote-path")
-    cleanup.add_argument("--storage-options", help="JSON of fsspec options")
+    cleanup.add_argument("--storage-options",
+                         help="fsspec options as JSON, or @FILE holding it (default: "
+                              f"${STORAGE_OPTIONS_ENV}); keep credentials out of the "
+                              "command line, where every local user can read them")
     # One or the other: --no-cluster silently won over a given --address before.
     cluster = cleanup.add_mutually_exclusive_group()
     cluster.add_argument("--address", default=None,

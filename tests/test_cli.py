@@ -10,6 +10,8 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from test_cleanup import _write_disk
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,3 +166,30 @@ def test_cleanup_refuses_arguments_that_would_examine_nothing_or_the_wrong_place
                  "--no-cluster"]) == 0
     assert f"skipped --spill-dir {missing}: it is not a directory here" in capsys.readouterr().err
     assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))
+
+
+def test_cleanup_reads_storage_options_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    """Credentials in --storage-options were readable by every local user (``ps``): the
+    options also come from @FILE or $HYBRID_RAY_STORAGE_OPTIONS, and a malformed one is
+    named without its content being quoted."""
+    from hybrid_ray.cli import CliError, _storage_options
+
+    secret = '{"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"}'
+    (tmp_path / "opts.json").write_text(secret)
+    assert _storage_options(f"@{tmp_path / 'opts.json'}") == {
+        "key": "AKIAEXAMPLE", "secret": "s3cr3t-value"}
+    monkeypatch.setenv("HYBRID_RAY_STORAGE_OPTIONS", '{"anon": true}')
+    assert _storage_options(None) == {"anon": True}
+    assert _storage_options('{"anon": false}') == {"anon": False}  # given wins
+    monkeypatch.delenv("HYBRID_RAY_STORAGE_OPTIONS")
+    assert _storage_options(None) == {}
+    (tmp_path / "bad.json").write_text('{"secret": "s3cr3t-value",}')
+    with pytest.raises(CliError) as err:
+        _storage_options(f"@{tmp_path / 'bad.json'}")
+    assert f"--storage-options file {tmp_path / 'bad.json'} is not JSON (line 1" in str(err.value)
+    assert "s3cr3t" not in str(err.value)
+    with pytest.raises(CliError, match="cannot read the --storage-options file .*missing"):
+        _storage_options(f"@{tmp_path / 'missing'}")
+    monkeypatch.setenv("HYBRID_RAY_STORAGE_OPTIONS", '["not", "an", "object"]')
+    with pytest.raises(CliError, match=r"\$HYBRID_RAY_STORAGE_OPTIONS must be a JSON object"):
+        _storage_options(None)
