@@ -114,8 +114,11 @@ def check_spill_dir(spill_dir: str) -> str:
                      "point spill_dirs at a writable directory") from None
     problem = _private_dir_problem(data_dir, uid)
     if problem is not None:
-        raise refuse(data_dir, problem, f"remove {data_dir} (hybrid_ray recreates it) or "
-                     "use another spill dir")
+        # Not simply "remove it": in a spill dir like ~ the directory of that name may be
+        # the user's own (a checkout of hybrid_ray), not one hybrid_ray made.
+        raise refuse(data_dir, problem, f"if {data_dir} holds only hybrid_ray's spill "
+                     "files (shuffle directories with a .hybrid_ray_shuffle marker), remove "
+                     "it and hybrid_ray recreates it; otherwise use another spill dir")
     return data_dir
 
 
