@@ -20,6 +20,11 @@ def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+def alive_node_count() -> int:
+    """How many nodes Ray counts as alive now (one call to the GCS)."""
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
 def node_alive(node_id: str | None) -> bool:
     """Whether Ray still counts ``node_id`` among its alive nodes (None: unknown, alive)."""
     if not node_id:

@@ -54,7 +54,8 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
     driver loaded its data; warm rounds 1.5-1.9 s). ``None`` (default): half the node's
     object store, at most 4 GiB; ``0``: none. The memory warmed is the store's own (Ray
     reserved it) and stays with it; it costs one core about 0.8 s per GiB on that VM,
-    overlapping what the driver does next. ``object_store_warm_up()`` of a tier manager says how far it got.
+    overlapping what the driver does next. ``object_store_warm_up()`` of a tier manager
+    says how far it got.
 
     Returns the actors (names, nodes, handles), e.g. for ``ray.kill``-ing them.
     """

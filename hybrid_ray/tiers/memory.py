@@ -16,6 +16,7 @@ import ray
 
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import CorruptSegmentError, SegmentNotFoundError, ShuffleStalledError
+from hybrid_ray.nodes import alive_node_count
 from hybrid_ray.segment import PackSlot, SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
 
@@ -226,7 +227,7 @@ def pack_bytes_for(configured: int | None) -> int:
     now = time.monotonic()
     if not _node_count_cache or now - _node_count_cache[1] > NODE_COUNT_TTL_S:
         try:
-            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+            alive = alive_node_count()
         except Exception:  # noqa: BLE001 - the GCS did not answer: write without packing
             return 0
         _node_count_cache[:] = [alive, now]
