@@ -420,6 +420,32 @@ def _validate_spill_dir(index: int, value: Any) -> str:
     return path
 
 
+# Object stores whose bucket is the URL's whole authority: a bucket name never holds "@".
+_BUCKET_IS_AUTHORITY = {"s3", "s3a", "gs", "gcs"}
+
+
+def credentials_in_url_problem(protocol: str, rest: str) -> str:
+    """What is wrong with credentials written into a remote URL (``s3://KEY:SECRET@b``),
+    or '' if it holds none. s3fs and gcsfs read no credentials from a URL: they take
+    ``KEY:SECRET@bucket`` for a bucket name, so every request went to a bucket that cannot
+    exist, and the storage's own errors then quoted the secret. (``abfs://container@account``
+    is Azure's URL form, not credentials: a user part without a ':' stays allowed there.)"""
+    head = rest.split("?", 1)[0]
+    end = head.find("/") if "/" in head else len(head)
+    authority, colon = head[:end], head.find(":")
+    # KEY:SECRET@ (a secret may hold a '/', so the '@' can come after the first '/'),
+    # or any '@' in a bucket name.
+    in_url = (0 <= colon < end and "@" in head[colon:]) or \
+        ("@" in authority and protocol in _BUCKET_IS_AUTHORITY)
+    if in_url:
+        return ("carries credentials (or an '@') before the bucket; fsspec does not read "
+                "credentials from the URL. Write the URL without them, e.g. "
+                "s3://bucket/prefix, and pass them as storage_options (for S3: "
+                "{'key': ..., 'secret': ...}) or through the environment "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+    return ""
+
+
 def validate_remote_path(path: Any) -> str:
     """``path`` as a remote tier's URL (trailing slashes dropped), or ``ConfigError``
     naming what is wrong with it and the fix."""
@@ -439,6 +465,9 @@ def validate_remote_path(path: Any) -> str:
         raise ConfigError(
             f"remote_path {shown!r} has no protocol and is not an absolute local path; "
             "write it as a URL: s3://bucket/prefix or file:///abs/path")
+    credentials = credentials_in_url_problem(protocol, rest)
+    if credentials:
+        raise ConfigError(f"remote_path {shown!r} {credentials}")
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:

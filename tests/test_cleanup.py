@@ -278,8 +278,10 @@ def test_cleanup_shows_no_credential_of_the_remote_path(capsys, tmp_path):
     from hybrid_ray.cleanup import find_remote_orphans
     from hybrid_ray.cli import main
 
-    url = "s3://AKIAEXAMPLEKEY:SuperSecretValue@bucket/pre"
-    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"},
+    url = "s3://bucket/pre"
+    options = {"client_kwargs": {
+                   "endpoint_url": "http://AKIAEXAMPLEKEY:SuperSecretValue@127.0.0.1:1"},
+               "key": "AKIAEXAMPLEKEY", "secret": "SuperSecretValue",
                "config_kwargs": {"connect_timeout": 1, "read_timeout": 1}}
     plan = find_remote_orphans(url, options)
     assert plan.errors and plan.candidates == []
@@ -288,6 +290,13 @@ def test_cleanup_shows_no_credential_of_the_remote_path(capsys, tmp_path):
                  "--remote-path", url, "--storage-options", json.dumps(options)]) == 1
     out = capsys.readouterr()
     assert "could not remove" in out.err
+    assert "SuperSecretValue" not in out.out + out.err
+    # Credentials written into the URL itself are refused before anything is opened,
+    # without being shown (fsspec would take them for part of the bucket's name).
+    assert main(["cleanup", "--no-cluster", "--spill-dir", str(tmp_path), "--remote-path",
+                 "s3://AKIAEXAMPLEKEY:SuperSecretValue@bucket/pre"]) == 2
+    out = capsys.readouterr()
+    assert "fsspec does not read credentials from the URL" in out.err
     assert "SuperSecretValue" not in out.out + out.err
 
 

@@ -51,7 +51,7 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("memory_weight", float("nan"), "memory_weight"),
     ("remote_path", "s3://", "names no bucket"),
     ("remote_path", "s3:///", "names no bucket"),
-    ("remote_path", "s3://user:pw@", "names no bucket"),
+    ("remote_path", "s3://user:pw@", "carries credentials"),
     ("remote_path", "file://", "names no path"),
     ("remote_path", "file://relative/dir", "relative local path"),
     ("remote_path", "s3:", "has no protocol"),

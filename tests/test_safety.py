@@ -378,8 +378,7 @@ def assert_no_secret(text: str) -> None:
 
 
 def test_config_repr_hides_credentials():
-    cfg = ShuffleConfig(remote_path=f"s3://{URL_KEY}:{URL_SECRET}@bucket/prefix",
-                        storage_options=secret_options())
+    cfg = ShuffleConfig(remote_path="s3://bucket/prefix", storage_options=secret_options())
     for text in (repr(cfg), str(cfg), repr([cfg]), f"{cfg}"):
         assert_no_secret(text)
     # What is not a secret is still shown, so the repr stays useful.
@@ -411,8 +410,31 @@ def test_remote_errors_on_io_hide_credentials(tmp_path, monkeypatch):
 
 def test_bad_remote_path_message_hides_credentials():
     with pytest.raises(ConfigError, match="knows no protocol") as info:
-        ShuffleConfig(remote_path=f"nosuch://{URL_KEY}:{URL_SECRET}@bucket/x")
+        ShuffleConfig(remote_path=f"nosuch://bucket/x?sig={URL_SECRET}")
     assert_no_secret(str(info.value))
+
+
+@pytest.mark.parametrize("url", [
+    f"s3://{URL_KEY}:{URL_SECRET}@bucket/prefix", f"s3a://{URL_KEY}@bucket/x",
+    f"gs://{URL_KEY}:{URL_SECRET}@bucket", f"abfs://{URL_KEY}:{URL_SECRET}@account/c"])
+def test_credentials_in_the_remote_url_are_refused_without_showing_them(url):
+    """s3fs took ``KEY:SECRET@bucket`` for a bucket name: the config was accepted, every
+    write failed, and the storage's errors quoted the secret."""
+    with pytest.raises(ConfigError, match="fsspec does not read credentials from the URL")\
+            as info:
+        ShuffleConfig(remote_path=url)
+    assert_no_secret(str(info.value))
+    assert "storage_options" in str(info.value)
+
+
+def test_azure_container_at_account_is_not_taken_for_credentials():
+    from hybrid_ray.config import credentials_in_url_problem
+
+    assert credentials_in_url_problem("abfs", "container@account.dfs.core.windows.net/p") \
+        == ""
+    assert credentials_in_url_problem("s3", "bucket/pre@fix") == ""
+    assert credentials_in_url_problem("s3", "bucket/a:b@c") == ""
+    assert credentials_in_url_problem("s3", "KEY@bucket/p") != ""
 
 
 def test_public_entry_point_error_hides_credentials(tmp_path, ray_local):
@@ -420,8 +442,7 @@ def test_public_entry_point_error_hides_credentials(tmp_path, ray_local):
 
     ds = ray_local.data.from_arrow(pa.table({"key": list(range(10))}))
     cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
-                        remote_path=f"s3://{URL_KEY}:{URL_SECRET}@bucket/x",
-                        storage_options=secret_options())
+                        remote_path="s3://bucket/x", storage_options=secret_options())
     with pytest.raises(RemoteTierError) as info:
         hybrid_ray.repartition(ds, 2, keys=["key"], config=cfg)
     assert_no_secret("".join(traceback.format_exception(info.value)))

@@ -6,8 +6,9 @@ partial writes (local files) the segment is written under a temporary name and m
 On a local filesystem (``file://``) directories are created 0700 and files 0600, as in the
 disk tier: shuffle data is private.
 
-Credentials in ``remote_path`` (``s3://key:secret@bucket``) or ``storage_options`` never
-appear in an error message (``hybrid_ray.redaction``), and nothing outside
+Credentials in ``storage_options`` (or in a URL's query or user part, which
+``ShuffleConfig`` refuses for object stores: see ``config.credentials_in_url_problem``)
+never appear in an error message (``hybrid_ray.redaction``), and nothing outside
 ``HomePath/JobID/`` is written or removed (ids are checked by ``hybrid_ray.ids``).
 """
 
