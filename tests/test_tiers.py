@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import stat
 import time
@@ -231,7 +232,7 @@ class TestMemoryTier(TierConformance):
                                                       "object holds a pack of 3"):
             tier.read(dataclasses.replace(packed[0], pack=None))
 
-    def test_packing_is_automatic_on_one_node_only(self, ray_local, monkeypatch):
+    def test_packing_is_automatic_on_one_node_only(self, ray_local, monkeypatch, caplog):
         import hybrid_ray.tiers.memory as memory_mod
 
         monkeypatch.setattr(memory_mod, "_node_count_cache", [])
@@ -246,12 +247,24 @@ class TestMemoryTier(TierConformance):
         monkeypatch.setattr(memory_mod, "_node_count_cache", [])
         assert memory_mod.pack_bytes_for(None) == 0
 
+        asked = []
+
         def unreachable():
+            asked.append(1)
             raise ConnectionError("GCS down")
 
         monkeypatch.setattr(memory_mod, "_node_count_cache", [])
         monkeypatch.setattr(memory_mod.ray, "nodes", unreachable)
-        assert memory_mod.pack_bytes_for(None) == 0  # not a failed write: no packing
+        with caplog.at_level(logging.WARNING, logger="hybrid_ray.tiers.memory"):
+            assert memory_mod.pack_bytes_for(None) == 0  # not a failed write: no packing
+            assert memory_mod.pack_bytes_for(None) == 0
+        # Said (once), and not asked again within the TTL: each ask of a GCS that does not
+        # answer would cost a writer its timeout.
+        assert asked == [1]
+        assert [r.getMessage() for r in caplog.records] == [
+            "hybrid_ray: could not count the cluster's nodes (ConnectionError: GCS down); "
+            "memory-tier segments are written unpacked for the next 30 s. Set "
+            "ShuffleConfig.memory_pack_bytes to choose packing yourself"]
 
     def test_a_segment_that_never_arrives_fails_the_read_within_its_bound(
             self, ray_local, monkeypatch):

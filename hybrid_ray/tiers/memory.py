@@ -7,6 +7,8 @@ tier-manager actor own them (``owner``), which puts them itself (see ``put_many_
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +21,8 @@ from hybrid_ray.errors import CorruptSegmentError, SegmentNotFoundError, Shuffle
 from hybrid_ray.nodes import alive_node_count
 from hybrid_ray.segment import PackSlot, SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import Grant, Tier
+
+_LOG = logging.getLogger(__name__)
 
 # How long a reader waits for one memory-tier segment (a pull from another node included):
 # as long as a data call to a tier manager (actors.DATA_CALL_TIMEOUT_S).
@@ -227,9 +231,15 @@ def pack_bytes_for(configured: int | None) -> int:
     now = time.monotonic()
     if not _node_count_cache or now - _node_count_cache[1] > NODE_COUNT_TTL_S:
         try:
-            alive = alive_node_count()
-        except Exception:  # noqa: BLE001 - the GCS did not answer: write without packing
-            return 0
+            alive: float = alive_node_count()
+        except Exception as exc:  # noqa: BLE001 - the GCS did not answer: write without packing
+            # Said once per TTL (and not asked again before it: each ask of a GCS that
+            # does not answer costs the writer its timeout).
+            _LOG.warning("hybrid_ray: could not count the cluster's nodes (%s: %s); "
+                         "memory-tier segments are written unpacked for the next %.0f s. "
+                         "Set ShuffleConfig.memory_pack_bytes to choose packing yourself",
+                         type(exc).__name__, exc, NODE_COUNT_TTL_S)
+            alive = math.inf
         _node_count_cache[:] = [alive, now]
     return AUTO_PACK_BYTES if _node_count_cache[0] <= 1 else 0
 
