@@ -19,6 +19,7 @@ import dataclasses
 import glob
 import os
 import posixpath
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -349,6 +350,29 @@ def sweep_remote(remote_path: str, older_than_s: float,
 
 
 # ---- asking the cluster ----------------------------------------------------------------------
+def within(timeout_s: float, what: str, call: Callable[[], Any]) -> Any:
+    """``call()``'s result, or its exception, if it returns within ``timeout_s``; else
+    ``TimeoutError`` naming ``what``. The call runs on a daemon thread, which is left
+    behind if it never returns (it cannot keep the process from exiting)."""
+    box: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.append((False, exc))
+        done.set()
+
+    threading.Thread(target=run, name="hybrid-ray-bounded-call", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what} did not answer within {timeout_s:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 def live_shuffles(timeout_s: float = 30.0) -> dict[str, str]:
     """Shuffle id -> job id of every shuffle a running shuffle master knows, in every
     namespace of the connected Ray cluster. Raises if a master does not answer within
@@ -358,10 +382,16 @@ def live_shuffles(timeout_s: float = 30.0) -> dict[str, str]:
     from hybrid_ray.actors import MASTER_NAME
 
     live: dict[str, str] = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
+    # The GCS lookups are bounded too: Ray retries a GCS that accepts and does not answer
+    # for much longer than the caller's timeout.
+    entries = within(timeout_s, "the cluster's GCS listing its named actors",
+                     lambda: ray.util.list_named_actors(all_namespaces=True))
+    for entry in entries:
         if entry["name"] != MASTER_NAME:
             continue
-        master = ray.get_actor(MASTER_NAME, namespace=entry["namespace"])
+        master = within(timeout_s, f"the GCS looking up the shuffle master of namespace "
+                        f"{entry['namespace']!r}",
+                        lambda e=entry: ray.get_actor(MASTER_NAME, namespace=e["namespace"]))
         try:
             method: Callable[..., Any] = master.live_shuffles
         except AttributeError:  # a master started by an older hybrid_ray

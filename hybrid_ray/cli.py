@@ -191,9 +191,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from hybrid_ray.actors import MASTER_NAME
 
+    from hybrid_ray.cleanup import within
+
     _connect(args.address, args.timeout)
     try:
-        master = ray.get_actor(MASTER_NAME, namespace=args.namespace)
+        master = within(args.timeout, "the cluster's GCS looking up the shuffle master",
+                        lambda: ray.get_actor(MASTER_NAME, namespace=args.namespace))
+    except TimeoutError as exc:
+        raise CliError(f"hybrid-ray: {exc} (--timeout); the cluster may be overloaded",
+                       1) from None
     except ValueError:
         print(f"no hybrid_ray shuffle master in namespace {args.namespace!r}: no shuffle has "
               "run on this cluster yet")

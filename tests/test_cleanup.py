@@ -499,3 +499,35 @@ def test_a_removal_cut_short_is_finished_by_the_next_run_whatever_its_age_limit(
     assert result.kept_recent == [] and result.errors == []
     assert [os.path.basename(p) for p in result.removed] == [shuffle]
     assert not os.path.exists(tree)
+
+
+def test_asking_which_shuffles_are_live_is_bounded_when_the_gcs_never_answers(monkeypatch):
+    """``live_shuffles`` bounded only the masters' answers: listing the named actors and
+    looking a master up were left to Ray's own GCS retries, which outlast ``--timeout``
+    by minutes against a GCS that accepts and never answers."""
+    import threading
+    import time
+
+    import ray
+
+    from hybrid_ray.cleanup import live_shuffles
+
+    never = threading.Event()
+    monkeypatch.setattr(ray.util, "list_named_actors",
+                        lambda all_namespaces=False: never.wait(60) or [])
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="the cluster's GCS listing its named actors did "
+                                           "not answer within 0.5 s"):
+        live_shuffles(timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    # A lookup of one master that never answers is bounded the same way.
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces=False: [
+        {"name": "hybrid_ray_shuffle_master", "namespace": "team1"}])
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: never.wait(60))
+    from hybrid_ray.actors import MASTER_NAME
+
+    assert MASTER_NAME == "hybrid_ray_shuffle_master"
+    with pytest.raises(TimeoutError, match="looking up the shuffle master of namespace "
+                                           "'team1'"):
+        live_shuffles(timeout_s=0.5)
+    never.set()
