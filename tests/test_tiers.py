@@ -560,6 +560,39 @@ def test_concurrent_probes_of_one_remote_tier_do_not_fail_each_other(tmp_path, m
     tier.check_reachable()
 
 
+def test_a_store_that_refuses_deletes_fails_the_probe_naming_what_it_left(tmp_path,
+                                                                           monkeypatch):
+    """A store that took the probe's write but refused its delete was reported as "not
+    writable", and the probe object stayed unmentioned. A delete that fails once is tried
+    again; one that keeps failing names the cause, the permission and the probe left."""
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    real_rm = tier.fs.rm_file
+    refusals = []
+
+    def refuse_once(path, **kw):
+        if not refusals:
+            refusals.append(path)
+            raise PermissionError("flaky")
+        return real_rm(path, **kw)
+
+    monkeypatch.setattr(tier.fs, "rm_file", refuse_once)
+    tier.check_reachable()
+    assert len(refusals) == 1 and not os.path.exists(refusals[0])  # the retry removed it
+
+    def refuse(path, **kw):
+        raise PermissionError("AccessDenied: s3:DeleteObject")
+
+    monkeypatch.setattr(tier.fs, "rm_file", refuse)
+    with pytest.raises(RemoteTierError, match="took a write but refused to delete it: "
+                                              "PermissionError") as info:
+        tier.check_reachable()
+    left = [f for f in os.listdir(tmp_path / "remote" / "job-1")
+            if f.startswith(".hybrid_ray_probe-")]
+    assert len(left) == 1
+    assert f"{tmp_path}/remote/job-1/{left[0]}" in str(info.value)
+    assert "s3:DeleteObject" in str(info.value)
+
+
 def test_a_failed_remote_delete_is_a_scrubbed_remote_tier_error(tmp_path, monkeypatch):
     """Errors other than OSError from deleting a segment (botocore's HTTPClientError)
     crossed raw, bypassing the scrubber, into the master's last_error."""

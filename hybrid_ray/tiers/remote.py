@@ -142,7 +142,6 @@ class RemoteTier(Tier):
                 if not self._atomic_put:
                     self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
                 self.fs.pipe_file(probe, b"ok", **self._deadline())
-            self.fs.rm_file(probe, **self._deadline())
         except UnsafePathError:  # its own reason and fix; not an unreachable store
             raise
         except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
@@ -154,6 +153,29 @@ class RemoteTier(Tier):
                 "credentials are set (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, "
                 "or an instance role).",
                 exc)
+        self._remove_probe(probe)
+
+    def _remove_probe(self, probe: str) -> None:
+        """Delete the reachability probe, tried twice. A store that takes writes but
+        refuses deletes would keep every segment of every shuffle, so it fails the check
+        too, naming the probe left behind: it was reported as "not writable" before, and
+        the probe stayed unmentioned."""
+        for attempt in range(2):
+            try:
+                self.fs.rm_file(probe, **self._deadline())
+                return
+            except FileNotFoundError:
+                return
+            except Exception as exc:  # noqa: BLE001 - botocore/aiohttp/OS errors
+                if attempt == 1:
+                    self._fail(
+                        RemoteTierError,
+                        f"remote tier {self.display_path!r} took a write but refused to "
+                        f"delete it: {_describe(exc)}. hybrid_ray deletes every segment "
+                        "it writes, so it needs permission to delete there (for S3: "
+                        "s3:DeleteObject). The probe object "
+                        f"{redact_url(probe)!r} is left behind; remove it once deletes "
+                        "work.", exc)
 
     def _deadline(self, nbytes: int = 0) -> dict[str, float]:
         """The ``timeout`` keyword bounding one call of an async filesystem (fsspec cancels
