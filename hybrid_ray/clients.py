@@ -186,6 +186,9 @@ class WriteClient:
         tails, self._held = self._held, []
         for sub in range(self.num_subpartitions):
             tails.extend(self._cut(sub, final=True))
+        # In subpartition order (stable: a subpartition's segments keep theirs), so the
+        # memory tier packs neighbours together (``pack_groups``).
+        tails.sort(key=lambda piece: piece[0])
         self._place(tails)
         if settle:
             self._settle_changes()
@@ -551,11 +554,12 @@ class MemoryBatches:
         while i < len(self._metas) and len(indices) < MEMORY_BATCH_SEGMENTS:
             meta = self._metas[i]
             if meta.tier == TierName.MEMORY:
-                # What the get pins: a packed member's whole object (estimated from its
-                # member count; pulled whole from another node), counted once.
+                # What the get pins: a packed member's whole object (pulled whole from
+                # another node), counted once. (Estimated from the member count only where
+                # the pack's size is unknown: with skewed members that undercounted.)
                 ref = meta.object_ref[0] if meta.object_ref else None
                 pinned = 0 if ref is not None and ref in objects else \
-                    meta.nbytes * (meta.pack.members if meta.pack is not None else 1)
+                    pinned_bytes(meta)
                 if indices and nbytes + pinned > MEMORY_BATCH_BYTES:
                     break
                 indices.append(i)
@@ -573,6 +577,13 @@ class MemoryBatches:
         except Exception:  # noqa: BLE001 - read one by one: each raises its own error
             return
         self._got.update(zip(indices, values))
+
+
+def pinned_bytes(meta: SegmentMeta) -> int:
+    """The bytes a get of memory-tier segment ``meta`` pins: its pack's, if it has one."""
+    if meta.pack is None:
+        return meta.nbytes
+    return meta.pack.pack_bytes or meta.nbytes * meta.pack.members
 
 
 class ReadClient:

@@ -126,13 +126,15 @@ class PackSlot(NamedTuple):
     so a pack is known by its first member (``lead_subpartition``, ``lead_index``; the map
     and attempt are every member's) and counts ``members``: the node's tier manager gives the
     pack's bytes back once all of them were freed. ``position`` is this segment's place in
-    the list.
+    the list; ``pack_bytes`` the payload bytes of all members (what a get of any member
+    pins; 0 where unknown).
     """
 
     lead_subpartition: int
     lead_index: int
     members: int
     position: int
+    pack_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +181,7 @@ class SegmentMeta:
 def _segment_meta(shuffle_id: str, map_partition: int, subpartition: int, index: int,
                   attempt: int, job_id: str, tier: str, nbytes: int, num_rows: int,
                   node_id: str, location: str, object_ref: list[Any] | None,
-                  pack: tuple[int, int, int, int] | None = None) -> SegmentMeta:
+                  pack: tuple[int, ...] | None = None) -> SegmentMeta:
     """Rebuild a ``SegmentMeta`` pickled by ``SegmentMeta.__reduce__``."""
     return SegmentMeta(SegmentId(shuffle_id, map_partition, subpartition, index, attempt,
                                  job_id), TierName(tier), nbytes, num_rows, node_id, location,

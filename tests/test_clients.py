@@ -794,6 +794,41 @@ def test_a_flush_s_memory_segments_share_one_object_freed_with_its_last_member(
     tm.release_shuffle(shuffle)
 
 
+def test_a_close_packs_neighbours_not_a_hot_subpartition_with_the_first_tail(ray_local,
+                                                                             tmp_path):
+    """At close a map places its held full segments, then every subpartition's tail: the
+    hot last subpartition's held segments and subpartition 0's tail shared a pack, which
+    kept subpartition 0's bytes counted until the last reducer was done (found by a
+    review: 2.15 of 2.93 MB still counted once subpartitions 0..30 were freed)."""
+    from hybrid_ray.tiers.memory import pack_groups
+
+    assert pack_groups([1] * 6, 100, 8, [31, 31, 31, 0, 1, 2]) == [[0, 1, 2], [3, 4, 5]]
+    cfg = ShuffleConfig(memory_capacity_bytes=200 * MiB, spill_dirs=[str(tmp_path / "spill")],
+                        segment_bytes={"memory": 256 * 1024, "disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"pk-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=32)
+    rng = np.random.default_rng(0)
+    parts = [(s, pa.table({"k": rng.integers(0, 1 << 62, n), "v": rng.random(n)}))
+             for s, n in ((s, 120_000 if s == 31 else 2_000) for s in range(32))]
+    client.write_many(parts, place=False)  # held, as a map's last chunk is
+    metas = client.close()
+    assert {m.tier for m in metas} == {TierName.MEMORY}
+    packs: dict = {}
+    for m in metas:
+        packs.setdefault(m.object_ref[0], []).append(m.id.subpartition)
+    assert all(members == sorted(members) for members in packs.values()), packs
+    memory = tm._tier(shuffle, TierName.MEMORY)
+    tm.free_segments(shuffle, [m for m in metas if m.id.subpartition < 31])
+    hot = sum(m.nbytes for m in metas if m.id.subpartition == 31)
+    # Only packs holding subpartition 31 stay; at most one of them also holds others.
+    assert memory.used_by(shuffle) <= hot + max(m.nbytes for m in metas
+                                                 if m.id.subpartition < 31) * 7
+    assert row_fingerprint(ReadClient(io).read_segments(
+        [m for m in metas if m.id.subpartition == 31])) == row_fingerprint([parts[31][1]])
+    tm.release_shuffle(shuffle)
+
+
 def test_a_memory_batch_counts_a_packed_member_s_whole_object_once(ray_local, tmp_path,
                                                                   monkeypatch):
     """A get pins (and from another node, pulls) a packed member's whole object: the
@@ -815,4 +850,37 @@ def test_a_memory_batch_counts_a_packed_member_s_whole_object_once(ray_local, tm
     out = list(ReadClient(io).read_in_order(metas))
     assert [t.equals(x) for t, x in zip(out, tables)] == [True] * 12
     assert batches == [6, 6]  # two packs of 3 (counted per member: 7, then 5)
+    tm.release_shuffle(shuffle)
+
+
+def test_a_small_member_of_a_pack_with_large_ones_counts_the_whole_pack(ray_local, tmp_path,
+                                                                        monkeypatch):
+    """A batch estimated a pack as its member's size times the member count: a small
+    member of a pack with large ones (skewed keys) counted a fraction of what its get pins,
+    so a batch could pin far more than its byte bound (found by a review)."""
+    import hybrid_ray.clients as clients_mod
+    from hybrid_ray.clients import pinned_bytes
+
+    cfg = ShuffleConfig(memory_capacity_bytes=64 * MiB, spill_dirs=[str(tmp_path / "spill")])
+    tm = TierManager("node-a", 0)
+    shuffle = f"pk-{uuid.uuid4().hex[:6]}"
+    client, io = make_client(cfg, tm, shuffle, subs=8)
+    parts = [(s, random_table(20_000 if s == 1 else 100, seed=s)) for s in range(8)]
+    client.write_many(parts)
+    metas = sorted(client.close(), key=lambda m: m.id)
+    small, large = metas[0], metas[1]
+    assert small.pack is not None and small.object_ref[0] == large.object_ref[0]
+    members = [m for m in metas if m.object_ref[0] == small.object_ref[0]]
+    assert len(members) == 2 and pinned_bytes(small) == small.nbytes + large.nbytes
+    assert pinned_bytes(small) > 10 * small.nbytes * small.pack.members  # the old estimate
+    # A batch bound the large member fills: the next pack's get waits for the next batch.
+    monkeypatch.setattr(clients_mod, "MEMORY_BATCH_BYTES", large.nbytes)
+    memory = io[TierName.MEMORY]
+    batches, real_many = [], memory.read_many
+    monkeypatch.setattr(memory, "read_many",
+                        lambda batch: batches.append(len(batch)) or real_many(batch))
+    wanted = [metas[0], metas[2], metas[4]]
+    out = list(ReadClient(io).read_in_order(wanted))
+    assert [t.num_rows for t in out] == [100, 100, 100]
+    assert batches == [1, 2]  # (counted per member, all three went in one batch)
     tm.release_shuffle(shuffle)

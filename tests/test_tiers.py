@@ -170,8 +170,8 @@ class TestMemoryTier(TierConformance):
         metas = tier.write_many(items, "n" * 56, pack_bytes=bound)
         refs = [m.object_ref[0] for m in metas]
         assert refs[0] == refs[1] == refs[2] and len({refs[0], refs[3], refs[4]}) == 3
-        assert [m.pack for m in metas] == [(0, 0, 3, 0), (0, 0, 3, 1), (0, 0, 3, 2),
-                                           None, None]
+        assert [m.pack for m in metas] == [(0, 0, 3, 0, bound), (0, 0, 3, 1, bound),
+                                           (0, 0, 3, 2, bound), None, None]
         assert [m.nbytes for m in metas] == sizes
         for meta, (_, payload) in zip(metas, items):
             assert bytes(tier.read(meta)) == payload
@@ -226,7 +226,7 @@ class TestMemoryTier(TierConformance):
         three = [(SegmentId("pk", 0, k, 1), _payload(k, SegmentId("pk", 0, k, 1))[1])
                  for k in range(3)]
         packed = tier.write_many(three, "n1", pack_bytes=64 * MiB)
-        assert packed[0].pack == PackSlot(0, 1, 3, 0)
+        assert packed[0].pack == PackSlot(0, 1, 3, 0, sum(len(p) for _, p in three))
         with pytest.raises(CorruptSegmentError, match="should be an object of its own in "
                                                       "the memory tier of node n1, but its "
                                                       "object holds a pack of 3"):

@@ -87,17 +87,19 @@ class MemoryTier(Tier):
         # A numpy array is stored out-of-band, so readers on the node get a zero-copy view;
         # a list of them is one object holding each as its own out-of-band buffer.
         arrays = [np.frombuffer(payload, dtype=np.uint8) for _, payload in items]
-        groups = pack_groups([len(a) for a in arrays], pack_bytes, max_members)
+        groups = pack_groups([len(a) for a in arrays], pack_bytes, max_members,
+                             [segment.subpartition for segment, _ in items])
         refs = put_many_owned_by(self.owner, [arrays[g[0]] if len(g) == 1
                                               else [arrays[i] for i in g] for g in groups])
         metas = []
         for group, ref in zip(groups, refs):
             lead = items[group[0]][0]
+            pack_bytes = sum(len(arrays[i]) for i in group)
             for position, i in enumerate(group):
                 segment, payload = items[i]
                 self._refs[segment] = ref
                 slot = None if len(group) == 1 else PackSlot(
-                    lead.subpartition, lead.index, len(group), position)
+                    lead.subpartition, lead.index, len(group), position, pack_bytes)
                 metas.append(SegmentMeta(segment, self.name, len(payload),
                                          segment_num_rows(payload), node_id=node_id,
                                          object_ref=[ref], pack=slot))
@@ -194,17 +196,24 @@ def pack_members_for(num_subpartitions: int) -> int:
     return max(1, min(PACK_MEMBERS_MAX, num_subpartitions // MIN_PACKS_PER_FLUSH))
 
 
-def pack_groups(sizes: Sequence[int], pack_bytes: int,
-                max_members: int | None = None) -> list[list[int]]:
+def pack_groups(sizes: Sequence[int], pack_bytes: int, max_members: int | None = None,
+                subpartitions: Sequence[int] | None = None) -> list[list[int]]:
     """Consecutive indices of ``sizes`` in groups of at most ``max_members`` (default
     ``PACK_MEMBERS_MAX``) whose sizes sum to at most ``pack_bytes`` (a larger one alone);
-    ``pack_bytes <= 0``: every index alone."""
+    ``pack_bytes <= 0``: every index alone.
+
+    With ``subpartitions`` (each index's), a group also ends where the order steps back
+    (subpartition 0's tail after 31's held segments): a pack is freed with its last
+    member's reducer, so one spanning distant subpartitions kept the early one's bytes
+    counted until the late one's reducer was done."""
     limit = PACK_MEMBERS_MAX if max_members is None else max_members
     groups: list[list[int]] = []
     total = 0
     for i, size in enumerate(sizes):
+        steps_back = subpartitions is not None and bool(groups) \
+            and subpartitions[i] < subpartitions[groups[-1][-1]]
         if not groups or pack_bytes <= 0 or total + size > pack_bytes \
-                or len(groups[-1]) >= limit:
+                or len(groups[-1]) >= limit or steps_back:
             groups.append([])
             total = 0
         groups[-1].append(i)
