@@ -113,11 +113,16 @@ DEFAULT_TIMEOUT_S = 15.0
 
 
 class CliError(Exception):
-    """A failure the command reports in one message and a nonzero exit code."""
+    """A failure the command reports in one message and a nonzero exit code.
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    ``abandon``: something of Ray's did not answer in time (a connection, the GCS, an
+    actor). Ray's exit hook (``ray.shutdown``) would wait for it as long as it stays
+    silent, so ``main`` leaves the process at once once the message is out."""
+
+    def __init__(self, message: str, code: int = 1, abandon: bool | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.abandon = code == 3 if abandon is None else abandon
 
 
 def _connect(address: str | None, timeout_s: float) -> None:
@@ -172,6 +177,13 @@ def _connect(address: str | None, timeout_s: float) -> None:
                        f"{type(failure[0]).__name__}: {failure[0]}. {advice}.", 2)
 
 
+def ray_timeout_errors() -> tuple[type[BaseException], ...]:
+    """Ray's exceptions for a call that did not answer in time."""
+    import ray
+
+    return (ray.exceptions.GetTimeoutError,)
+
+
 def _get(ref: Any, what: str, timeout_s: float) -> Any:
     """``ray.get`` bounded by ``timeout_s``; a silent actor becomes a ``CliError``."""
     import ray
@@ -180,8 +192,8 @@ def _get(ref: Any, what: str, timeout_s: float) -> Any:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise CliError(f"hybrid-ray: {what} did not answer within {timeout_s:.0f} s "
-                       "(--timeout); the cluster may be overloaded or the actor hung", 1) \
-            from None
+                       "(--timeout); the cluster may be overloaded or the actor hung", 1,
+                       abandon=True) from None
     except ray.exceptions.RayError as exc:
         raise CliError(f"hybrid-ray: {what} failed: {type(exc).__name__}: {exc}", 1) from None
 
@@ -199,7 +211,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                         lambda: ray.get_actor(MASTER_NAME, namespace=args.namespace))
     except TimeoutError as exc:
         raise CliError(f"hybrid-ray: {exc} (--timeout); the cluster may be overloaded",
-                       1) from None
+                       1, abandon=True) from None
     except ValueError:
         print(f"no hybrid_ray shuffle master in namespace {args.namespace!r}: no shuffle has "
               "run on this cluster yet")
@@ -319,9 +331,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         try:
             live = cleanup.live_shuffles(args.timeout)
         except Exception as exc:
+            timed_out = isinstance(exc, (TimeoutError, ray_timeout_errors()))
             raise CliError(f"hybrid-ray cleanup: could not ask the shuffle masters which "
                            f"shuffles are live ({type(exc).__name__}: {exc}); removed "
-                           "nothing", 1) from None
+                           "nothing", 1, abandon=timed_out) from None
     result = cleanup.remove(plan, args.older_than, keep=live)
     for path in result.removed:
         print(f"removed {path}")
@@ -391,9 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(exc, file=sys.stderr)
         sys.stderr.flush()
-        if exc.code == 3:
-            # ray.init is still waiting in its thread, and Ray's exit hooks would wait
-            # for it too: leave now, the message is out.
+        if exc.abandon:
+            # Ray (ray.init in its thread, a GCS or actor that stopped answering) would
+            # hold Ray's exit hook as long as it stays silent: leave now, the message is
+            # out. (Measured: a stopped GCS held `cleanup --timeout 3s` for over 240 s.)
+            sys.stdout.flush()
             os._exit(exc.code)
         return exc.code
 

@@ -193,3 +193,56 @@ def test_cleanup_reads_storage_options_from_a_file_or_the_environment(tmp_path, 
     monkeypatch.setenv("HYBRID_RAY_STORAGE_OPTIONS", '["not", "an", "object"]')
     with pytest.raises(CliError, match=r"\$HYBRID_RAY_STORAGE_OPTIONS must be a JSON object"):
         _storage_options(None)
+
+
+_STOPPED_GCS_PARENT = r'''
+import os, signal, subprocess, sys, tempfile, time
+import ray
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+         configure_logging=False)
+node = ray._private.worker._global_node
+gcs_pid = node.all_processes["gcs_server"][0].process.pid
+child_code = """
+import os, signal, sys
+from hybrid_ray import cleanup, cli
+asked = cleanup.live_shuffles
+def with_the_gcs_stopped(timeout_s):
+    os.kill(int(os.environ["GCS_PID"]), signal.SIGSTOP)
+    return asked(timeout_s)
+cleanup.live_shuffles = with_the_gcs_stopped
+sys.exit(cli.main(sys.argv[1:]))
+"""
+env = dict(os.environ, GCS_PID=str(gcs_pid))
+env.pop("RAY_ADDRESS", None)
+started = time.monotonic()
+child = subprocess.Popen([sys.executable, "-c", child_code, "cleanup", "--spill-dir",
+                          tempfile.mkdtemp(), "--address", node.gcs_address, "--timeout",
+                          "3s"], env=env, stderr=subprocess.PIPE, text=True)
+try:
+    _, err = child.communicate(timeout=90)
+    print(f"RC {child.returncode} AFTER {time.monotonic() - started:.1f}")
+    print(err[-2000:])
+except subprocess.TimeoutExpired:
+    child.kill()
+    child.communicate()
+    print(f"STILL RUNNING AFTER {time.monotonic() - started:.1f}")
+finally:
+    os.kill(gcs_pid, signal.SIGCONT)
+    ray.shutdown()
+'''
+
+
+def test_cleanup_ends_within_its_timeout_when_the_gcs_stops_answering(tmp_path):
+    """`cleanup --timeout 3s` reported the silent GCS within its bound, then returned from
+    main, and Ray's exit hook (ray.shutdown) waited on the GCS as long as it stayed
+    stopped: over 240 s (found by a review). The CLI now leaves at once after a timeout."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", _STOPPED_GCS_PARENT], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert "RC 1 AFTER" in out, out + proc.stderr[-2000:]
+    elapsed = float(out.split("RC 1 AFTER ")[1].split()[0])
+    assert elapsed < 45, out  # (3 s bound; the rest is the child's start on 2 shared cores)
+    assert "did not answer within 3 s" in out and "removed nothing" in out, out
