@@ -16,7 +16,7 @@ from typing import Any
 
 from hybrid_ray.errors import ConfigError, UnknownTierError
 from hybrid_ray.ids import check_id, glob_characters_in, has_abnormal_component
-from hybrid_ray.redaction import redact_url, redacted_options
+from hybrid_ray.redaction import redact_url, redacted_options, split_userinfo
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -430,14 +430,10 @@ def credentials_in_url_problem(protocol: str, rest: str) -> str:
     ``KEY:SECRET@bucket`` for a bucket name, so every request went to a bucket that cannot
     exist, and the storage's own errors then quoted the secret. (``abfs://container@account``
     is Azure's URL form, not credentials: a user part without a ':' stays allowed there.)"""
-    head = rest.split("?", 1)[0]
-    end = head.find("/") if "/" in head else len(head)
-    authority, colon = head[:end], head.find(":")
-    # KEY:SECRET@ (a secret may hold a '/', so the '@' can come after the first '/'),
-    # or any '@' in a bucket name.
-    in_url = (0 <= colon < end and "@" in head[colon:]) or \
-        ("@" in authority and protocol in _BUCKET_IS_AUTHORITY)
-    if in_url:
+    # KEY:SECRET@ (a secret may hold '/', '?' or '@': split_userinfo), or any '@' in a
+    # bucket name.
+    parts = split_userinfo(f"{protocol}://{rest}")
+    if parts is not None and (":" in parts[1] or protocol in _BUCKET_IS_AUTHORITY):
         return ("carries credentials (or an '@') before the bucket; fsspec does not read "
                 "credentials from the URL. Write the URL without them, e.g. "
                 "s3://bucket/prefix, and pass them as storage_options (for S3: "

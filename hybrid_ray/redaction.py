@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 MASK = "***"
-SECRET_KEY_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth",
+SECRET_KEY_WORDS = ("key", "secret", "token", "pass", "pwd", "credential", "auth",
                     "signature", "session", "cookie", "private", "connection_string",
                     "conn_str", "dsn")
 # A value holding one of these (case-insensitive) is a credential whatever its option's
@@ -33,10 +33,29 @@ SECRET_VALUE_MARKS = ("accountkey=", "sharedaccesssignature=", "sig=")
 # replacing every "a" in a message would destroy it, and real credentials are long.
 MIN_SCRUB_CHARS = 4
 
-# The user:password part runs to the last "@" before the query: a password may hold an
-# "@" of its own (urllib and fsspec read the user part to the last "@"), and an AWS secret
-# a "/". A URL with no authority ("file:///home/me@corp/x") has none.
-_SCHEME_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*://)(?!/)([^?]*)@")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def split_userinfo(url: str) -> tuple[str, str, str] | None:
+    """``(scheme://, user[:password], rest after its "@")`` of ``url``, or None if it
+    has no user part. With a ":" before the first "/" the user part runs to the last "@"
+    of the whole URL: a password may hold "@", "/" (AWS secrets) or "?" of its own, and
+    hiding too much is the safe side. Without one only an "@" before the first "/" starts
+    the host (``s3://bucket/pre@fix`` is a key). A URL with no authority
+    (``file:///home/me@corp/x``) has none."""
+    scheme = _SCHEME.match(url)
+    if scheme is None or url[scheme.end():].startswith("/"):
+        return None
+    rest = url[scheme.end():]
+    slash = rest.find("/") if "/" in rest else len(rest)
+    colon = rest.find(":")
+    if 0 <= colon < slash and "@" in rest[colon:]:
+        at = rest.rfind("@")
+    elif "@" in rest[:slash]:
+        at = rest.rfind("@", 0, slash)
+    else:
+        return None
+    return scheme.group(0), rest[:at], rest[at + 1:]
 
 
 def is_secret_key(name: Any) -> bool:
@@ -52,9 +71,9 @@ def redact_url(url: Any) -> Any:
         return url
     out = url
     if "://" in out:
-        match = _SCHEME_USERINFO.match(out)
-        if match:
-            out = match.group(1) + MASK + "@" + out[match.end():]
+        parts = split_userinfo(out)
+        if parts is not None:
+            out = parts[0] + MASK + "@" + parts[2]
     if "?" in out:
         out = out.split("?", 1)[0] + "?" + MASK
     return out
@@ -101,11 +120,11 @@ def _secret_strings(value: Any, under_secret_key: bool, out: set[str]) -> None:
 
 
 def _url_secrets(url: str, out: set[str]) -> None:
-    match = _SCHEME_USERINFO.match(url)
+    parts = split_userinfo(url)
     # "file:///home/me@corp/x" has no authority: its "@" is in the path, not a credential
     # (scrubbing "/home/me" from every message would garble them).
-    if match and not match.group(2).startswith("/"):
-        userinfo = match.group(2)
+    if parts is not None:
+        userinfo = parts[1]
         out.add(userinfo)
         out.update(userinfo.split(":", 1))
     if "?" in url:

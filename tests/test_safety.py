@@ -427,6 +427,32 @@ def test_credentials_in_the_remote_url_are_refused_without_showing_them(url):
     assert "storage_options" in str(info.value)
 
 
+def test_a_password_holding_a_question_mark_is_refused_and_never_shown():
+    """A '?' inside the user:password part hid it from the rule (the URL was cut at the
+    query first) and from redaction (whose user part stopped at '?'): the key id and the
+    start of the secret were shown in reprs and messages (found by a review)."""
+    from hybrid_ray.redaction import Redactor, redact_url
+
+    url = "s3://AKIAIOSFODNN7EXAMPLE:wJalr?XUtnFEMI@bucket/prefix"
+    with pytest.raises(ConfigError, match="carries credentials") as info:
+        ShuffleConfig(remote_path=url)
+    for text in (str(info.value), redact_url(url),
+                 Redactor(url).scrub(f"writing failed at {url}")):
+        assert "AKIAIOSFODNN7EXAMPLE" not in text and "wJalr" not in text, text
+    assert redact_url("https://bob:hunt?er2@host/x") == "https://***@host/x"
+    assert redact_url("s3://bucket/pre@fix") == "s3://bucket/pre@fix"  # a key, not a user
+    assert redact_url("file:///home/me@corp/x") == "file:///home/me@corp/x"
+
+
+def test_a_passphrase_option_is_a_credential():
+    """paramiko/sftp's ``passphrase`` was printed by the config's repr: the secret words
+    named 'password' and 'passwd' only (found by a review)."""
+    cfg = ShuffleConfig(storage_options={"passphrase": "correct-horse-battery", "pwd": "x1",
+                                         "region_name": "eu-west-1"})
+    assert "correct-horse-battery" not in repr(cfg) and "'pwd': '***'" in repr(cfg)
+    assert "eu-west-1" in repr(cfg)
+
+
 def test_azure_container_at_account_is_not_taken_for_credentials():
     from hybrid_ray.config import credentials_in_url_problem
 
