@@ -17,7 +17,7 @@ import math
 import ray
 
 from hybrid_ray.actors import START_TIMEOUT_S, ShuffleActors, reader_count, start_actors
-from hybrid_ray.config import Compression, ShuffleConfig
+from hybrid_ray.config import MAX_DURATION_S, Compression, ShuffleConfig
 from hybrid_ray.errors import ConfigError
 
 # The most memory init has each writer and reader allocate ahead (one map chunk's worth,
@@ -70,6 +70,11 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
             or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ConfigError(f"hybrid_ray.init(timeout_s=...) must be a positive number of "
                           f"seconds, got {timeout_s!r}")
+    if timeout_s > MAX_DURATION_S:
+        # Checked before any actor starts: Ray's millisecond timeouts overflow beyond it.
+        raise ConfigError(f"hybrid_ray.init(timeout_s=...) must be at most "
+                          f"{MAX_DURATION_S:g} s, got {timeout_s!r}: Ray's timeouts overflow "
+                          "beyond it")
     if warm_object_store_bytes is not None and (
             isinstance(warm_object_store_bytes, bool)
             or not isinstance(warm_object_store_bytes, int) or warm_object_store_bytes < 0):
