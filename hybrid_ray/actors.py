@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hybrid_ray import spark_jvm
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError
+from hybrid_ray.errors import SegmentNotFoundError, ShuffleStalledError, UnsafePathError
 from hybrid_ray.master import (
     LATE_REMOTE_SWEEP_S, PendingDeletion, PollResult, ShuffleRegistry, ShuffleState,
     ShuffleSummary, metas_by_node,
@@ -456,12 +456,23 @@ class ShuffleMasterActor:
                 waits.append((node_id, tm.free_segments.remote(
                     state.shuffle_id, [m.without_object_ref() for m in local])))
         remote = [m for m in metas if m.tier == TierName.REMOTE]
+        failed: list[Exception] = []
         if remote:
             tier = self._remote_tier(state.config)
             for meta in remote:
-                tier.delete(meta)
+                try:
+                    tier.delete(meta)
+                except UnsafePathError as exc:
+                    # Not ours (a location from another process, e.g. a JVM commit): said
+                    # and left, as a tier manager does with a disk location. Raised, it
+                    # was retried forever and held back the batch's other segments.
+                    _LOG.warning("hybrid_ray shuffle master: %s", exc)
+                except Exception as exc:  # noqa: BLE001 - the rest are still deleted
+                    failed.append(exc)
         _wait_for_nodes(waits, f"deleting segments of shuffle {state.shuffle_id}",
                         self._tier_managers.discard)
+        if failed:
+            raise failed[0]
 
     def _release_data(self, state: ShuffleState) -> None:
         """Remove all of a shuffle's data on every node it used and in the remote tier;

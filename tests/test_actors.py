@@ -817,3 +817,45 @@ def test_objects_a_killed_writer_uploaded_after_the_release_go_with_the_late_swe
         assert ray.get(master.status.remote(), timeout=60)["pending_deletions"] == []
     finally:
         ray.kill(master)
+
+
+def test_a_remote_location_that_is_not_ours_is_left_once_and_the_rest_deleted(tmp_path,
+                                                                             caplog):
+    """A remote location the tier refuses (not a segment object of the shuffle, e.g. from
+    a JVM commit) raised out of the master's deletion, which was then retried forever with
+    backoff, and the batch's later remote segments waited for the shuffle's release (found
+    by a review). It is now said and left, like a refused disk location."""
+    import logging
+
+    from hybrid_ray import actors
+    from hybrid_ray.config import TierName
+    from hybrid_ray.segment import SegmentId, SegmentMeta
+    from hybrid_ray.tiers import RemoteTier
+
+    tier = RemoteTier(1 << 20, f"file://{tmp_path}/remote", "job-1")
+    precious = tmp_path / "remote" / "job-1" / "shf-1" / "precious.txt"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("not ours")
+    ours = SegmentId("shf-1", 0, 0, 1, job_id="job-1")
+    path = tier.segment_path(ours)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"segment")
+    metas = [SegmentMeta(SegmentId("shf-1", 0, 0, 0, job_id="job-1"), TierName.REMOTE, 8, 1,
+                         "", str(precious)),
+             SegmentMeta(ours, TierName.REMOTE, 7, 1, "", tier.segment_path(ours))]
+    master_class = actors.ShuffleMasterActor.__ray_actor_class__
+
+    class FakeMaster:
+        _tier_managers = set()
+
+        def _remote_tier(self, config):
+            return tier
+
+    state = type("State", (), {"shuffle_id": "shf-1", "config": None})()
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray.actors"):
+        master_class._delete_segments(FakeMaster(), state, metas)  # raises nothing
+    assert precious.read_text() == "not ours"
+    assert not os.path.exists(tier.segment_path(ours))
+    assert any("not a segment object of shuffle shf-1" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
