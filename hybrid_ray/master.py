@@ -50,6 +50,10 @@ class MapState:
 
 @dataclasses.dataclass
 class ReaderState:
+    """The readers of one subpartition (usually one; a speculative or second Spark job's
+    reduce task makes two). ``done``: one of them was told it has everything. It sticks:
+    that reader keeps those rows whatever a later reader of the subpartition is told."""
+
     pid: int = 0
     delivered: int = 0
     first_delivery: float | None = None
@@ -468,7 +472,10 @@ class ShuffleRegistry:
             reader.delivered += sum(len(u.segments) for u in updates)
             if reader.first_delivery is None:
                 reader.first_delivery = self._clock()
-        reader.done = complete
+        # Never cleared: a second reader's poll (Spark's speculative copy of the reduce
+        # task) that is not complete does not undo what the first was told, which
+        # _check_rerun relies on (cleared, a re-run moving rows was accepted: 8 of 10).
+        reader.done = reader.done or (complete and record)
         return PollResult(updates, complete)
 
     def poll_batch(self, shuffle_id: str) -> int:

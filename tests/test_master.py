@@ -309,6 +309,30 @@ def test_a_rerun_is_checked_against_a_reader_told_it_has_everything_before_its_f
     assert registry.finish_map("w", 0, a2, last_segments=[rows(0, a2, 5), rows(1, a2, 5)])
 
 
+def test_a_second_reader_of_a_subpartition_does_not_undo_what_the_first_was_told(
+        registry):
+    """The "told it has everything" mark was overwritten by every poll of the
+    subpartition: a second reader (Spark's speculative copy of a reduce task) polling
+    after a map was lost cleared it, and a re-run moving rows out of the subpartition was
+    accepted while the first reader kept the lost attempt's rows: 5 + 3 of 10, no error
+    (found by a review)."""
+    from hybrid_ray.errors import ConfigError
+
+    def rows(sub, attempt, n):
+        return SegmentMeta(SegmentId("w", 0, sub, 0, attempt), TierName.DISK, 10, n, "n1",
+                           f"/x/w-{sub}-{attempt}")
+
+    registry.register("w", 1, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    a0 = registry.begin_map("w", 0, "n1")
+    assert registry.finish_map("w", 0, a0, last_segments=[rows(0, a0, 5), rows(1, a0, 5)])
+    assert registry.poll("w", 0, {}).done  # the first reader of subpartition 0 has it all
+    assert registry.report_lost("w", 0, a0)
+    assert not registry.poll("w", 0, {}).done  # a second reader of it, after the loss
+    a1 = registry.begin_map("w", 0, "n1")
+    with pytest.raises(ConfigError, match=r"\(subpartition 0: 5 rows then, 7 now\)"):
+        registry.finish_map("w", 0, a1, last_segments=[rows(0, a1, 7), rows(1, a1, 3)])
+
+
 def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     a0 = _finish(registry, 0)
     assert registry.report_lost("s", 0, a0) is False
