@@ -450,6 +450,16 @@ class ShuffleRegistry:
         ``record=False``: only look (a long poll deciding whether to answer yet); the
         delivery is not counted."""
         state = self._get(shuffle_id)
+        if subpartition in state.freed:
+            # Its reducer's output was stored and its data deleted: a second reader (a
+            # reducer Ray re-executed after it returned) found no object references,
+            # reported every map lost and waited out the stall bound for re-runs whose
+            # rows for a freed subpartition are dropped.
+            raise ShuffleStateError(
+                f"subpartition {subpartition} of shuffle {shuffle_id} was read to the end "
+                "and its data freed (free_subpartitions): it cannot be read again. Keep "
+                "the first reducer's output (a freed subpartition must never be "
+                "recomputed)")
         reader = state.readers.setdefault(subpartition, ReaderState())
         reader.pid = pid or reader.pid
         updates: list[MapUpdate] = []

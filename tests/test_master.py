@@ -333,6 +333,23 @@ def test_a_second_reader_of_a_subpartition_does_not_undo_what_the_first_was_told
         registry.finish_map("w", 0, a1, last_segments=[rows(0, a1, 7), rows(1, a1, 3)])
 
 
+def test_a_freed_subpartition_cannot_be_read_again(registry):
+    """A second reader of a subpartition whose output was stored and data freed found no
+    object references, reported its maps lost and waited out the stall bound for re-runs
+    that could never serve it (their rows for a freed subpartition are dropped). It now
+    fails at its first poll, naming why."""
+    from hybrid_ray.errors import ShuffleStateError
+
+    a = _finish(registry, 0)
+    registry.poll("s", 0, {})
+    registry.free_subpartitions("s", [0])
+    with pytest.raises(ShuffleStateError, match="subpartition 0 of shuffle s was read to "
+                                                "the end and its data freed"):
+        registry.poll("s", 0, {})
+    assert registry.poll("s", 1, {}).updates[0].segments  # the others are still served
+    assert registry.state("s").maps[0].finished_attempt == a
+
+
 def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     a0 = _finish(registry, 0)
     assert registry.report_lost("s", 0, a0) is False
