@@ -283,6 +283,24 @@ def test_a_rerun_that_partitions_differently_is_refused_naming_the_partitioner(r
     assert registry.finish_map("e", 0, e1, last_segments=[rows(0, 2, 0, e1, 5, "e")])
 
 
+def _rows(sub, attempt, n):
+    """Map 0's segment of ``n`` rows for subpartition ``sub`` of shuffle "w"."""
+    return SegmentMeta(SegmentId("w", 0, sub, 0, attempt), TierName.DISK, 10, n, "n1",
+                       f"/x/w-{sub}-{attempt}")
+
+
+def _map_lost_after_subpartition_0_was_read(registry):
+    """Shuffle "w" (1 map, 2 subpartitions, recoverable): map 0 finishes with 5 rows for
+    each, subpartition 0's reader is told it has everything, then subpartition 1's reader
+    reports the map lost. Returns the lost attempt."""
+    registry.register("w", 1, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    a0 = registry.begin_map("w", 0, "n1")
+    assert registry.finish_map("w", 0, a0, last_segments=[_rows(0, a0, 5), _rows(1, a0, 5)])
+    assert registry.poll("w", 0, {}).done  # subpartition 0's reducer has it all
+    assert registry.report_lost("w", 0, a0)  # subpartition 1's reader lost a segment
+    return a0
+
+
 def test_a_rerun_is_checked_against_a_reader_told_it_has_everything_before_its_free(
         registry):
     """A reducer whose poll answered done polls no more: it keeps the first run's rows
@@ -291,22 +309,14 @@ def test_a_rerun_is_checked_against_a_reader_told_it_has_everything_before_its_f
     the output lost rows (review of 2026-11-27: 5 + 3 of 10)."""
     from hybrid_ray.errors import ConfigError
 
-    def rows(sub, attempt, n):
-        return SegmentMeta(SegmentId("w", 0, sub, 0, attempt), TierName.DISK, 10, n, "n1",
-                           f"/x/w-{sub}-{attempt}")
-
-    registry.register("w", 1, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
-    a0 = registry.begin_map("w", 0, "n1")
-    assert registry.finish_map("w", 0, a0, last_segments=[rows(0, a0, 5), rows(1, a0, 5)])
-    assert registry.poll("w", 0, {}).done  # subpartition 0's reducer has it all
-    assert registry.report_lost("w", 0, a0)  # subpartition 1's reader lost a segment
+    _map_lost_after_subpartition_0_was_read(registry)
     a1 = registry.begin_map("w", 0, "n1")
     with pytest.raises(ConfigError, match=r"\(subpartition 0: 5 rows then, 7 now\).*not "
                                           r"deterministic"):
-        registry.finish_map("w", 0, a1, last_segments=[rows(0, a1, 7), rows(1, a1, 3)])
+        registry.finish_map("w", 0, a1, last_segments=[_rows(0, a1, 7), _rows(1, a1, 3)])
     # The same rows per subpartition are accepted.
     a2 = registry.begin_map("w", 0, "n1")
-    assert registry.finish_map("w", 0, a2, last_segments=[rows(0, a2, 5), rows(1, a2, 5)])
+    assert registry.finish_map("w", 0, a2, last_segments=[_rows(0, a2, 5), _rows(1, a2, 5)])
 
 
 def test_a_second_reader_of_a_subpartition_does_not_undo_what_the_first_was_told(
@@ -318,19 +328,11 @@ def test_a_second_reader_of_a_subpartition_does_not_undo_what_the_first_was_told
     (found by a review)."""
     from hybrid_ray.errors import ConfigError
 
-    def rows(sub, attempt, n):
-        return SegmentMeta(SegmentId("w", 0, sub, 0, attempt), TierName.DISK, 10, n, "n1",
-                           f"/x/w-{sub}-{attempt}")
-
-    registry.register("w", 1, 2, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
-    a0 = registry.begin_map("w", 0, "n1")
-    assert registry.finish_map("w", 0, a0, last_segments=[rows(0, a0, 5), rows(1, a0, 5)])
-    assert registry.poll("w", 0, {}).done  # the first reader of subpartition 0 has it all
-    assert registry.report_lost("w", 0, a0)
+    _map_lost_after_subpartition_0_was_read(registry)
     assert not registry.poll("w", 0, {}).done  # a second reader of it, after the loss
     a1 = registry.begin_map("w", 0, "n1")
     with pytest.raises(ConfigError, match=r"\(subpartition 0: 5 rows then, 7 now\)"):
-        registry.finish_map("w", 0, a1, last_segments=[rows(0, a1, 7), rows(1, a1, 3)])
+        registry.finish_map("w", 0, a1, last_segments=[_rows(0, a1, 7), _rows(1, a1, 3)])
 
 
 def test_a_freed_subpartition_cannot_be_read_again(registry):
