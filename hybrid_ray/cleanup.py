@@ -350,9 +350,13 @@ def sweep_remote(remote_path: str, older_than_s: float,
 
 
 # ---- asking the cluster ----------------------------------------------------------------------
+class CallTimedOut(TimeoutError):
+    """``within``'s bound passed (not a ``TimeoutError`` the call raised itself)."""
+
+
 def within(timeout_s: float, what: str, call: Callable[[], Any]) -> Any:
     """``call()``'s result, or its exception, if it returns within ``timeout_s``; else
-    ``TimeoutError`` naming ``what``. The call runs on a daemon thread, which is left
+    ``CallTimedOut`` naming ``what``. The call runs on a daemon thread, which is left
     behind if it never returns (it cannot keep the process from exiting)."""
     box: list[Any] = []
     done = threading.Event()
@@ -366,7 +370,7 @@ def within(timeout_s: float, what: str, call: Callable[[], Any]) -> Any:
 
     threading.Thread(target=run, name="hybrid-ray-bounded-call", daemon=True).start()
     if not done.wait(timeout_s):
-        raise TimeoutError(f"{what} did not answer within {timeout_s:g} s")
+        raise CallTimedOut(f"{what} did not answer within {timeout_s:g} s")
     ok, value = box[0]
     if not ok:
         raise value

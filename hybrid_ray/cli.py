@@ -132,10 +132,11 @@ def _connect(address: str | None, timeout_s: float) -> None:
     (refused or silent: fail now), then ``ray.init`` runs under the same bound.
     """
     import socket
-    import threading
 
     import ray
     from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    from hybrid_ray.cleanup import CallTimedOut, within
 
     shown = address or "auto"
     advice = ("Start one with `ray start --head` or `ray up cluster.yaml`, or pass "
@@ -155,33 +156,17 @@ def _connect(address: str | None, timeout_s: float) -> None:
     except (OSError, ValueError) as exc:
         raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown} ({target}): "
                        f"{exc}. {advice}.", 2) from None
-    failure: list[BaseException] = []
-    done = threading.Event()
-
-    def init() -> None:
-        try:
-            ray.init(address=target, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-        except BaseException as exc:  # reported by the caller's thread
-            failure.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=init, name="hybrid-ray-connect", daemon=True).start()
-    if not done.wait(timeout_s):
+    try:
+        within(timeout_s, f"the Ray cluster at {shown}", lambda: ray.init(
+            address=target, include_dashboard=False, log_to_driver=False,
+            configure_logging=False))
+    except CallTimedOut:
         raise CliError(f"hybrid-ray: the Ray cluster at {shown} ({target}) accepted a "
                        f"connection but did not complete the handshake within {timeout_s:.0f} s "
-                       "(--timeout). Is that port a Ray head's GCS port?", 3)
-    if failure:
+                       "(--timeout). Is that port a Ray head's GCS port?", 3) from None
+    except BaseException as exc:  # ray.init's own failure, whatever its type
         raise CliError(f"hybrid-ray: cannot connect to the Ray cluster at {shown} ({target}): "
-                       f"{type(failure[0]).__name__}: {failure[0]}. {advice}.", 2)
-
-
-def ray_timeout_errors() -> tuple[type[BaseException], ...]:
-    """Ray's exceptions for a call that did not answer in time."""
-    import ray
-
-    return (ray.exceptions.GetTimeoutError,)
+                       f"{type(exc).__name__}: {exc}. {advice}.", 2) from None
 
 
 def _get(ref: Any, what: str, timeout_s: float) -> Any:
@@ -331,7 +316,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         try:
             live = cleanup.live_shuffles(args.timeout)
         except Exception as exc:
-            timed_out = isinstance(exc, (TimeoutError, ray_timeout_errors()))
+            # (Ray's GetTimeoutError is a TimeoutError too.)
+            timed_out = isinstance(exc, TimeoutError)
             raise CliError(f"hybrid-ray cleanup: could not ask the shuffle masters which "
                            f"shuffles are live ({type(exc).__name__}: {exc}); removed "
                            "nothing", 1, abandon=timed_out) from None

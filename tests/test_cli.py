@@ -246,3 +246,19 @@ def test_cleanup_ends_within_its_timeout_when_the_gcs_stops_answering(tmp_path):
     elapsed = float(out.split("RC 1 AFTER ")[1].split()[0])
     assert elapsed < 45, out  # (3 s bound; the rest is the child's start on 2 shared cores)
     assert "did not answer within 3 s" in out and "removed nothing" in out, out
+
+
+def test_status_of_a_port_that_accepts_and_never_answers_ends_within_its_timeout():
+    """A listener that accepts connections and never speaks (not a Ray GCS): the
+    connection's handshake is bounded by --timeout, then the CLI leaves with exit 3."""
+    silent = socket.socket()
+    silent.bind(("0.0.0.0", 0))  # (Ray resolves 127.0.0.1 to the node's own address)
+    silent.listen(16)  # the kernel accepts; nobody answers
+    try:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        proc, elapsed = _cli("status", "--address", address, "--timeout", "3s", timeout=120)
+    finally:
+        silent.close()
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "did not complete the handshake within 3 s" in proc.stderr
+    assert elapsed < 60, f"took {elapsed:.1f} s"
