@@ -186,9 +186,6 @@ class WriteClient:
         tails, self._held = self._held, []
         for sub in range(self.num_subpartitions):
             tails.extend(self._cut(sub, final=True))
-        # In subpartition order (stable: a subpartition's segments keep theirs), so the
-        # memory tier packs neighbours together (``pack_groups``).
-        tails.sort(key=lambda piece: piece[0])
         self._place(tails)
         if settle:
             self._settle_changes()
