@@ -36,7 +36,7 @@ from hybrid_ray.tiers.disk import (
     remove_marked_tree, unsafe_spill_dir,
 )
 from hybrid_ray.tiers.remote import (
-    call_deadline_s, filesystem_options, remove_remote_tree,
+    call_deadline_s, filesystem_options, remove_empty_job_dir, remove_remote_tree,
 )
 
 # Names of job and shuffle directories cleanup may remove: exactly the ids hybrid_ray
@@ -325,6 +325,8 @@ def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
                 require_inside_remote(c.root, c.path, "remove")
                 remove_remote_tree(c.fs, c.path)
                 c.fs.invalidate_cache()
+                if _is_local(c.fs):
+                    remove_empty_job_dir(c.path)
         except FileNotFoundError:
             continue  # gone meanwhile (released by its master): nothing left to remove
         except Exception as exc:

@@ -630,3 +630,109 @@ def test_an_untrusted_local_remote_root_gets_no_directory_and_its_own_reason(tmp
     with pytest.raises(UnsafePathError, match=r"world-writable without the sticky bit"):
         RemoteTier(MiB, f"file://{root}", "job-1")
     assert os.listdir(root) == []
+
+
+# ---- what a local or S3 remote tier leaves behind (review, stop 39) --------------------------
+@pytest.fixture(params=["file", "s3"])
+def remote_store(request, tmp_path):
+    """(remote_path, storage_options) of a fresh local directory or moto S3 bucket."""
+    if request.param == "file":
+        return f"file://{tmp_path}/remote", None
+    return request.getfixturevalue("s3_bucket")
+
+
+def test_a_segment_landing_after_its_shuffle_was_removed_is_marked_again(remote_store):
+    """A writer marks a shuffle's remote directory once per process. After the master (in
+    another process) released the shuffle, tree and marker gone, a later upload from the
+    same writer landed unmarked: `hybrid-ray cleanup`, which removes only marked
+    directories, never saw it, and a writer that died before its refused commit deleted
+    the segment left it for good. The writer now marks the directory again."""
+    from hybrid_ray import cleanup
+
+    url, options = remote_store
+    writer = RemoteTier(MiB, url, "job-1", options)
+    releaser = RemoteTier(MiB, url, "job-1", options)  # the master's
+    first, late = SegmentId("late", 0, 0, 0), SegmentId("late", 1, 0, 0)
+    writer.write(first, _payload(1, first)[1])
+    releaser.remove_shuffle_data("late")
+    landed = writer.write(late, _payload(2, late)[1])
+    plan = cleanup.find_remote_orphans(url, options)
+    assert [c.shuffle_id for c in plan.candidates] == ["late"]
+    result = cleanup.remove(plan, older_than_s=0)
+    assert len(result.removed) == 1 and result.errors == []
+    writer.fs.invalidate_cache()
+    assert not writer.fs.exists(landed.location)
+    assert not writer.fs.exists(writer.shuffle_path("late"))
+
+
+def test_a_failed_local_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A file:// write that failed after its temporary file was created (a full disk)
+    left the file: a failed reachability probe's sat in the job directory, which no
+    release or cleanup removes, one more for every shuffle started against that disk."""
+    root = tmp_path / "remote"
+    tier = RemoteTier(MiB, f"file://{root}", "job-1")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier.fs, "mv", disk_full)
+    with pytest.raises(RemoteTierError, match="not writable.*No space left on device"):
+        tier.check_reachable()
+    sid = SegmentId("full", 0, 0, 0)
+    with pytest.raises(RemoteTierError, match="No space left on device"):
+        tier.write(sid, _payload(3, sid)[1])
+    assert files_under(str(root)) == []
+
+
+def test_no_empty_job_directory_is_left_on_a_local_remote_tier(tmp_path):
+    """Release and cleanup removed a file:// remote tier's shuffle directories but kept the
+    job directory above them, empty: one more for every driver run (the default job id
+    is new per process). It goes once empty; one holding anything else stays."""
+    from hybrid_ray import cleanup
+
+    root = tmp_path / "remote"
+    url = f"file://{root}"
+    tier = RemoteTier(MiB, url, "job-1")
+    for name in ("a", "b"):
+        sid = SegmentId(name, 0, 0, 0)
+        tier.write(sid, _payload(4, sid)[1])
+    tier.remove_shuffle_data("a")
+    assert os.listdir(root) == ["job-1"]  # shuffle b still lives in it
+    tier.remove_shuffle_data("b")
+    assert os.listdir(root) == []
+    # The same job writes again afterwards; a dead driver's job is swept by cleanup, and a
+    # job directory holding a user's file keeps it.
+    again = SegmentId("c", 0, 0, 0)
+    assert bytes(tier.read(tier.write(again, _payload(5, again)[1]))) == _payload(5, again)[1]
+    dead = RemoteTier(MiB, url, "job-2")
+    orphan = SegmentId("d", 0, 0, 0)
+    dead.write(orphan, _payload(6, orphan)[1])
+    (root / "job-2" / "notes.txt").write_text("the user's")
+    result = cleanup.remove(cleanup.find_remote_orphans(url), older_than_s=0)
+    assert len(result.removed) == 2 and result.errors == []
+    assert sorted(os.listdir(root)) == ["job-2"]
+    assert os.listdir(root / "job-2") == ["notes.txt"]
+
+
+def test_a_local_write_whose_directory_went_meanwhile_is_written_again(tmp_path, monkeypatch):
+    """Removing an empty job directory can meet a writer of the same job id (another
+    driver) between creating its directories and writing: the write creates them again
+    once instead of failing."""
+    import shutil
+
+    root = tmp_path / "remote"
+    tier = RemoteTier(MiB, f"file://{root}", "job-1")
+    real_pipe = tier.fs.pipe_file
+    removed = []
+
+    def job_dir_goes_first(path, data, **kwargs):
+        if not removed:
+            removed.append(path)
+            shutil.rmtree(root / "job-1")
+        return real_pipe(path, data, **kwargs)
+
+    monkeypatch.setattr(tier.fs, "pipe_file", job_dir_goes_first)
+    sid = SegmentId("raced", 0, 0, 0)
+    meta = tier.write(sid, _payload(7, sid)[1])
+    assert removed and bytes(tier.read(meta)) == _payload(7, sid)[1]
+    assert not [f for f in files_under(str(root)) if f.endswith(".inprogress")]

@@ -42,7 +42,7 @@ from hybrid_ray.ids import (
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
-from hybrid_ray.tiers.disk import local_tree_problem, make_private_dir
+from hybrid_ray.tiers.disk import local_tree_problem, make_private_dir, unlink_quietly
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
@@ -215,17 +215,32 @@ class RemoteTier(Tier):
         """A local file, private like the disk tier's: its directories are created 0700
         (so the file is unreachable by others from its first byte) and it is made 0600
         before it is renamed into place (readers never see half a file)."""
-        # Checked before anything is created in an untrusted root, and again after (the
-        # directories created or found on the way).
-        self._require_trusted_tree(posixpath.dirname(path))
-        make_private_dir(posixpath.dirname(path))
-        self._require_trusted_tree(posixpath.dirname(path))
         # Unique per writer: the transfer threads of a process may write the same shuffle's
         # marker at once, and a shared temporary name was renamed away under one of them.
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
-        self.fs.pipe_file(tmp, payload)
-        os.chmod(tmp, 0o600)
-        self.fs.mv(tmp, path)
+        for last_try in (False, True):
+            # Checked before anything is created in an untrusted root, and again after (the
+            # directories created or found on the way).
+            self._require_trusted_tree(posixpath.dirname(path))
+            make_private_dir(posixpath.dirname(path))
+            self._require_trusted_tree(posixpath.dirname(path))
+            try:
+                self.fs.pipe_file(tmp, payload)
+                os.chmod(tmp, 0o600)
+                self.fs.mv(tmp, path)
+                return
+            except FileNotFoundError:
+                # A directory on the way went meanwhile: the job directory is removed once
+                # empty (``remove_empty_job_dir``), also under another process of the same
+                # job id that is about to write. Created again, once.
+                unlink_quietly(tmp)
+                if last_try:
+                    raise
+            except BaseException:
+                # Not left behind: a failed probe's temporary file sat in the job directory,
+                # which no release or cleanup removes (one per shuffle on a full disk).
+                unlink_quietly(tmp)
+                raise
 
     def _require_trusted_tree(self, directory: str) -> None:
         """On a local filesystem: refuse (``UnsafePathError``) to write or remove below
@@ -264,8 +279,9 @@ class RemoteTier(Tier):
         path = self.segment_path(segment)
         if not isinstance(payload, bytes):
             payload = bytes(payload)  # fsspec backends expect bytes (botocore hashes them)
+        marked_before = segment.shuffle_id in self._marked
         try:
-            if segment.shuffle_id not in self._marked:
+            if not marked_before:
                 self._write_marker(segment.shuffle_id)
             if self._local:
                 self._put_local(path, payload)
@@ -276,12 +292,27 @@ class RemoteTier(Tier):
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
                 self.fs.pipe_file(tmp, payload, **self._deadline(len(payload)))
                 self.fs.mv(tmp, path)
+            if marked_before:
+                self._mark_again_if_removed(segment.shuffle_id)
         except UnsafePathError:
             raise
         except Exception as exc:
             self._fail(RemoteTierError, f"writing {segment} to the remote tier at {path} "
                        f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
         return path
+
+    def _mark_again_if_removed(self, shuffle_id: str) -> None:
+        """After a segment of a shuffle this process marked before: mark it again if its
+        marker is gone. The shuffle was released (by the master, another process) since,
+        and this segment landed after the removal: unmarked, `hybrid-ray cleanup` never
+        saw it, and a writer that died before its refused commit deleted it left it for
+        good. Looked for after the write, so either the marker is there once this returns
+        or the removal came later and took the segment with it. One existence check per
+        segment (a HEAD on S3)."""
+        marker = posixpath.join(self.shuffle_path(shuffle_id), SHUFFLE_MARKER_NAME)
+        self.fs.invalidate_cache(posixpath.dirname(marker))  # a listing cached here is stale
+        if not self.fs.exists(marker):
+            self._write_marker(shuffle_id)
 
     def _write_marker(self, shuffle_id: str) -> None:
         """Mark the shuffle's directory (``SHUFFLE_MARKER_NAME``) before its first segment
@@ -429,6 +460,20 @@ class RemoteTier(Tier):
                            f"tier at {path} failed: {type(exc).__name__}: {exc}", exc)
         self.fs.invalidate_cache()
         self._marked.discard(shuffle_id)  # a write after this marks the directory again
+        if self._local:
+            remove_empty_job_dir(path)
+
+
+def remove_empty_job_dir(shuffle_path: str) -> None:
+    """On a local filesystem, remove the job directory above ``shuffle_path`` if nothing
+    is left in it: a ``file://`` remote tier kept one empty directory per driver run (the
+    default job id is new per process). Only an empty directory goes (``rmdir``); one
+    still holding anything, a live shuffle of the job or a user's file, stays. A writer
+    of the same job id that finds it gone creates it again (``RemoteTier._put_local``)."""
+    try:
+        os.rmdir(posixpath.dirname(posixpath.normpath(shuffle_path)))
+    except OSError:
+        pass  # not empty, gone already, or not ours to remove: left as it is
 
 
 def remove_remote_tree(fs: Any, path: str) -> None:
