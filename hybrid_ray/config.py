@@ -464,6 +464,13 @@ def validate_remote_path(path: Any) -> str:
     credentials = credentials_in_url_problem(protocol, rest)
     if credentials:
         raise ConfigError(f"remote_path {shown!r} {credentials}")
+    if "::" in rest:
+        # fsspec reads "a::b" as a chain of filesystems and uses only "a" as the path:
+        # "file:///tmp/hr::/tmp/other" wrote to /tmp/hr, not where the user pointed.
+        raise ConfigError(
+            f"remote_path {shown!r} holds '::', which fsspec reads as a chain of URLs and "
+            "would store the shuffle somewhere other than the path as written; choose a "
+            "path without '::'")
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:

@@ -76,6 +76,9 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("spill_dirs", ["spill"], "'spill' is relative"),
     ("spill_dirs", ["/d/{node_id}/.."], "loses its {node_id}"),
     ("remote_path", "memory://bkt/x", "cannot be a remote tier: it lives inside one process"),
+    # fsspec reads '::' as URL chaining: the first wrote to /tmp/hr, the second to bucket/p.
+    ("remote_path", "file:///tmp/hr::/tmp/other", "holds '::', which fsspec reads as a chain"),
+    ("remote_path", "s3://bucket/p::x", "holds '::', which fsspec reads as a chain"),
     ("storage_options", {1: "x"}, "with string keys"),
     ("progress", "no", "progress must be True or False"),
 ])
