@@ -336,6 +336,7 @@ def map_block(shuffle_id: str, map_index: int,
     else:
         tables = ray.get(list(block))
     if schema is not None:
+        schema = with_extension_types(schema)
         tables = [_conform(table, schema, f"input block {i} of map {map_index}")
                   for i, table in enumerate(tables)]
     if len(tables) > 1:
@@ -374,6 +375,30 @@ def _decoded(field: pa.Field) -> pa.DataType:
     """A field's type with dictionary encoding taken off: the type of its values."""
     t = field.type
     return t.value_type if pa.types.is_dictionary(t) else t
+
+
+_EXTENSION_NAME = b"ARROW:extension:name"
+
+
+def with_extension_types(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with the extension types its fields name registered and restored.
+
+    A schema that crosses processes in Arrow's IPC form (as Ray passes it to a worker)
+    comes out with an extension field's storage type and the extension's name in the
+    field's metadata when the receiving process has not registered that type yet. Ray
+    Data registers its tensor and Python-object types when its modules are imported,
+    which a fresh writer had not done: the first shuffle of a dataset with a tensor column
+    failed there ("different schemas ... ArrowTensorTypeV2 vs large_list"), and readers
+    decoded such columns as plain lists. Ray Data's types are registered here (by
+    importing it) and the schema read again; other unregistered types stay as stored.
+    """
+    names = [field.metadata.get(_EXTENSION_NAME) for field in schema
+             if field.metadata and _EXTENSION_NAME in field.metadata]
+    if not names:
+        return schema
+    if any(name.startswith(b"ray.data.") for name in names):
+        import ray.data  # noqa: F401 - registers Ray Data's Arrow extension types
+    return pa.ipc.read_schema(pa.py_buffer(schema.serialize()))
 
 
 def unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> pa.Schema:

@@ -42,6 +42,11 @@ class Partitioner(abc.ABC):
         """Transform a reducer's complete partition; the default keeps it as read."""
         return table
 
+    def check_schema(self, schema: pa.Schema) -> None:
+        """Refuse (``ConfigError`` naming the column and the fix) a schema this
+        partitioner cannot work with, before anything runs (``run_shuffle`` calls it).
+        The default accepts every schema."""
+
 
 def _mix64_inplace(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser applied to ``x`` (uint64) in place; returns ``x``.
@@ -159,6 +164,10 @@ def _hash_array(column: pa.Array) -> np.ndarray:
     elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t) \
             or pa.types.is_fixed_size_list(t):
         out = _hash_lists(column, n)
+    elif _is_list_view(t):  # the same lists as a list's (sizes and offsets apart)
+        return _hash_array(_as_large_list(column))
+    elif isinstance(t, pa.BaseExtensionType):  # by the values it stores (uuid, json, ...)
+        return _hash_array(column.storage)
     else:
         # Other rare key types (unions, extension types, intervals). pandas is imported
         # here, not at module level: it costs a new Ray worker ~0.5 s of CPU to import.
@@ -169,6 +178,35 @@ def _hash_array(column: pa.Array) -> np.ndarray:
     if column.null_count:
         out[column.is_null().to_numpy(zero_copy_only=False)] = 0
     return out
+
+
+def _is_list_view(t: pa.DataType) -> bool:
+    return pa.types.is_list_view(t) or pa.types.is_large_list_view(t)
+
+
+def _as_large_list(column: pa.Array) -> pa.Array:
+    """A list view's lists as a large list array. Not Arrow's cast: in Arrow 26 it gave a
+    trailing null slot offset 0 (offsets [0, 1, 3, 3, 0]), which broke the lengths."""
+    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(column) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pc.list_flatten(column),
+                                         type=pa.large_list(column.type.value_field),
+                                         mask=column.is_null())
+
+
+def hash_key_problem(t: pa.DataType) -> str:
+    """Why values of type ``t`` cannot be a hash key ("" if they can): unions, whose
+    values have no representation ``hash_column`` can hash by value (they failed inside
+    every map, after the actors started); searched through nested types."""
+    if pa.types.is_union(t):
+        return f"{t} is a union"
+    if pa.types.is_dictionary(t):
+        return hash_key_problem(t.value_type)
+    if isinstance(t, pa.BaseExtensionType):
+        return hash_key_problem(t.storage_type)
+    return next((p for p in (hash_key_problem(t.field(i).type) for i in range(t.num_fields))
+                 if p), "")
 
 
 def _hash_struct(column: pa.StructArray, n: int) -> np.ndarray:
@@ -412,6 +450,16 @@ class HashPartitioner(Partitioner):
                               f"{keys!r}: e.g. HashPartitioner(['user_id'])")
         self.keys = list(keys)
 
+    def check_schema(self, schema: pa.Schema) -> None:
+        for key in self.keys:
+            t = _key_type(schema, key, "HashPartitioner")
+            problem = hash_key_problem(t)
+            if problem:
+                raise ConfigError(
+                    f"cannot partition by column {key!r} of type {t}: {problem}, whose "
+                    "values hybrid_ray cannot hash by value. Partition by another column, "
+                    "or by one derived from it (e.g. its string form)")
+
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
         if not self.keys:
             raise ValueError("HashPartitioner needs at least one key column")
@@ -465,8 +513,45 @@ class RangePartitioner(Partitioner):
         self.descending = descending
         self.nulls_first = descending if nulls_first is None else nulls_first
 
+    def check_schema(self, schema: pa.Schema) -> None:
+        """The key must be sortable, and the boundaries values of its type: int keys
+        searched among string boundaries were compared as text, and the concatenated
+        output was silently out of order ([0, 1, 2, 10, ..., 19, 3, ...]). Boundaries are
+        kept in the form the key's values take in ``assign`` (decoded, as NumPy)."""
+        t = _key_type(schema, self.key, "RangePartitioner")
+        problem = sort_key_problem(t)
+        if problem:
+            raise ConfigError(f"cannot sort by column {self.key!r} of type {t}: {problem}")
+        value_type = t.value_type if pa.types.is_dictionary(t) else t
+        if len(self.boundaries) == 0:
+            return
+        numeric = pa.types.is_integer(value_type) or pa.types.is_floating(value_type)
+        if numeric:
+            if self.boundaries.dtype.kind not in "iuf":
+                raise ConfigError(self._foreign_boundaries(t, "they are not numbers"))
+            return
+        try:
+            # NumPy datetimes keep their unit through Arrow; anything else converts from
+            # Python values, strictly (ints are not taken for strings, nor strings parsed).
+            source = self.boundaries if self.boundaries.dtype.kind in "Mm" \
+                else self.boundaries.tolist()
+            self.boundaries = pa.array(source, type=value_type).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError,
+                ValueError, OverflowError) as exc:
+            raise ConfigError(self._foreign_boundaries(t, str(exc))) from None
+
+    def _foreign_boundaries(self, t: pa.DataType, why: str) -> str:
+        return (f"RangePartitioner's boundaries (NumPy {self.boundaries.dtype}) are not "
+                f"values of its key column {self.key!r} of type {t}: {why}. Keys compared "
+                "with boundaries of another type land in the wrong partitions; give "
+                "boundaries of the key's type")
+
     def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
         column = table.column(self.key)
+        if pa.types.is_dictionary(column.type):
+            # Decoded: a dictionary may hold a null value that a valid index points to,
+            # which is_null does not see on the encoded column.
+            column = column.cast(column.type.value_type)
         missing = column.is_null(nan_is_null=True)
         if not pc.any(missing).as_py():
             idx = self._positions(column.to_numpy())
@@ -496,6 +581,26 @@ class RangePartitioner(Partitioner):
         indices = pc.sort_indices(pa.table({"key": sortable}),
                                   sort_keys=[("key", order, placement)])
         return table.take(indices)
+
+
+def _key_type(schema: pa.Schema, key: str, who: str) -> pa.DataType:
+    index = schema.get_field_index(key)
+    if index < 0:
+        raise ConfigError(f"{who}'s key column {key!r} is not in the blocks' schema; "
+                          f"their columns are {schema.names}")
+    return schema.field(index).type
+
+
+def sort_key_problem(t: pa.DataType) -> str:
+    """Why values of type ``t`` cannot be sorted by ("" if they can): nested, union,
+    interval and extension types have no order Arrow sorts by."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_nested(t) or pa.types.is_union(t) or pa.types.is_interval(t) \
+            or isinstance(t, pa.BaseExtensionType):
+        return ("its values have no order; sort by a column of numbers, strings, binary, "
+                "dates, times or decimals (e.g. a struct's field, selected into a column)")
+    return ""
 
 
 def _sortable(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -548,6 +653,29 @@ def range_boundaries(samples: np.ndarray, num_partitions: int) -> np.ndarray:
     samples = np.sort(samples)
     picks = (np.arange(1, num_partitions) * len(samples)) // num_partitions
     return samples[np.minimum(picks, len(samples) - 1)]
+
+
+def untakeable_column_problem(schema: pa.Schema) -> str:
+    """Why the rows of ``schema`` cannot be shuffled ("" if they can): a column of a type
+    Arrow cannot ``take`` rows of (string_view, binary_view, run-end encoded; also inside
+    a struct or list), which failed inside every map after the actors started."""
+    def untakeable(t: pa.DataType) -> bool:
+        if pa.types.is_string_view(t) or pa.types.is_binary_view(t) \
+                or pa.types.is_run_end_encoded(t):
+            return True
+        if pa.types.is_dictionary(t):
+            return untakeable(t.value_type)
+        if isinstance(t, pa.BaseExtensionType):
+            return untakeable(t.storage_type)
+        return any(untakeable(t.field(i).type) for i in range(t.num_fields))
+
+    bad = [f"{field.name!r} ({field.type})" for field in schema if untakeable(field.type)]
+    if not bad:
+        return ""
+    return (f"cannot shuffle column(s) {', '.join(bad)}: Arrow {pa.__version__} cannot take "
+            "rows of string_view, binary_view or run-end encoded arrays. Cast them first "
+            "to string, binary or the decoded type, e.g. ds.map_batches(lambda t: "
+            "t.cast(target_schema), batch_format='pyarrow')")
 
 
 def split_by_partition(table: pa.Table, parts: np.ndarray,

@@ -28,6 +28,7 @@ from hybrid_ray.clients import ReadClient
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import SegmentLostWithNodeError, SegmentNotFoundError
 from hybrid_ray.io_tiers import io_tiers_for
+from hybrid_ray.map_task import with_extension_types
 from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ReduceTimes, Stopwatch
@@ -251,6 +252,9 @@ def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
     and control-plane seconds for the report. Three separate returns: the driver waits on
     the small ones without pulling the table to its node."""
     times = ReduceTimes()
+    # Before any segment is decoded: a column of an extension type this process had not
+    # registered decoded as its storage type (see with_extension_types).
+    schema = with_extension_types(schema)
     tables = read_subpartition(shuffle_id, subpartition, config, master, times=times)
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     table = partitioner.finalize(table, subpartition)

@@ -45,6 +45,7 @@ from hybrid_ray.nodes import (
 )
 from hybrid_ray.partitioning import (
     HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
+    sort_key_problem, untakeable_column_problem,
 )
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
     read_subpartition, reduce_partition,
@@ -130,7 +131,12 @@ def _sample_task(key: str, k: int, *blocks: pa.Table) -> np.ndarray:
     partition of their own: see ``RangePartitioner``)."""
     out = []
     for block in blocks:
-        column = pc.drop_null(block.column(key))
+        column = block.column(key)
+        if pa.types.is_dictionary(column.type):
+            # Decoded first: a null value in the dictionary is no null of the encoded
+            # column, and reached NumPy's sort of the samples ("'<' not supported").
+            column = column.cast(column.type.value_type)
+        column = pc.drop_null(column)
         if pa.types.is_floating(column.type):
             column = column.filter(pc.invert(pc.is_nan(column)))
         if len(column) == 0:
@@ -415,6 +421,10 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
             "the blocks to shuffle have no columns: their rows cannot be shuffled (Arrow "
             "drops rows without columns when it takes or encodes them). Add a column, or "
             "count the rows instead of shuffling them")
+    untakeable = untakeable_column_problem(schema)
+    if untakeable:
+        raise ConfigError(untakeable)
+    partitioner.check_schema(schema)
     if not ray.is_initialized():
         ray.init()
     window = _reducer_window(config)
@@ -584,18 +594,16 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
 
 def _check_sortable(schema: pa.Schema | None, key: str) -> None:
     """Refuse a sort key whose values have no order Arrow sorts by (nested, union,
-    interval), before anything runs: a struct key failed in the driver's sampling with
-    NumPy's "'<' not supported", a list key in every reducer after the whole map phase."""
+    interval, extension), before anything runs: a struct key failed in the driver's
+    sampling with NumPy's "'<' not supported", a list key in every reducer after the
+    whole map phase."""
     if schema is None:
         return
     t = schema.field(key).type
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    if pa.types.is_nested(t) or pa.types.is_union(t) or pa.types.is_interval(t) \
-            or isinstance(t, pa.ExtensionType):
-        raise ConfigError(f"cannot sort by column {key!r} of type {t}: its values have no "
-                          "order; sort by a column of numbers, strings, binary, dates, times "
-                          "or decimals (e.g. a struct's field, selected into a column)")
+    problem = sort_key_problem(t)
+    if problem:
+        raise ConfigError(f"cannot sort by column {key!r} of type "
+                          f"{t.value_type if pa.types.is_dictionary(t) else t}: {problem}")
 
 
 def _reducer_window(config: ShuffleConfig) -> int:
@@ -697,8 +705,16 @@ def _dataset_blocks(ds: Any) -> _Blocks:
 
 
 def _has_pandas_blocks(ds: Any) -> bool:
-    """Whether a materialized dataset's blocks are pandas DataFrames (its schema, from
-    metadata, is not an Arrow schema)."""
+    """Whether any of a materialized dataset's blocks is a pandas DataFrame: its schema in
+    the block's metadata (or, where that is missing, the dataset's) is not an Arrow one.
+    The dataset's schema alone is its first block's: a union of Arrow blocks and pandas
+    ones reached the maps (and the sort's sampling) with DataFrames."""
+    for bundle in ds.iter_internal_ref_bundles():
+        for entry in bundle.blocks:
+            block_schema = getattr(entry.metadata, "schema", None)
+            if block_schema is not None and not isinstance(
+                    getattr(block_schema, "base_schema", block_schema), pa.Schema):
+                return True
     schema = ds.schema()
     schema = getattr(schema, "base_schema", schema)
     return schema is not None and not isinstance(schema, pa.Schema)
@@ -833,6 +849,9 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
     blocks = _dataset_blocks(ds)
     _check_columns(blocks.schema, [key], "sort key")
     _check_sortable(blocks.schema, key)
+    untakeable = untakeable_column_problem(blocks.schema) if blocks.schema is not None else ""
+    if untakeable:  # before the sampling, which takes rows of the key
+        raise ConfigError(untakeable)
     if not blocks.refs:
         return _empty_dataset(num_partitions or 1, blocks.schema, "sort", config)
     n = num_partitions or _default_partitions(blocks.refs, config)
