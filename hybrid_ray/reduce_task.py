@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
@@ -82,7 +83,8 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
 
 
     reader = ReadClient(io_tiers_for(config, node_id), node_id,
-                        functools.partial(fetch_from_node, namespace=config.namespace))
+                        functools.partial(fetch_from_node, namespace=config.namespace),
+                        functools.partial(start_fetch_from_node, namespace=config.namespace))
     cursors: dict[int, tuple[int, int]] = {}
     # Per map, (segment index, rows): the master lists a map's segments in commit order,
     # which is not their index order when some went to the remote tier (an upload is
@@ -241,6 +243,26 @@ def fetch_from_node(meta: SegmentMeta, namespace: str) -> bytes:
                 raise
         tm = get_tier_manager(meta.node_id, namespace)
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def start_fetch_from_node(meta: SegmentMeta, namespace: str) -> Callable[[], bytes]:
+    """Start reading disk segment ``meta`` of another node through that node's tier
+    manager; returns the call that waits for the bytes (a reader's read-ahead). The wait
+    is bounded as ``fetch_from_node``'s; if the tier manager was gone or died meanwhile,
+    it is ``fetch_from_node`` that then tells a dead node from a dead tier manager (and
+    asks one started again)."""
+    tm = existing_tier_manager(meta.node_id, namespace)
+    ref = tm.read_disk_segment.remote(meta) if tm is not None else None
+
+    def wait() -> bytes:
+        if ref is not None:
+            try:
+                return answer_of(ref, f"node {meta.node_id}'s tier manager reading {meta.id}",
+                                 DATA_CALL_TIMEOUT_S)
+            except WORKER_LOST_ERRORS:
+                pass  # below: the node's death, or a tier manager started again
+        return fetch_from_node(meta, namespace)
+    return wait
 
 
 def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,

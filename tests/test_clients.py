@@ -884,3 +884,44 @@ def test_a_small_member_of_a_pack_with_large_ones_counts_the_whole_pack(ray_loca
     assert [t.num_rows for t in out] == [100, 100, 100]
     assert batches == [1, 2]  # (counted per member, all three went in one batch)
     tm.release_shuffle(shuffle)
+
+
+def test_other_nodes_disk_segments_are_fetched_ahead_in_order(tmp_path):
+    """A reader fetched another node's disk segments one at a time, each a round trip
+    through that node's tier manager (about 20 ms for 3.4 MB on 2 simulated nodes): it
+    now starts the next ``ahead`` of them before decoding the current one, and still
+    yields every segment once, in order; a fetch that fails raises when its turn comes."""
+    disk = DiskTier(1 << 20, [str(tmp_path / "spill")])
+    tables = [random_table(500, seed) for seed in range(6)]
+    from hybrid_ray import encode_segment
+
+    ids = [SegmentId("ahead", m, 0, 0) for m in range(len(tables))]
+    metas = [disk.write(sid, encode_segment(t, sid), node_id="node-a")
+             for sid, t in zip(ids, tables)]
+    started: list[int] = []
+    waited: list[int] = []
+
+    def start_node_fetch(meta):
+        started.append(meta.id.map_partition)
+
+        def wait():
+            waited.append(meta.id.map_partition)
+            if meta.id.map_partition == 5:
+                raise SegmentNotFoundError(f"{meta.id} is gone")
+            with open(meta.location, "rb") as f:
+                return f.read()
+        return wait
+
+    reader = ReadClient({}, "node-b", fetch_from_node=None, start_node_fetch=start_node_fetch)
+    out = reader.read_in_order(metas, ahead=3)
+    first = next(out)
+    assert started == [0, 1, 2] and waited == [0]  # three in flight before the first decode
+    got = [first] + [next(out) for _ in range(4)]
+    assert [row_fingerprint([t]) for t in got] == [row_fingerprint([t]) for t in tables[:5]]
+    assert started == [0, 1, 2, 3, 4, 5] and waited == [0, 1, 2, 3, 4]
+    with pytest.raises(SegmentNotFoundError, match="is gone"):
+        next(out)
+    # A reader on the segments' own node maps its files and fetches nothing.
+    started.clear()
+    local = ReadClient({}, "node-a", start_node_fetch=start_node_fetch)
+    assert len(list(local.read_in_order(metas[:5], ahead=3))) == 5 and started == []

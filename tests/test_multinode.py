@@ -69,7 +69,7 @@ def test_a_disk_segment_is_served_after_its_node_s_tier_manager_died(cluster, tm
 
     from hybrid_ray import SegmentId, TierName
     from hybrid_ray.actors import get_tier_manager
-    from hybrid_ray.reduce_task import fetch_from_node
+    from hybrid_ray.reduce_task import fetch_from_node, start_fetch_from_node
     from hybrid_ray.segment import encode_segment
     from hybrid_ray.tiers.disk import DiskTier
 
@@ -97,4 +97,12 @@ def test_a_disk_segment_is_served_after_its_node_s_tier_manager_died(cluster, tm
         return fetch_from_node(meta, cfg.namespace)
 
     assert ray.get(read_from_head.options(**on(head)).remote(), timeout=120) == payload
+    # The read-ahead path (start_fetch_from_node) falls back to the same recovery.
+    ray.kill(get_tier_manager(other, cfg.namespace), no_restart=True)
+
+    @ray.remote(num_cpus=0)
+    def read_ahead_from_head():
+        return start_fetch_from_node(meta, cfg.namespace)()
+
+    assert ray.get(read_ahead_from_head.options(**on(head)).remote(), timeout=120) == payload
     ray.kill(get_tier_manager(other, cfg.namespace), no_restart=True)  # it knows no shuffle
