@@ -311,7 +311,13 @@ class RemoteTier(Tier):
         segment (a HEAD on S3)."""
         marker = posixpath.join(self.shuffle_path(shuffle_id), SHUFFLE_MARKER_NAME)
         self.fs.invalidate_cache(posixpath.dirname(marker))  # a listing cached here is stale
-        if not self.fs.exists(marker):
+        try:
+            there = self.fs.exists(marker)
+        except Exception:  # noqa: BLE001 - a throttled or failed check: written again
+            # (the existence check is one more request, without the retries of a PUT:
+            # under S3 throttling it failed writes that would have gone through).
+            there = False
+        if not there:
             self._write_marker(shuffle_id)
 
     def _write_marker(self, shuffle_id: str) -> None:
