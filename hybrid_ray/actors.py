@@ -144,6 +144,23 @@ def _call_periodically(actor: Any, interval_s: float,
             on_error(exc)
 
 
+def _delete_remote_segments(tier: RemoteTier, metas: Sequence[SegmentMeta]
+                            ) -> list[Exception]:
+    """Delete remote segments, every one tried; returns the errors of those that failed.
+    A location the tier refuses (not ours: from another process, e.g. a JVM commit) is
+    said and left, as a tier manager does with a disk location: raised, it was retried
+    forever and held back the batch's other segments."""
+    failed: list[Exception] = []
+    for meta in metas:
+        try:
+            tier.delete(meta)
+        except UnsafePathError as exc:
+            _LOG.warning("hybrid_ray shuffle master: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the rest are still deleted
+            failed.append(exc)
+    return failed
+
+
 def _node_object_store_bytes(node_id: str) -> int:
     for node in ray.nodes():
         if node.get("NodeID") == node_id:
@@ -458,17 +475,14 @@ class ShuffleMasterActor:
         remote = [m for m in metas if m.tier == TierName.REMOTE]
         failed: list[Exception] = []
         if remote:
+            # On the tier's transfer threads, waited for within a bound: a sync filesystem
+            # (NFS through file://, HDFS, sftp) has no per-call deadline, and a hung one
+            # held this thread, and with it every later deletion, forever. Timed out, the
+            # deletion stays queued and is tried again.
             tier = self._remote_tier(state.config)
-            for meta in remote:
-                try:
-                    tier.delete(meta)
-                except UnsafePathError as exc:
-                    # Not ours (a location from another process, e.g. a JVM commit): said
-                    # and left, as a tier manager does with a disk location. Raised, it
-                    # was retried forever and held back the batch's other segments.
-                    _LOG.warning("hybrid_ray shuffle master: %s", exc)
-                except Exception as exc:  # noqa: BLE001 - the rest are still deleted
-                    failed.append(exc)
+            failed = tier.outcome(
+                tier.io_pool().submit(_delete_remote_segments, tier, remote),
+                f"deleting {len(remote)} segment(s) of shuffle {state.shuffle_id}")
         _wait_for_nodes(waits, f"deleting segments of shuffle {state.shuffle_id}",
                         self._tier_managers.discard)
         if failed:
@@ -523,7 +537,10 @@ class ShuffleMasterActor:
     def _remove_remote_tree(self, state: ShuffleState) -> None:
         """Remove a shuffle's remote tree: at its release, and once more for late writes
         (``LATE_REMOTE_SWEEP_S``)."""
-        self._remote_tier(state.config).remove_shuffle_data(state.shuffle_id)
+        tier = self._remote_tier(state.config)
+        # Bounded as the segments' deletion is (see _delete_segments).
+        tier.outcome(tier.io_pool().submit(tier.remove_shuffle_data, state.shuffle_id),
+                     f"removing shuffle {state.shuffle_id}")
 
     def _remote_tier(self, config: ShuffleConfig) -> RemoteTier:
         """The remote tier deletions go through, opened once per config (it was opened

@@ -477,3 +477,54 @@ def test_an_abort_waits_for_hung_uploads_within_one_bound_not_one_each(tmp_path,
     elapsed = time.monotonic() - started
     assert elapsed < 3.0, f"the abort waited {elapsed:.1f} s for 4 hung uploads (bound 1 s)"
     tm.release_shuffle("shf-abort")
+
+
+def test_the_master_s_remote_deletions_give_up_on_a_hung_sync_store_within_a_bound(
+        tmp_path, monkeypatch):
+    """The master deleted remote segments and removed a released shuffle's remote tree on
+    its background thread without a bound: a sync filesystem (NFS through file://, HDFS,
+    sftp) that hung held that thread, and every later deletion and orphan expiry of the
+    namespace, forever (found by a review). Each is now waited for within the remote
+    tier's bound; the deletion fails naming what hung, stays queued and is tried again."""
+    from hybrid_ray import actors
+    from hybrid_ray.config import TierName
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.segment import SegmentId, SegmentMeta, encode_segment
+    from hybrid_ray.tiers import remote as remote_module
+    from hybrid_ray.tiers.remote import RemoteTier
+
+    tier = RemoteTier(1 << 20, f"file://{tmp_path}/remote", "job-1")
+    sid = SegmentId("shf-1", 0, 0, 0, job_id="job-1")
+    meta = tier.write(sid, encode_segment(pa.table({"v": [1, 2]}), sid))
+    assert meta.tier == TierName.REMOTE
+    hung = threading.Event()
+
+    def hang(*args, **kwargs):
+        hung.wait(30)
+
+    monkeypatch.setattr(RemoteTier, "delete", hang)
+    monkeypatch.setattr(RemoteTier, "remove_shuffle_data", hang)
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 1.0)
+
+    class FakeMaster:
+        _tier_managers = set()
+
+        def _remote_tier(self, config):
+            return tier
+
+    master_class = actors.ShuffleMasterActor.__ray_actor_class__
+    state = type("State", (), {"shuffle_id": "shf-1", "config": None})()
+    try:
+        for call, what in ((lambda: master_class._delete_segments(FakeMaster(), state, [meta]),
+                            "deleting 1 segment(s) of shuffle shf-1"),
+                           (lambda: master_class._remove_remote_tree(FakeMaster(), state),
+                            "removing shuffle shf-1")):
+            thread, outcome = _in_thread(call)
+            thread.join(10)
+            assert not thread.is_alive(), f"still waiting on the hung store: {what}"
+            error = outcome.get("error")
+            assert isinstance(error, ShuffleStalledError), outcome
+            assert what in str(error) and "did not finish within 1 s" in str(error)
+    finally:
+        hung.set()
+        tier.close()
