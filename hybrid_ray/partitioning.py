@@ -8,6 +8,7 @@ partition (sort it, shuffle it, or leave it). Subclass it for custom shuffles.
 from __future__ import annotations
 
 import abc
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -527,7 +528,12 @@ class RangePartitioner(Partitioner):
             return
         numeric = pa.types.is_integer(value_type) or pa.types.is_floating(value_type)
         if numeric:
-            if self.boundaries.dtype.kind not in "iuf":
+            # NumPy numbers, or Python ones in an object array (a None given among them
+            # and dropped, ints beyond int64, Decimals): NumPy compares both with the keys.
+            kind = self.boundaries.dtype.kind
+            if kind not in "iuf" and not (kind == "O" and all(
+                    isinstance(b, numbers.Number) and not isinstance(b, (bool, np.bool_))
+                    for b in self.boundaries)):
                 raise ConfigError(self._foreign_boundaries(t, "they are not numbers"))
             return
         try:

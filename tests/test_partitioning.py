@@ -289,10 +289,17 @@ def test_range_boundaries_of_another_type_than_the_key_are_refused():
         RangePartitioner("k", [10, 20]).check_schema(pa.schema([("k", pa.string())]))
     with pytest.raises(ConfigError, match="key column 'x' is not in the blocks' schema"):
         RangePartitioner("x", [1]).check_schema(ints)
-    fractional = RangePartitioner("k", [9.5, 19.5])  # numbers of another width are fine
-    fractional.check_schema(ints)
     table = pa.table({"k": np.arange(30)})
-    assert np.bincount(fractional.assign(table, 0, 3)).tolist() == [10, 10, 10]
+    # Numbers of another width or kind are fine, also Python ones left in an object array
+    # by a None among them (dropped) or a Decimal (a review found these refused).
+    from decimal import Decimal
+
+    for numbers_given in ([9.5, 19.5], [None, 10, 20], [Decimal("9.5"), 20]):
+        fractional = RangePartitioner("k", numbers_given)
+        fractional.check_schema(ints)
+        assert np.bincount(fractional.assign(table, 0, 3)).tolist() == [10, 10, 10]
+    with pytest.raises(ConfigError, match="they are not numbers"):
+        RangePartitioner("k", [None, "10"]).check_schema(ints)
     when = pa.schema([("t", pa.timestamp("us", tz="UTC"))])
     days = RangePartitioner("t", np.array(["2020-01-02"], dtype="datetime64[D]"))
     days.check_schema(when)

@@ -736,3 +736,30 @@ def test_a_local_write_whose_directory_went_meanwhile_is_written_again(tmp_path,
     meta = tier.write(sid, _payload(7, sid)[1])
     assert removed and bytes(tier.read(meta)) == _payload(7, sid)[1]
     assert not [f for f in files_under(str(root)) if f.endswith(".inprogress")]
+
+
+def test_a_job_directory_removed_while_a_writer_creates_its_shuffle_directory(tmp_path,
+                                                                            monkeypatch):
+    """The same job in two processes (the master and a writer): the master releases the
+    job's last other shuffle and removes the empty job directory just after the writer
+    saw it and before its mkdir below it. The write failed with FileNotFoundError (found
+    by a review); it now creates the directories again."""
+    import hybrid_ray.tiers.disk as disk_module
+
+    url = f"file://{tmp_path}/remote"
+    writer = RemoteTier(MiB, url, "job-1")
+    releaser = RemoteTier(MiB, url, "job-1")
+    a, b = SegmentId("A", 0, 0, 0), SegmentId("B", 0, 0, 0)
+    writer.write(a, _payload(8, a)[1])
+    real_mkdir = os.mkdir
+    fired = []
+
+    def mkdir(path, *args, **kwargs):
+        if str(path).endswith("/job-1/B") and not fired:
+            fired.append(path)
+            releaser.remove_shuffle_data("A")  # A's tree, then the empty job directory
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module.os, "mkdir", mkdir)
+    meta = writer.write(b, _payload(9, b)[1])
+    assert fired and bytes(writer.read(meta)) == _payload(9, b)[1]

@@ -219,20 +219,21 @@ class RemoteTier(Tier):
         # marker at once, and a shared temporary name was renamed away under one of them.
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
         for last_try in (False, True):
-            # Checked before anything is created in an untrusted root, and again after (the
-            # directories created or found on the way).
-            self._require_trusted_tree(posixpath.dirname(path))
-            make_private_dir(posixpath.dirname(path))
-            self._require_trusted_tree(posixpath.dirname(path))
             try:
+                # Checked before anything is created in an untrusted root, and again after
+                # (the directories created or found on the way).
+                self._require_trusted_tree(posixpath.dirname(path))
+                make_private_dir(posixpath.dirname(path))
+                self._require_trusted_tree(posixpath.dirname(path))
                 self.fs.pipe_file(tmp, payload)
                 os.chmod(tmp, 0o600)
                 self.fs.mv(tmp, path)
                 return
             except FileNotFoundError:
-                # A directory on the way went meanwhile: the job directory is removed once
-                # empty (``remove_empty_job_dir``), also under another process of the same
-                # job id that is about to write. Created again, once.
+                # A directory on the way went meanwhile (between its check and the mkdir
+                # below it, or before the write): the job directory is removed once empty
+                # (``remove_empty_job_dir``), also under another process of the same job
+                # id that is about to write. Created again, once.
                 unlink_quietly(tmp)
                 if last_try:
                     raise
