@@ -19,10 +19,17 @@ from typing import Any
 def _parse_timeout(text: str) -> float:
     """A duration above 0 (a 0 s timeout made every connection attempt fail at once, and
     the user was told no cluster was reachable)."""
+    from hybrid_ray.config import MAX_DURATION_S
+
     value = _parse_duration(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: it must be above 0, "
                                          "e.g. 30s")
+    if value > MAX_DURATION_S:
+        # Python's waits refuse more (socket timeouts and Event.wait raised OverflowError
+        # with a traceback after the connection was made).
+        raise argparse.ArgumentTypeError(f"invalid timeout {text!r}: it must be at most "
+                                         f"{MAX_DURATION_S:g} s")
     return value
 
 
@@ -131,19 +138,35 @@ def _connect(address: str | None, timeout_s: float) -> None:
     ``ray.init`` alone retried a dead address for minutes: the GCS port is probed first
     (refused or silent: fail now), then ``ray.init`` runs under the same bound.
     """
+    from hybrid_ray.redaction import Redactor
+
+    try:
+        _connect_unscrubbed(address, timeout_s)
+    except CliError as exc:
+        # Every message names the address: credentials in it (a user or token in a
+        # ray:// or http:// URL, from --address or RAY_ADDRESS) are never shown.
+        raise CliError(Redactor(address).scrub(str(exc)), exc.code,
+                       abandon=exc.abandon) from None
+
+
+def _connect_unscrubbed(address: str | None, timeout_s: float) -> None:
+    """``_connect``'s work; its caller scrubs the messages."""
     import socket
 
     import ray
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
     from hybrid_ray.cleanup import CallTimedOut, within
+    from hybrid_ray.redaction import redact_url
 
-    shown = address or "auto"
+    shown = redact_url(address) if address else "auto"
     advice = ("Start one with `ray start --head` or `ray up cluster.yaml`, or pass "
               "--address HOST:PORT of its head (the GCS port, 6379 by default)")
     if address and address.startswith("ray://"):
         target = address
-        host, _, port = address.removeprefix("ray://").partition(":")
+        # host:port after any user part, before any query
+        hostport = address.removeprefix("ray://").rsplit("@", 1)[-1].split("?", 1)[0]
+        host, _, port = hostport.partition(":")
     else:
         try:
             target = canonicalize_bootstrap_address_or_die(address or "auto")
@@ -183,6 +206,20 @@ def _get(ref: Any, what: str, timeout_s: float) -> Any:
         raise CliError(f"hybrid-ray: {what} failed: {type(exc).__name__}: {exc}", 1) from None
 
 
+def _jsonable(value: Any) -> Any:
+    """JSON for what ``status`` holds besides plain values: the nodes' usage records
+    (dataclasses, field by field; they were printed as their Python repr strings) and
+    enums (their value)."""
+    import dataclasses
+    import enum
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    return str(value)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import ray
 
@@ -204,7 +241,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = _get(master.status.remote(), f"the shuffle master of namespace "
                   f"{args.namespace!r}", args.timeout)
     if args.json:
-        print(json.dumps(status, default=str, indent=2))
+        print(json.dumps(status, default=_jsonable, indent=2))
         return 0
     print(f"{len(status['shuffles'])} active shuffle(s)")
     for s in status["shuffles"]:
@@ -251,6 +288,9 @@ def _storage_options(given: str | None) -> dict[str, Any]:
         except OSError as exc:
             raise CliError(f"hybrid-ray: cannot read the {source}: {exc.strerror or exc}",
                            2) from None
+        except UnicodeDecodeError as exc:  # its position only, as for JSON errors below
+            raise CliError(f"hybrid-ray: the {source} is not UTF-8 text (byte "
+                           f"{exc.start}); write it as UTF-8 JSON", 2) from None
     if not text:
         return {}
     try:
@@ -385,6 +425,17 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
             print(f"hybrid-ray: --{name} must be positive", file=sys.stderr)
             return 2
+    # Checked before Ray starts and the data is made: both failed after, with a traceback.
+    if getattr(args, "partitions", None) is not None:
+        from hybrid_ray.shuffle import MAX_PARTITIONS
+
+        if args.partitions > MAX_PARTITIONS:
+            print(f"hybrid-ray: --partitions must be at most {MAX_PARTITIONS}",
+                  file=sys.stderr)
+            return 2
+    if getattr(args, "seed", 0) < 0:
+        print("hybrid-ray: --seed must be 0 or more", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except CliError as exc:

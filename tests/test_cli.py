@@ -32,6 +32,33 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again when the socket is
 
 
+def test_credentials_in_the_address_are_never_shown():
+    """The address was quoted whole in every connection error: a password or token in a
+    ray:// or http:// URL (from --address or RAY_ADDRESS) was printed."""
+    port = _closed_port()
+    for address in (f"ray://admin:S3cretPw99@127.0.0.1:{port}",
+                    f"ray://127.0.0.1:{port}?token=S3cretTok99",
+                    f"http://admin:S3cretPw99@127.0.0.1:{port}"):
+        proc, _ = _cli("status", "--address", address, "--timeout", "5s", timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert "no Ray cluster reachable" in proc.stderr or "cannot connect" in proc.stderr
+        assert "S3cret" not in proc.stderr + proc.stdout, proc.stderr
+
+
+def test_bad_timeouts_and_demo_arguments_are_refused_before_anything_runs():
+    """``--timeout 1e10`` passed and crashed with OverflowError after the connection was
+    made; ``demo --seed -1`` and ``--partitions 100001`` started Ray, made the data and
+    failed with a traceback."""
+    address = f"127.0.0.1:{_closed_port()}"
+    proc, _ = _cli("status", "--address", address, "--timeout", "1e10", timeout=60)
+    assert proc.returncode == 2 and "must be at most 1e+09 s" in proc.stderr, proc.stderr
+    for args, message in ((("--seed", "-1"), "--seed must be 0 or more"),
+                          (("--partitions", "100001"), "--partitions must be at most 100000")):
+        proc, elapsed = _cli("demo", *args, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and elapsed < 30
+
+
 def test_status_of_a_dead_address_fails_fast_naming_it():
     """Was: no answer after 150 s (ray.init retrying the dead GCS)."""
     address = f"127.0.0.1:{_closed_port()}"
@@ -61,6 +88,33 @@ def test_status_of_a_live_cluster_lists_its_shuffle(ray_local, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "1 active shuffle(s)" in proc.stdout
     assert f"{shuffle}: 0/3 maps finished, 5 partitions" in proc.stdout
+
+
+def test_status_json_gives_each_node_s_tiers_as_json(ray_local, tmp_path):
+    """``status --json`` printed every node as its Python repr string ("NodeUsage(node_id=
+    ..., tiers=(TierUsage(tier=<TierName.MEMORY...") : its tier usage was unusable."""
+    import json
+
+    import ray
+
+    from hybrid_ray.actors import get_master, get_tier_manager
+
+    namespace = f"hr-cli-{uuid.uuid4().hex[:6]}"
+    get_master(namespace)
+    tm = get_tier_manager(ray.get_runtime_context().get_node_id(), namespace)
+    ray.get(tm.usage.remote())
+    try:
+        proc, _ = _cli("status", "--address", ray.get_runtime_context().gcs_address,
+                       "--namespace", namespace, "--json")
+    finally:
+        ray.kill(tm)
+    assert proc.returncode == 0, proc.stderr
+    status = json.loads(proc.stdout)
+    assert status["nodes"], status
+    for node in status["nodes"]:
+        assert isinstance(node, dict) and node["node_id"]
+        assert "memory" in {t["tier"] for t in node["tiers"]}
+        assert all(isinstance(t["capacity_bytes"], int) for t in node["tiers"])
 
 
 def test_cleanup_keeps_a_live_shuffle_and_removes_an_orphan(ray_local, tmp_path):
@@ -190,6 +244,10 @@ def test_cleanup_reads_storage_options_from_a_file_or_the_environment(tmp_path, 
     assert "s3cr3t" not in str(err.value)
     with pytest.raises(CliError, match="cannot read the --storage-options file .*missing"):
         _storage_options(f"@{tmp_path / 'missing'}")
+    # Not UTF-8: a UnicodeDecodeError traceback before (found by a review).
+    (tmp_path / "latin.json").write_bytes(b'\xff{"secret": "s3cr3t-value"}')
+    with pytest.raises(CliError, match="file .*latin.json is not UTF-8 text"):
+        _storage_options(f"@{tmp_path / 'latin.json'}")
     monkeypatch.setenv("HYBRID_RAY_STORAGE_OPTIONS", '["not", "an", "object"]')
     with pytest.raises(CliError, match=r"\$HYBRID_RAY_STORAGE_OPTIONS must be a JSON object"):
         _storage_options(None)
