@@ -100,12 +100,13 @@ _LOG = logging.getLogger(__name__)
 
 
 def last_report() -> ShuffleReport | None:
-    """The report of the most recent shuffle run by the calling thread. The report of a
-    particular result is also on it: ``ShuffleResult.report``, ``report_of(dataset)``."""
+    """The report of the most recent shuffle run by the calling thread (None if it failed,
+    or none ran). The report of a particular result is also on it:
+    ``ShuffleResult.report``, ``report_of(dataset)``."""
     return getattr(_reports, "last", None)
 
 
-def _set_last_report(report: ShuffleReport) -> None:
+def _set_last_report(report: ShuffleReport | None) -> None:
     _reports.last = report
 
 
@@ -429,6 +430,9 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         ray.init()
     window = _reducer_window(config)
     check_remote_tier(config)
+    # From here this is the thread's most recent shuffle: if it fails, last_report() says
+    # None instead of the shuffle before it (whose report it kept returning).
+    _set_last_report(None)
     # Every actor at once (a no-op lookup once they run, or after hybrid_ray.init): started
     # one by one on first use, they made a first shuffle many times slower than the next.
     # The lifecycle's clock starts before: the report's startup phase is what a user waits

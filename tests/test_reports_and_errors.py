@@ -61,9 +61,15 @@ def test_a_failed_shuffle_says_its_cause_first_and_attaches_the_traceback(ray_lo
                                                                           tmp_path):
     ray = ray_local
     table = pa.table({"key": np.arange(1000)})
+    ok = hybrid_ray.run_shuffle([ray.put(table)], 2, hybrid_ray.HashPartitioner(["key"]),
+                                table.schema, base_config(tmp_path))
+    assert hybrid_ray.last_report() is ok.report
     with pytest.raises(ShuffleFailedError) as info:
         hybrid_ray.run_shuffle([ray.put(table), ray.put(table)], 2, FailsInMapOne(["key"]),
                                table.schema, base_config(tmp_path))
+    # The failed shuffle is the most recent: not the one before it (a review found
+    # last_report() still returning that one's report).
+    assert hybrid_ray.last_report() is None
     message = str(info.value)
     first_line = message.splitlines()[0]
     assert "ValueError: the key column holds a value the job cannot handle" in first_line
