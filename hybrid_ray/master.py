@@ -46,6 +46,10 @@ class MapState:
     rows_written: dict[int, collections.Counter[int]] = dataclasses.field(
         default_factory=dict)
     finished_rows: dict[int, int] | None = None
+    # Sealed shuffles: segments of freed subpartitions (read, and deleted) of an attempt
+    # dropped after it was lost, kept for the books alone: its re-run's segments of those
+    # subpartitions are not kept, so without these the report lost their bytes.
+    freed_segments: dict[int, list[SegmentMeta]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -565,10 +569,18 @@ class ShuffleRegistry:
     def _drop_attempt(self, state: ShuffleState, m: MapState, attempt: int) -> None:
         m.rows_written.pop(attempt, None)
         # Freed subpartitions' segments are deleted already (their metadata stays).
-        dropped = [meta for sub, metas in m.segments.pop(attempt, {}).items()
+        segments = m.segments.pop(attempt, {})
+        dropped = [meta for sub, metas in segments.items()
                    if sub not in state.freed for meta in metas]
         if dropped:
             self._delete_segments(state, dropped)
+        if state.sealed:
+            # In a sealed shuffle only the attempt that finished has segments of freed
+            # subpartitions (they are freed once every map finished; a re-run's are not
+            # kept): what their readers read, still counted in the report.
+            for sub, metas in segments.items():
+                if sub in state.freed and metas:
+                    m.freed_segments.setdefault(sub, list(metas))
 
     # ---- deletion: queued by state changes, performed and retried apart from them -----------
     def _delete_segments(self, state: ShuffleState, metas: Sequence[SegmentMeta]) -> None:
@@ -670,7 +682,10 @@ class ShuffleRegistry:
         that count: a freed subpartition's segments still count) and how its maps went."""
         state = self._get(shuffle_id)
         per_node_tier: dict[str, dict[str, tuple[int, int]]] = collections.defaultdict(dict)
-        for meta in self.segments(shuffle_id):
+        counted = self.segments(shuffle_id) + [
+            meta for m in state.maps for sub, metas in m.freed_segments.items()
+            for meta in metas]
+        for meta in counted:
             nbytes, count = per_node_tier[meta.node_id].get(meta.tier.value, (0, 0))
             per_node_tier[meta.node_id][meta.tier.value] = (nbytes + meta.nbytes, count + 1)
         finishes = [m.finished for m in state.maps if m.finished] if state.sealed else []

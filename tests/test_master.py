@@ -352,6 +352,22 @@ def test_a_freed_subpartition_cannot_be_read_again(registry):
     assert registry.state("s").maps[0].finished_attempt == a
 
 
+def test_a_freed_subpartition_still_counts_in_the_books_after_its_map_ran_again(registry):
+    """A map lost after subpartition 0's reducer stored its output and freed it ran again:
+    the lost attempt's segments were dropped and the re-run's for subpartition 0 not kept,
+    so the report (and the bytes/segments metrics) lost subpartition 0's bytes: 10 of 20
+    bytes, 1 of 2 segments (found by a review)."""
+    a0 = _map_lost_after_subpartition_0_was_read(registry)
+    before = registry.summary("w").per_node_tier
+    assert before == {"n1": {"disk": (20, 2)}}
+    registry.free_subpartitions("w", [0])
+    assert registry.summary("w").per_node_tier == before
+    a1 = registry.begin_map("w", 0, "n1")
+    assert a1 != a0
+    assert registry.finish_map("w", 0, a1, last_segments=[_rows(0, a1, 5), _rows(1, a1, 5)])
+    assert registry.summary("w").per_node_tier == before
+
+
 def test_lost_map_of_unrecoverable_shuffle_fails_the_reader(registry):
     a0 = _finish(registry, 0)
     assert registry.report_lost("s", 0, a0) is False
