@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import ray
 
@@ -81,6 +82,7 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
         raise ConfigError(f"hybrid_ray.init(warm_object_store_bytes=...) must be a number of "
                           f"bytes >= 0 (0: warm nothing) or None for the default, got "
                           f"{warm_object_store_bytes!r}")
+    started = time.monotonic()
     if not ray.is_initialized():
         ray.init()
     actors = start_actors(config.namespace, reader_count(config), wait=wait,
@@ -92,15 +94,20 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
         calls = [tm.handle.warm_object_store.remote(warm_object_store_bytes)
                  for tm in actors.tier_managers]
         if wait:  # each call only starts a background thread: it answers at once
-            _check_warm_up_calls(actors, calls, timeout_s)
+            _check_warm_up_calls(actors, calls,
+                                 max(0.0, timeout_s - (time.monotonic() - started)))
     return actors
 
 
 def _check_warm_up_calls(actors: ShuffleActors, calls: list, timeout_s: float) -> None:
-    """Log (not raise: a warm-up is only a head start) the warm-up calls that failed."""
+    """Log (not raise: a warm-up is only a head start) the warm-up calls that failed or
+    did not answer within ``timeout_s`` in all (what is left of ``init``'s bound: each
+    was waited for with the whole bound, one after the other, so N silent tier managers
+    held ``init`` N times as long)."""
+    deadline = time.monotonic() + timeout_s
     for slot, ref in zip(actors.tier_managers, calls):
         try:
-            ray.get(ref, timeout=timeout_s)
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 - reported, init still succeeds
             LOG.warning("hybrid_ray: the object-store warm-up of node %s did not start "
                         "(%s: %s); its first shuffle allocates the store's pages itself",

@@ -232,3 +232,26 @@ def test_init_on_a_cluster_puts_each_actor_on_its_node():
         ray.shutdown()
         cluster.shutdown()
 
+
+
+def test_init_waits_for_the_object_store_warm_ups_within_its_bound_in_all(ray_local):
+    """Each tier manager's warm-up call was waited for with init's whole ``timeout_s``,
+    one after the other: N silent tier managers held init N times its bound (found by a
+    review). They now share what is left of it."""
+    import types
+
+    from hybrid_ray.session import _check_warm_up_calls
+
+    @ray_local.remote(num_cpus=0)
+    class Silent:
+        def warm_object_store(self):
+            time.sleep(30)
+
+    silent = [Silent.remote() for _ in range(3)]
+    actors = types.SimpleNamespace(tier_managers=[
+        types.SimpleNamespace(node_id=f"node-{i}") for i in range(3)])
+    started = time.monotonic()
+    _check_warm_up_calls(actors, [a.warm_object_store.remote() for a in silent], 1.0)
+    assert time.monotonic() - started < 2.5
+    for actor in silent:
+        ray_local.kill(actor)
