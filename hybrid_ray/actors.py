@@ -416,6 +416,9 @@ POLL_THREADS = 64
 # ShuffleMasterActor._await_deletions): well inside the callers' MASTER_CALL_TIMEOUT_S.
 RELEASE_WAIT_S = 20.0
 MAX_POLL_WAIT_S = 1.0
+# How long ``status`` waits for the tier managers' usage, all nodes together: inside the
+# CLI's default 15 s bound on the call.
+STATUS_NODE_WAIT_S = 10.0
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8,
@@ -871,17 +874,34 @@ class ShuffleMasterActor:
             shuffles = [self.registry.summary(s).for_status()
                         for s in self.registry.shuffle_ids()]
             nodes = {n for s in self.registry.shuffle_ids() for n in self.registry.state(s).nodes}
-        usage = []
+        # Every node asked at once and waited for together: asked in turn with 30 s each,
+        # a few silent tier managers outlasted every caller's bound, and one that had
+        # died failed the whole status.
+        asked = []
         for node in ray.nodes():
             if not node.get("Alive"):
                 continue
             tm = existing_tier_manager(node["NodeID"], self.namespace)
             if tm is not None:
-                usage.append(ray.get(tm.usage.remote(), timeout=30))
+                asked.append((node["NodeID"], tm.usage.remote()))
+        ready = set(ray.wait([ref for _, ref in asked], num_returns=len(asked),
+                             timeout=STATUS_NODE_WAIT_S)[0]) if asked else set()
+        usage, unanswered = [], []
+        for node_id, ref in asked:
+            if ref not in ready:
+                unanswered.append({"node_id": node_id, "error": "no answer within "
+                                   f"{STATUS_NODE_WAIT_S:g} s"})
+                continue
+            try:
+                usage.append(ray.get(ref))
+            except Exception as exc:  # noqa: BLE001 - that node is reported, not the call
+                cause = getattr(exc, "cause", None) or exc  # a task error's own, not its trace
+                unanswered.append({"node_id": node_id,
+                                   "error": f"{type(cause).__name__}: {str(cause)[:300]}"})
         with self._lock:
             pending = self.registry.pending_deletions()
-        return {"shuffles": shuffles, "nodes": usage, "active_nodes": sorted(nodes),
-                "pending_deletions": pending,
+        return {"shuffles": shuffles, "nodes": usage, "unanswered_nodes": unanswered,
+                "active_nodes": sorted(nodes), "pending_deletions": pending,
                 "background_errors": {"count": self.loop_errors,
                                       "last": self.last_loop_error}}
 

@@ -257,6 +257,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if getattr(node, "refused_deletions", 0):
             print(f"  segment files refused for deletion (not provably hybrid_ray's): "
                   f"{node.refused_deletions} (last: {node.last_refused_deletion})")
+    for node in status.get("unanswered_nodes", []):
+        print(f"node {node['node_id']}: its tier manager did not report ({node['error']})")
     pending = status.get("pending_deletions", [])
     if pending:
         print(f"{len(pending)} deletion(s) pending (retried until the data is gone):")

@@ -859,3 +859,56 @@ def test_a_remote_location_that_is_not_ours_is_left_once_and_the_rest_deleted(tm
     assert not os.path.exists(tier.segment_path(ours))
     assert any("not a segment object of shuffle shf-1" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_status_reports_a_silent_or_failing_tier_manager_and_the_others(ray_local,
+                                                                       monkeypatch):
+    """The master asked each node's tier manager for its usage in turn, 30 s each, and a
+    failing one failed the whole status (a review's suspicion): every node is now asked at
+    once, within one bound, and a silent or failing one is named beside the others."""
+    import time
+
+    import ray
+
+    from hybrid_ray import actors
+    from hybrid_ray.master import ShuffleRegistry
+
+    @ray.remote(num_cpus=0)
+    class FakeTierManager:
+        def __init__(self, how):
+            self.how = how
+
+        def usage(self):
+            if self.how == "silent":
+                time.sleep(30)
+            if self.how == "failing":
+                raise RuntimeError("its books are broken")
+            return f"usage of {self.how}"
+
+    fakes = {f"node-{how}": FakeTierManager.remote(how) for how in ("ok", "silent", "failing")}
+    ray.get([fake.__ray_ready__.remote() for fake in fakes.values()], timeout=120)
+    monkeypatch.setattr(actors.ray, "nodes", lambda: [
+        {"NodeID": node_id, "Alive": True} for node_id in fakes])
+    monkeypatch.setattr(actors, "existing_tier_manager", lambda node_id, ns: fakes[node_id])
+    monkeypatch.setattr(actors, "STATUS_NODE_WAIT_S", 2.0)
+
+    class FakeMaster:
+        namespace = "ns"
+        loop_errors = 0
+        last_loop_error = ""
+
+        def __init__(self):
+            import threading
+
+            self._lock = threading.Lock()
+            self.registry = ShuffleRegistry(lambda state, metas: None, lambda state: None)
+
+    started = time.monotonic()
+    status = actors.ShuffleMasterActor.__ray_actor_class__.status(FakeMaster())
+    assert time.monotonic() - started < 10
+    assert status["nodes"] == ["usage of ok"]
+    errors = {n["node_id"]: n["error"] for n in status["unanswered_nodes"]}
+    assert errors["node-silent"] == "no answer within 2 s"
+    assert "its books are broken" in errors["node-failing"]
+    for fake in fakes.values():
+        ray.kill(fake)
