@@ -208,3 +208,44 @@ def test_a_re_run_that_never_begins_fails_the_reader_at_the_stall_bound(
     with pytest.raises(SegmentNotFoundError, match="no new attempt of map 0 started"):
         reduce_task.read_subpartition("shf-lost", 0, config, master, missing_wait_s=0.5)
     assert 1.5 <= time.monotonic() - started < 10
+
+
+def test_a_read_ahead_whose_tier_manager_died_falls_back_to_the_recovering_fetch(
+        monkeypatch):
+    """``start_fetch_from_node`` sends its read at once; if the owning node's tier manager
+    dies before answering, waiting for it must go through ``fetch_from_node``, which tells
+    a dead node from a dead tier manager and asks one started again, instead of raising
+    the actor's death (and with no tier manager found at all, the same)."""
+    import ray
+
+    from hybrid_ray import reduce_task
+
+    calls = []
+
+    class Handle:
+        class read_disk_segment:  # noqa: N801 - mimics an actor method
+            @staticmethod
+            def remote(meta):
+                calls.append(("sent", meta))
+                return "ref"
+
+    def died(ref, what, timeout_s):
+        calls.append(("waited", ref))
+        raise ray.exceptions.ActorDiedError()
+
+    def recovering_fetch(meta, namespace):
+        calls.append(("recovered", meta, namespace))
+        return b"the segment"
+
+    monkeypatch.setattr(reduce_task, "existing_tier_manager", lambda node, ns: Handle())
+    monkeypatch.setattr(reduce_task, "answer_of", died)
+    monkeypatch.setattr(reduce_task, "fetch_from_node", recovering_fetch)
+    meta = dataclasses.make_dataclass("Meta", ["node_id", "id"])("node-a", "seg-1")
+    wait = reduce_task.start_fetch_from_node(meta, "ns")
+    assert calls == [("sent", meta)]  # sent before anyone waits
+    assert wait() == b"the segment"
+    assert calls[1:] == [("waited", "ref"), ("recovered", meta, "ns")]
+    calls.clear()
+    monkeypatch.setattr(reduce_task, "existing_tier_manager", lambda node, ns: None)
+    assert reduce_task.start_fetch_from_node(meta, "ns")() == b"the segment"
+    assert calls == [("recovered", meta, "ns")]
