@@ -156,8 +156,14 @@ class TierManager:
             self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
                                              spill_dirs, config.min_reserve_fraction,
                                              config.disk_capacity_bytes,
-                                             in_flight=self._disk_in_flight)
+                                             in_flight=self._disk_in_flight,
+                                             node_used=self._disk_used_on_node)
         return disk_key
+
+    def _disk_used_on_node(self) -> int:
+        """Bytes every disk tier of this node holds (granted, written or not): what
+        ``disk_capacity_bytes``, a cap per node, bounds."""
+        return sum(disk.used_bytes for disk in self._disks.values())
 
     def _remote_key(self, config: ShuffleConfig) -> tuple | None:
         """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""

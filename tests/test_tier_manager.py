@@ -587,3 +587,23 @@ def test_an_unprintable_location_is_refused_and_the_rest_of_its_batch_freed(tmp_
     assert "not a hybrid_ray segment file" in refusal
     assert not os.path.exists(good)
     assert tm._tier("s", TierName.DISK).used_by("s") == 0
+
+
+def test_the_disk_byte_cap_bounds_the_node_whatever_each_shuffle_s_config(tmp_path):
+    """``disk_capacity_bytes`` is a cap per node, but each config's disk tier (keyed by its
+    dirs, reserve and cap) checked it against its own bytes: two shuffles differing only
+    in their reserve fraction were granted 8 MiB each under a 10 MiB cap (found by a
+    review). The cap now bounds the node's disk tiers together."""
+    tm = TierManager("n1", object_store_bytes=0)
+    spill = [str(tmp_path / "spill")]
+    a = ShuffleConfig(memory_fraction=0, spill_dirs=spill, disk_capacity_bytes=10 * MiB,
+                      min_reserve_fraction=0.05, progress=False)
+    b = a.replace(min_reserve_fraction=0.04)
+    tm.register_shuffle("a", a)
+    tm.register_shuffle("b", b)
+    assert tm.reserve("a", [8 * MiB])[0].grant.tier == TierName.DISK
+    [refused] = tm.reserve("b", [8 * MiB])
+    assert refused.grant is None
+    assert tm.reserve("b", [2 * MiB])[0].grant.tier == TierName.DISK  # what is left
+    tm.release_shuffle("a")
+    tm.release_shuffle("b")

@@ -24,7 +24,7 @@ import re
 import shutil
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -313,7 +313,8 @@ class DiskTier(Tier):
 
     def __init__(self, segment_bytes: int, spill_dirs: Sequence[str],
                  min_reserve_fraction: float = 0.05, capacity_bytes: int | None = None,
-                 in_flight: dict[tuple[str, str], int] | None = None) -> None:
+                 in_flight: dict[tuple[str, str], int] | None = None,
+                 node_used: Callable[[], int] | None = None) -> None:
         super().__init__(segment_bytes)
         if not spill_dirs:
             raise ValueError("spill_dirs must name at least one directory")
@@ -326,6 +327,10 @@ class DiskTier(Tier):
         # tiers over the same directory see each other's grants (each saw only its own,
         # and two configs differing only in their reserve granted 29 MiB on 20 MiB free).
         self._in_flight: dict[tuple[str, str], int] = {} if in_flight is None else in_flight
+        # ``node_used``: the bytes all of the node's disk tiers hold, which the byte cap
+        # (per node) bounds. Checked against this tier's own, two configs differing only
+        # in their reserve each got the whole cap (16 MiB granted under a 10 MiB cap).
+        self._node_used = node_used
         self._next_dir = itertools.cycle(range(len(self.spill_dirs)))
         self._uid = os.geteuid()
         # Checked once, here (before any shuffle writes); reservations re-check with one
@@ -379,8 +384,12 @@ class DiskTier(Tier):
                         if _device_of(d) == device)
         return free - in_flight - nbytes, reserve, free
 
+    def _capped_bytes(self) -> int:
+        """The bytes the cap bounds: the node's disk tiers' (see ``node_used``)."""
+        return self._node_used() if self._node_used is not None else self.used_bytes
+
     def _room_for(self, shuffle_id: str, nbytes: int) -> str | None:
-        if self._capacity is not None and self.used_bytes + nbytes > self._capacity:
+        if self._capacity is not None and self._capped_bytes() + nbytes > self._capacity:
             return None
         # Round-robin over the directories that can take the segment.
         start = next(self._next_dir)
@@ -408,9 +417,9 @@ class DiskTier(Tier):
             self._in_flight.pop(key, None)
 
     def describe_refusal(self, nbytes: int) -> str:
-        if self._capacity is not None and self.used_bytes + nbytes > self._capacity:
-            return (f"disk tier cap reached: {self.used_bytes} of disk_capacity_bytes="
-                    f"{self._capacity} used, segment needs {nbytes} bytes")
+        if self._capacity is not None and self._capped_bytes() + nbytes > self._capacity:
+            return (f"disk tier cap reached: {self._capped_bytes()} of disk_capacity_bytes="
+                    f"{self._capacity} used on this node, segment needs {nbytes} bytes")
         parts = []
         unusable = False
         for d in self.spill_dirs:
