@@ -206,10 +206,18 @@ _last = threading.local()
 
 def last_report() -> ShuffleReport | None:
     """The report of the most recent exchange the bridge ran in the calling thread (waiting
-    for its map stage if that still runs; raising ``ShuffleFailedError`` if it failed).
-    A DataFrame's own shuffles are named on it (``df._hybrid_ray_shuffles``)."""
+    for its map stage if that still runs; raising ``ShuffleFailedError`` if it failed);
+    None if the most recent operation ran Spark's own operator through the session's
+    shuffle manager (its reports: ``spark_shuffle_reports()``). A DataFrame's own shuffles
+    are named on it (``df._hybrid_ray_shuffles``)."""
     shuffle = getattr(_last, "shuffle", None)
     return shuffle.report if shuffle is not None else None
+
+
+def forget_last() -> None:
+    """The calling thread's next operation runs through the shuffle manager: from now
+    ``last_report()`` is None (it returned an older exchange's report after a fallback)."""
+    _last.shuffle = None
 
 
 def release(shuffle_id: str, reason: str = "", failed: bool = False) -> bool:

@@ -23,6 +23,7 @@ all); the manager's shuffles are released by Spark (its ContextCleaner, or ``sto
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from hybrid_ray.errors import ConfigError
 from hybrid_ray.partitioning import HashPartitioner
 from hybrid_ray.shuffle import check_config, check_num_partitions
 from spark_bridge import exchange, parquet_scan
+
+_LOG = logging.getLogger(__name__)
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -83,6 +86,7 @@ def _through_manager(df: Any, config: Any, what: str) -> None:
             f"spark_bridge.{what} runs Spark's operator with hybrid_ray's shuffle manager, but "
             f"this session uses spark.shuffle.manager={manager}: start it with "
             "spark_bridge.init_spark(..., hybrid_shuffle=True) (the default)")
+    exchange.forget_last()
     if config is not None and check_config(config) != session_config:
         raise ConfigError(
             f"spark_bridge.{what}: config= applies only where hybrid_ray's writers read a "
@@ -127,8 +131,11 @@ def repartition(df: Any, num_partitions: int, *cols: str,
         config = session_shuffle_config()
     checked = check_config(config)
     if direct_scan:
-        scan, _ = parquet_scan.plan_scan(df, checked.map_chunk_bytes)
-        if scan is not None:
+        scan, why_not = parquet_scan.plan_scan(df, checked.map_chunk_bytes)
+        if scan is None:
+            _LOG.info("spark_bridge.repartition: Spark's executors read the input (%s)",
+                      why_not)
+        else:
             shuffle = exchange.run_map_stage(df, num_partitions, HashPartitioner(keys),
                                              checked, "repartition", scan=scan)
 

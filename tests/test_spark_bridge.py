@@ -389,6 +389,33 @@ def test_plain_parquet_scan_is_read_by_writers_and_matches_spark(spark, tmp_path
         out.collect()
 
 
+def test_a_file_listed_twice_is_read_twice_as_spark_reads_it(spark, tmp_path):
+    """Spark reads a file once per listing (``read.parquet(f, f)``, or a directory and a
+    file in it), but the direct path read ``inputFiles()``, which lists it once: 1000 of
+    2000 rows, no error (found by a review). Such a scan now goes through Spark's reader,
+    and ``last_report()`` is None then (it returned the previous exchange's report)."""
+    import pyarrow.parquet as pq
+
+    directory = tmp_path / "twice"
+    directory.mkdir()
+    pq.write_table(pa.table({"k": list(range(1000)), "s": [f"v{i}" for i in range(1000)]}),
+                   directory / "a.parquet")
+    cfg = base_config(tmp_path)
+    for paths in ((str(directory / "a.parquet"),) * 2,
+                  (str(directory), str(directory / "a.parquet"))):
+        df = spark.read.parquet(*paths)
+        want = sorted(df.collect())
+        assert len(want) == 2000
+        out = spark_bridge.repartition(df, 4, "k")  # the session's config
+        assert sorted(out.collect()) == want
+        assert spark_bridge.last_report() is None  # Spark's repartition through the manager
+    plain = spark_bridge.repartition(spark.read.parquet(str(directory)), 4, "k", config=cfg)
+    assert spark_bridge.last_report().map_input == "parquet files"  # still direct otherwise
+    assert plain.count() == 1000
+    assert spark_bridge.release(plain) == 1
+    assert_no_leftovers(cfg, ray)
+
+
 def test_the_direct_path_without_a_config_uses_the_session_s(spark, tmp_path):
     """With config=None the direct parquet path ran with a default ShuffleConfig: a second
     set of actors in namespace hybrid_ray (their own memory budget), spilling to /tmp,
