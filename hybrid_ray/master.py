@@ -700,7 +700,9 @@ class ShuffleRegistry:
             superseded_attempts=state.superseded_attempts,
             lost_maps_rerun=state.lost_maps_rerun,
             first_delivery=min(deliveries) if deliveries else None,
-            last_map_finish=max(finishes) if len(finishes) == state.num_maps else None,
+            # (No maps, e.g. a DataFrame of zero partitions: none finished last.)
+            last_map_finish=max(finishes) if finishes and len(finishes) == state.num_maps
+            else None,
             age_s=self._clock() - state.created,
             mode=state.config.mode.value,
         )

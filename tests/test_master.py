@@ -517,3 +517,13 @@ def test_a_release_that_failed_sweeps_only_after_it_succeeded():
     clock.now += 121
     reg.run_deletions()
     assert calls == ["release", "release", "sweep"]
+
+
+def test_a_sealed_shuffle_of_no_maps_has_a_summary(registry):
+    """A map stage over a DataFrame of zero partitions seals a shuffle with no maps; its
+    summary failed with "max() arg is an empty sequence" (found by a review)."""
+    registry.register("none", None, 3, ShuffleConfig(orphan_ttl_s=60))
+    registry.seal("none", 0)
+    summary = registry.summary("none")
+    assert summary.num_maps == 0 and summary.last_map_finish is None
+    assert summary.per_node_tier == {}
