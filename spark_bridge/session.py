@@ -92,6 +92,33 @@ def check_environment() -> None:
             "only: pip install 'pyspark==3.5.7'")
 
 
+def _memory_bytes(size: int | str) -> int:
+    """``executor_memory`` in bytes, read as RayDP reads it (binary units)."""
+    from raydp.utils import parse_memory_size
+
+    return size if isinstance(size, int) else parse_memory_size(str(size))
+
+
+def _check_executor_memory_fits(num_executors: int, executor_memory: int | str) -> None:
+    """Refuse executors the cluster's Ray memory can never hold: RayDP's executor actors
+    ask Ray for their memory, and with more than any node (or the cluster) has they wait
+    for it forever; init_spark returned and every job then hung ("Initial job has not
+    accepted any resources"; found by a review). Necessary, not sufficient: other actors
+    may hold memory too."""
+    import ray
+
+    each = _memory_bytes(executor_memory)
+    nodes = [n.get("Resources", {}).get("memory", 0) for n in ray.nodes() if n.get("Alive")]
+    largest, total = max(nodes, default=0), sum(nodes)
+    gib = 1024 ** 3
+    if nodes and (each > largest or each * num_executors > total):
+        raise ConfigError(
+            f"executor_memory={executor_memory!r} x {num_executors} executor(s) needs "
+            f"{each * num_executors / gib:.1f} GiB of Ray memory, {each / gib:.1f} GiB on one "
+            f"node; this cluster has {total / gib:.1f} GiB, at most {largest / gib:.1f} GiB "
+            "on a node (`ray status`). Ask for less, or add nodes")
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -206,6 +233,8 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                 and re.fullmatch(r"\d+\s*[kKmMgGtT]?[bB]?", executor_memory.strip()))):
         raise ConfigError(f"executor_memory must be bytes (int) or a size like '2GB', "
                           f"got {executor_memory!r}")
+    if _memory_bytes(executor_memory) <= 0:
+        raise ConfigError(f"executor_memory must be above 0, got {executor_memory!r}")
     if configs is not None and not isinstance(configs, Mapping):
         raise ConfigError(f"configs must be a dict of Spark configs, got {type(configs).__name__}")
     if not isinstance(hybrid_shuffle, bool):
@@ -262,6 +291,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         check_remote_tier(shuffle_config)
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    _check_executor_memory_fits(num_executors, executor_memory)
     if hybrid_shuffle:
         from hybrid_ray.actors import get_master
 

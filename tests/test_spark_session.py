@@ -72,3 +72,28 @@ def test_init_spark_probes_the_remote_tier_before_starting_anything(tmp_path):
 
     with pytest.raises(RemoteTierError, match="hybrid_ray_unwritable"):
         init_spark(shuffle_config=config)
+
+
+def test_init_spark_refuses_executors_the_cluster_s_memory_cannot_hold(ray_local, tmp_path):
+    """``executor_memory="500GB"`` on a ~20 GiB node was accepted: init_spark returned and
+    every job then hung, Spark logging only "Initial job has not accepted any resources"
+    (found by a review). Refused before Spark starts, with what the cluster has; "0GB"
+    too."""
+    import ray
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.errors import ConfigError
+    from spark_bridge import init_spark
+
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], progress=False)
+    node_gib = max(n["Resources"].get("memory", 0) for n in ray.nodes()
+                   if n["Alive"]) / 1024 ** 3
+    with pytest.raises(ConfigError, match=r"executor_memory='500GB' x 2 executor\(s\) needs "
+                                          r"1000.0 GiB of Ray memory.*`ray status`"):
+        init_spark("too-big", 2, 1, "500GB", shuffle_config=config)
+    with pytest.raises(ConfigError, match="executor_memory must be above 0"):
+        init_spark("zero", 1, 1, "0GB", shuffle_config=config)
+    # One executor fits a node, but not as many as asked for.
+    many = int(node_gib // 2) + 1
+    with pytest.raises(ConfigError, match=f"x {2 * 4} executor"):
+        init_spark("many", 2 * 4, 1, f"{many}GB", shuffle_config=config)
