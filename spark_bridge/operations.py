@@ -52,12 +52,24 @@ def _check_partitions(num_partitions: int | None) -> None:
 
 
 def _check_columns(df: Any, cols: Sequence[Any], what: str) -> list[str]:
-    names = []
+    """The DataFrame's names of columns ``cols``: as Spark resolves them, ignoring case
+    unless ``spark.sql.caseSensitive`` is on (``repartition(df, 4, "id")`` of a column
+    "ID" was refused, which Spark's own operator takes)."""
+    case_sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")
+                         ).strip().lower() == "true"
+    names, missing = [], []
     for col in cols:
         if not isinstance(col, str):
             raise ConfigError(f"{what}: columns must be given by name (str), got {col!r}")
-        names.append(col)
-    missing = [c for c in names if c not in df.columns]
+        matches = [c for c in df.columns
+                   if c == col or (not case_sensitive and c.lower() == col.lower())]
+        if len(matches) == 1:
+            names.append(matches[0])
+        elif matches:  # Spark refuses it too (AMBIGUOUS_REFERENCE), after the plan is made
+            raise ConfigError(f"{what}: column {col!r} is ambiguous: the DataFrame has "
+                              f"{matches}; rename them apart or set spark.sql.caseSensitive")
+        else:
+            missing.append(col)
     if missing:
         raise ConfigError(f"{what}: unknown column(s) {missing}; the DataFrame has columns "
                           f"{df.columns}")
@@ -162,12 +174,16 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
     if not cols:
         raise ConfigError("sort needs at least one column to sort by")
     keys = _check_columns(df, cols, "sort")
-    if isinstance(ascending, bool):
+    # A bool or 0/1 for every column, or one per column, as PySpark's orderBy takes them
+    # (ascending=0 failed with a raw TypeError: 'int' object is not iterable).
+    given = ascending
+    if isinstance(ascending, int):
         ascending = [ascending] * len(keys)
-    ascending = list(ascending)
-    if len(ascending) != len(keys) or not all(isinstance(a, bool) for a in ascending):
+    if not isinstance(ascending, (list, tuple)) or len(ascending) != len(keys) or not all(
+            isinstance(a, int) and a in (0, 1) for a in ascending):
         raise ConfigError(f"ascending must be a bool or one bool per sort column "
-                          f"({len(keys)}), got {ascending!r}")
+                          f"({len(keys)}), got {given!r}")
+    ascending = [bool(a) for a in ascending]
     _check_partitions(num_partitions)
     _through_manager(df, config, "sort")
     order = [_column(k).asc() if a else _column(k).desc() for k, a in zip(keys, ascending)]

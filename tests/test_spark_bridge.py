@@ -247,6 +247,26 @@ def test_full_disk_without_remote_fails_loudly_and_cleans_up(spark, orders, tmp_
     assert_no_leftovers(cfg, ray)
 
 
+def test_column_names_resolve_as_spark_resolves_them_and_ascending_takes_ints(spark):
+    """``repartition(df, 4, "id")`` of a column "ID" was refused, though Spark (case
+    insensitive by default) takes it; ``sort(..., ascending=0)``, which PySpark's orderBy
+    takes, failed with a raw TypeError (found by a review). Two columns equal but for
+    case are named as ambiguous."""
+    df = spark.createDataFrame([(i, f"v{i}") for i in range(20)], "ID long, Name string")
+    out = spark_bridge.repartition(df, 4, "id")
+    assert sorted(out.collect()) == sorted(df.collect())
+    assert out.columns == ["ID", "Name"]
+    ordered = spark_bridge.sort(df, "id", ascending=0)
+    assert [r.ID for r in ordered.collect()] == list(range(19, -1, -1))
+    ordered = spark_bridge.sort(df, "name", "ID", ascending=[1, 0])
+    assert [r.Name for r in ordered.collect()] == sorted(f"v{i}" for i in range(20))
+    with pytest.raises(ConfigError, match="one bool per sort column"):
+        spark_bridge.sort(df, "id", ascending=2)
+    twins = spark.createDataFrame([(1, 2)], "a long, A long")
+    with pytest.raises(ConfigError, match=r"column 'a' is ambiguous: .*\['a', 'A'\]"):
+        spark_bridge.repartition(twins, 2, "a")
+
+
 def test_bad_input_is_explained(spark, orders, tmp_path):
     with pytest.raises(ConfigError, match=r"unknown column\(s\) \['nope'\]"):
         spark_bridge.repartition(orders, 4, "nope")
