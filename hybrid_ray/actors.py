@@ -161,6 +161,36 @@ def _delete_remote_segments(tier: RemoteTier, metas: Sequence[SegmentMeta]
     return failed
 
 
+def usage_of_nodes(namespace: str) -> tuple[list[Any], list[dict[str, str]]]:
+    """(the usage of every alive node's tier manager of ``namespace``, the nodes whose
+    tier manager did not answer within ``STATUS_NODE_WAIT_S`` or failed, with why).
+    Every node is asked at once and waited for together: asked in turn with 30 s each, a
+    few silent tier managers outlasted every caller's bound, and one that had died failed
+    the whole status."""
+    asked = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        tm = existing_tier_manager(node["NodeID"], namespace)
+        if tm is not None:
+            asked.append((node["NodeID"], tm.usage.remote()))
+    ready = set(ray.wait([ref for _, ref in asked], num_returns=len(asked),
+                         timeout=STATUS_NODE_WAIT_S)[0]) if asked else set()
+    usage, unanswered = [], []
+    for node_id, ref in asked:
+        if ref not in ready:
+            unanswered.append({"node_id": node_id,
+                               "error": f"no answer within {STATUS_NODE_WAIT_S:g} s"})
+            continue
+        try:
+            usage.append(ray.get(ref))
+        except Exception as exc:  # noqa: BLE001 - that node is reported, not the call
+            cause = getattr(exc, "cause", None) or exc  # a task error's own, not its trace
+            unanswered.append({"node_id": node_id,
+                               "error": f"{type(cause).__name__}: {str(cause)[:300]}"})
+    return usage, unanswered
+
+
 def _node_object_store_bytes(node_id: str) -> int:
     for node in ray.nodes():
         if node.get("NodeID") == node_id:
@@ -874,30 +904,7 @@ class ShuffleMasterActor:
             shuffles = [self.registry.summary(s).for_status()
                         for s in self.registry.shuffle_ids()]
             nodes = {n for s in self.registry.shuffle_ids() for n in self.registry.state(s).nodes}
-        # Every node asked at once and waited for together: asked in turn with 30 s each,
-        # a few silent tier managers outlasted every caller's bound, and one that had
-        # died failed the whole status.
-        asked = []
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
-            tm = existing_tier_manager(node["NodeID"], self.namespace)
-            if tm is not None:
-                asked.append((node["NodeID"], tm.usage.remote()))
-        ready = set(ray.wait([ref for _, ref in asked], num_returns=len(asked),
-                             timeout=STATUS_NODE_WAIT_S)[0]) if asked else set()
-        usage, unanswered = [], []
-        for node_id, ref in asked:
-            if ref not in ready:
-                unanswered.append({"node_id": node_id, "error": "no answer within "
-                                   f"{STATUS_NODE_WAIT_S:g} s"})
-                continue
-            try:
-                usage.append(ray.get(ref))
-            except Exception as exc:  # noqa: BLE001 - that node is reported, not the call
-                cause = getattr(exc, "cause", None) or exc  # a task error's own, not its trace
-                unanswered.append({"node_id": node_id,
-                                   "error": f"{type(cause).__name__}: {str(cause)[:300]}"})
+        usage, unanswered = usage_of_nodes(self.namespace)
         with self._lock:
             pending = self.registry.pending_deletions()
         return {"shuffles": shuffles, "nodes": usage, "unanswered_nodes": unanswered,

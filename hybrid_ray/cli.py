@@ -144,9 +144,10 @@ def _connect(address: str | None, timeout_s: float) -> None:
         _connect_unscrubbed(address, timeout_s)
     except CliError as exc:
         # Every message names the address: credentials in it (a user or token in a
-        # ray:// or http:// URL, from --address or RAY_ADDRESS) are never shown.
-        raise CliError(Redactor(address).scrub(str(exc)), exc.code,
-                       abandon=exc.abandon) from None
+        # ray:// or http:// URL, from --address or RAY_ADDRESS, which Ray resolves for
+        # "auto") are never shown.
+        scrub = Redactor(address or os.environ.get("RAY_ADDRESS")).scrub
+        raise CliError(scrub(str(exc)), exc.code, abandon=exc.abandon) from None
 
 
 def _connect_unscrubbed(address: str | None, timeout_s: float) -> None:

@@ -82,7 +82,6 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
         raise ConfigError(f"hybrid_ray.init(warm_object_store_bytes=...) must be a number of "
                           f"bytes >= 0 (0: warm nothing) or None for the default, got "
                           f"{warm_object_store_bytes!r}")
-    started = time.monotonic()
     if not ray.is_initialized():
         ray.init()
     actors = start_actors(config.namespace, reader_count(config), wait=wait,
@@ -94,16 +93,20 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
         calls = [tm.handle.warm_object_store.remote(warm_object_store_bytes)
                  for tm in actors.tier_managers]
         if wait:  # each call only starts a background thread: it answers at once
-            _check_warm_up_calls(actors, calls,
-                                 max(0.0, timeout_s - (time.monotonic() - started)))
+            _check_warm_up_calls(actors, calls, min(timeout_s, WARM_UP_ANSWER_S))
     return actors
+
+
+# How long init waits for the warm-up calls, all together: each only starts a background
+# thread and answers at once.
+WARM_UP_ANSWER_S = 10.0
 
 
 def _check_warm_up_calls(actors: ShuffleActors, calls: list, timeout_s: float) -> None:
     """Log (not raise: a warm-up is only a head start) the warm-up calls that failed or
-    did not answer within ``timeout_s`` in all (what is left of ``init``'s bound: each
-    was waited for with the whole bound, one after the other, so N silent tier managers
-    held ``init`` N times as long)."""
+    did not answer within ``timeout_s`` in all (each was waited for with ``init``'s whole
+    bound, one after the other, so N silent tier managers held ``init`` N times as
+    long)."""
     deadline = time.monotonic() + timeout_s
     for slot, ref in zip(actors.tier_managers, calls):
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import numbers
 import os
 import time
@@ -157,13 +158,17 @@ class TierManager:
                                              spill_dirs, config.min_reserve_fraction,
                                              config.disk_capacity_bytes,
                                              in_flight=self._disk_in_flight,
-                                             node_used=self._disk_used_on_node)
+                                             node_used=functools.partial(
+                                                 self._disk_used_in, spill_dirs))
         return disk_key
 
-    def _disk_used_on_node(self) -> int:
-        """Bytes every disk tier of this node holds (granted, written or not): what
-        ``disk_capacity_bytes``, a cap per node, bounds."""
-        return sum(disk.used_bytes for disk in self._disks.values())
+    def _disk_used_in(self, spill_dirs: tuple[str, ...]) -> int:
+        """Bytes the node's disk tiers over ``spill_dirs`` hold (granted, written or not):
+        what ``disk_capacity_bytes``, a cap per node, bounds for shuffles spilling there.
+        Tiers over other directories are not counted: a shuffle with no cap, or a larger
+        one, elsewhere must not use up a capped shuffle's room (a review of the first
+        version, which summed every disk tier of the node)."""
+        return sum(disk.used_bytes for key, disk in self._disks.items() if key[0] == spill_dirs)
 
     def _remote_key(self, config: ShuffleConfig) -> tuple | None:
         """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""

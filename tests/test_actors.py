@@ -871,7 +871,6 @@ def test_status_reports_a_silent_or_failing_tier_manager_and_the_others(ray_loca
     import ray
 
     from hybrid_ray import actors
-    from hybrid_ray.master import ShuffleRegistry
 
     @ray.remote(num_cpus=0)
     class FakeTierManager:
@@ -892,22 +891,11 @@ def test_status_reports_a_silent_or_failing_tier_manager_and_the_others(ray_loca
     monkeypatch.setattr(actors, "existing_tier_manager", lambda node_id, ns: fakes[node_id])
     monkeypatch.setattr(actors, "STATUS_NODE_WAIT_S", 2.0)
 
-    class FakeMaster:
-        namespace = "ns"
-        loop_errors = 0
-        last_loop_error = ""
-
-        def __init__(self):
-            import threading
-
-            self._lock = threading.Lock()
-            self.registry = ShuffleRegistry(lambda state, metas: None, lambda state: None)
-
     started = time.monotonic()
-    status = actors.ShuffleMasterActor.__ray_actor_class__.status(FakeMaster())
+    usage, unanswered = actors.usage_of_nodes("ns")
     assert time.monotonic() - started < 10
-    assert status["nodes"] == ["usage of ok"]
-    errors = {n["node_id"]: n["error"] for n in status["unanswered_nodes"]}
+    assert usage == ["usage of ok"], unanswered
+    errors = {n["node_id"]: n["error"] for n in unanswered}
     assert errors["node-silent"] == "no answer within 2 s"
     assert "its books are broken" in errors["node-failing"]
     for fake in fakes.values():

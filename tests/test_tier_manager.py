@@ -605,5 +605,12 @@ def test_the_disk_byte_cap_bounds_the_node_whatever_each_shuffle_s_config(tmp_pa
     [refused] = tm.reserve("b", [8 * MiB])
     assert refused.grant is None
     assert tm.reserve("b", [2 * MiB])[0].grant.tier == TierName.DISK  # what is left
+    # A shuffle spilling to other directories, capped or not, does not count: its bytes
+    # starved the capped shuffles in the first version of this fix.
+    elsewhere = a.replace(spill_dirs=[str(tmp_path / "other")], disk_capacity_bytes=None)
+    tm.register_shuffle("c", elsewhere)
+    assert tm.reserve("c", [50 * MiB])[0].grant.tier == TierName.DISK
     tm.release_shuffle("a")
-    tm.release_shuffle("b")
+    assert tm.reserve("b", [8 * MiB])[0].grant.tier == TierName.DISK  # a's room came back
+    for shuffle in ("b", "c"):
+        tm.release_shuffle(shuffle)
