@@ -261,10 +261,11 @@ class WriteClient:
         # manager busy or restarting) skipped them, and the files and their bytes stayed
         # until the shuffle's release. The first error is raised once all was tried.
         errors: list[BaseException] = []
+        settle_error: BaseException | None = None
         try:
             self._settle_changes()
         except Exception as exc:  # noqa: BLE001 - raised below, after the deletions
-            errors.append(exc)
+            settle_error = exc
         local = [m for m in self.written if m.tier != TierName.REMOTE]
         try:
             if local:
@@ -282,6 +283,16 @@ class WriteClient:
                 self.io_tiers[TierName.REMOTE].remove_shuffle_data(self.shuffle_id)
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
+        if settle_error is not None:
+            # Once more, after the deletions gave the tier manager time: the settlements
+            # kept for resending (tracked grants, counted once however often they come)
+            # were dropped with this client, and a disk grant stayed in flight on the
+            # node until the shuffle's release, refusing other shuffles room (found by a
+            # review).
+            try:
+                self._settle_changes()
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                errors.insert(0, settle_error)
         self.written, self._uncommitted = [], []
         self._closed = True
         if errors:

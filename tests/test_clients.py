@@ -456,6 +456,37 @@ def test_abort_deletes_what_it_wrote_even_when_its_settle_call_fails(ray_local, 
     assert "free" in storage.calls
 
 
+def test_an_abort_whose_settle_failed_tries_it_once_more_after_its_deletions(tmp_path):
+    """An abort whose settle call failed (the tier manager busy for a moment) dropped the
+    settlements it kept for resending: the disk grant stayed in flight on the node until
+    the shuffle's release, and other shuffles were refused its room (found by a review).
+    The abort sends them once more after its deletions; a tracked grant counts once."""
+    spill = str(tmp_path / "spill")
+    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[spill], compression="none",
+                        segment_bytes={"disk": 256 * 1024})
+    tm = TierManager("node-a", 0)
+    shuffle = f"as-{uuid.uuid4().hex[:6]}"
+    storage = CountingStorage(tm)
+    tm.register_shuffle(shuffle, cfg)
+    client = WriteClient(shuffle, 0, 3, cfg, storage, build_io_tiers(cfg))
+    client.write_many((s, random_table(20_000, seed=s)) for s in range(3))
+    assert tm._disk_in_flight  # written, not settled yet
+    real_settle, failures = storage.settle, []
+
+    def settle_fails_once(shuffle_id, settled):
+        if not failures:
+            failures.append(True)
+            raise ConnectionError("injected: the tier manager did not answer")
+        return real_settle(shuffle_id, settled)
+
+    storage.settle = settle_fails_once
+    client.abort()  # the second settle went through: nothing to raise
+    assert failures and segment_files_under(spill) == []
+    assert tm._disk_in_flight == {}
+    assert {t.tier: t.used_bytes for t in tm.usage().tiers}[TierName.DISK] == 0
+    tm.release_shuffle(shuffle)
+
+
 def test_a_full_disk_refusing_a_segment_directory_is_out_of_space_not_a_failed_map(
         tmp_path, monkeypatch):
     """Creating a subpartition's directory can meet ENOSPC too: it failed the map with a
