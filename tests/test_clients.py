@@ -431,10 +431,9 @@ def test_a_map_s_registered_attempt_is_used_by_its_first_run_only(monkeypatch):
     assert map_task._first_run_of("shf-a", 8, 0)
 
 
-def test_abort_deletes_what_it_wrote_even_when_its_settle_call_fails(ray_local, tmp_path):
-    """abort() settled first, and a settle call that raised (the tier manager busy or
-    restarting) skipped every deletion: the files and their bytes stayed until the
-    shuffle's release."""
+def _disk_writer_that_wrote(tmp_path):
+    """(spill dir, tier manager, shuffle, its CountingStorage, a write client) after the
+    client wrote three subpartitions to the disk tier, their grants not settled yet."""
     spill = str(tmp_path / "spill")
     cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[spill], compression="none",
                         segment_bytes={"disk": 256 * 1024})
@@ -444,6 +443,14 @@ def test_abort_deletes_what_it_wrote_even_when_its_settle_call_fails(ray_local, 
     tm.register_shuffle(shuffle, cfg)
     client = WriteClient(shuffle, 0, 3, cfg, storage, build_io_tiers(cfg))
     client.write_many((s, random_table(20_000, seed=s)) for s in range(3))
+    return spill, tm, shuffle, storage, client
+
+
+def test_abort_deletes_what_it_wrote_even_when_its_settle_call_fails(ray_local, tmp_path):
+    """abort() settled first, and a settle call that raised (the tier manager busy or
+    restarting) skipped every deletion: the files and their bytes stayed until the
+    shuffle's release."""
+    spill, tm, shuffle, storage, client = _disk_writer_that_wrote(tmp_path)
     assert segment_files_under(spill)
 
     def settle_fails(shuffle_id, settled):
@@ -461,15 +468,7 @@ def test_an_abort_whose_settle_failed_tries_it_once_more_after_its_deletions(tmp
     settlements it kept for resending: the disk grant stayed in flight on the node until
     the shuffle's release, and other shuffles were refused its room (found by a review).
     The abort sends them once more after its deletions; a tracked grant counts once."""
-    spill = str(tmp_path / "spill")
-    cfg = ShuffleConfig(memory_capacity_bytes=0, spill_dirs=[spill], compression="none",
-                        segment_bytes={"disk": 256 * 1024})
-    tm = TierManager("node-a", 0)
-    shuffle = f"as-{uuid.uuid4().hex[:6]}"
-    storage = CountingStorage(tm)
-    tm.register_shuffle(shuffle, cfg)
-    client = WriteClient(shuffle, 0, 3, cfg, storage, build_io_tiers(cfg))
-    client.write_many((s, random_table(20_000, seed=s)) for s in range(3))
+    spill, tm, shuffle, storage, client = _disk_writer_that_wrote(tmp_path)
     assert tm._disk_in_flight  # written, not settled yet
     real_settle, failures = storage.settle, []
 
