@@ -213,8 +213,12 @@ def _segment_lost(meta: Any, cause: Exception, subpartition: int) -> SegmentNotF
 
 
 def _read_through(tm: Any, meta: SegmentMeta) -> bytes:
-    return answer_of(tm.read_disk_segment.remote(meta),
-                     f"node {meta.node_id}'s tier manager reading {meta.id}",
+    return _answer_of_read(tm.read_disk_segment.remote(meta), meta)
+
+
+def _answer_of_read(ref: Any, meta: SegmentMeta) -> bytes:
+    """The bytes of a tier manager's ``read_disk_segment`` call for ``meta``, bounded."""
+    return answer_of(ref, f"node {meta.node_id}'s tier manager reading {meta.id}",
                      DATA_CALL_TIMEOUT_S)
 
 
@@ -257,8 +261,7 @@ def start_fetch_from_node(meta: SegmentMeta, namespace: str) -> Callable[[], byt
     def wait() -> bytes:
         if ref is not None:
             try:
-                return answer_of(ref, f"node {meta.node_id}'s tier manager reading {meta.id}",
-                                 DATA_CALL_TIMEOUT_S)
+                return _answer_of_read(ref, meta)
             except WORKER_LOST_ERRORS:
                 pass  # below: the node's death, or a tier manager started again
         return fetch_from_node(meta, namespace)
