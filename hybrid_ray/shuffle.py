@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
@@ -100,14 +101,28 @@ _LOG = logging.getLogger(__name__)
 
 
 def last_report() -> ShuffleReport | None:
-    """The report of the most recent shuffle run by the calling thread (None if it failed,
-    or none ran). The report of a particular result is also on it:
+    """The report of the most recent shuffle run by the calling thread (None if it failed
+    or was refused, or none ran). The report of a particular result is also on it:
     ``ShuffleResult.report``, ``report_of(dataset)``."""
     return getattr(_reports, "last", None)
 
 
 def _set_last_report(report: ShuffleReport | None) -> None:
     _reports.last = report
+
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _most_recent_call(fn: _Call) -> _Call:
+    """Make ``fn`` the calling thread's most recent shuffle as it starts: until it returns
+    a result, ``last_report()`` is None. A call refused before it started (an unknown
+    column, a bad partitioner) kept returning the report of the shuffle before it."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _set_last_report(None)
+        return fn(*args, **kwargs)
+    return cast(_Call, call)
 
 
 def report_of(ds: Any) -> ShuffleReport:
@@ -387,6 +402,7 @@ class ShuffleResult:
     block_stats: list[ray.ObjectRef] = dataclasses.field(default_factory=list)
 
 
+@_most_recent_call
 def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitioner: Partitioner,
                 schema: pa.Schema, config: ShuffleConfig | None = None,
                 operation: str = "custom") -> ShuffleResult:
@@ -430,9 +446,6 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         ray.init()
     window = _reducer_window(config)
     check_remote_tier(config)
-    # From here this is the thread's most recent shuffle: if it fails, last_report() says
-    # None instead of the shuffle before it (whose report it kept returning).
-    _set_last_report(None)
     # Every actor at once (a no-op lookup once they run, or after hybrid_ray.init): started
     # one by one on first use, they made a first shuffle many times slower than the next.
     # The lifecycle's clock starts before: the report's startup phase is what a user waits
@@ -807,6 +820,7 @@ def _materialized_dataset(refs: list[ray.ObjectRef],
                                DatasetStats(metadata={"FromArrow": metadata}, parent=None))
 
 
+@_most_recent_call
 def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
                 config: ShuffleConfig | None = None) -> ray.data.Dataset:
     """Hash-partition ``ds`` by ``keys`` into ``num_partitions`` blocks through the tiers.
@@ -834,6 +848,7 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
     return _to_dataset(result, blocks.nbytes)
 
 
+@_most_recent_call
 def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
          config: ShuffleConfig | None = None, num_partitions: int | None = None
          ) -> ray.data.Dataset:
@@ -882,6 +897,7 @@ def _default_partitions(refs: Sequence[ray.ObjectRef], config: ShuffleConfig) ->
     return max(1, min(MAX_PARTITIONS, len(_plan_maps(_block_locations(refs)[1], config))))
 
 
+@_most_recent_call
 def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
                    config: ShuffleConfig | None = None, num_partitions: int | None = None
                    ) -> ray.data.Dataset:

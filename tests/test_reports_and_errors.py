@@ -50,6 +50,28 @@ def test_report_of_a_dataset_that_no_shuffle_made_is_explained(ray_local):
         hybrid_ray.report_of(ray_local.data.range(3))
 
 
+
+def test_a_refused_call_leaves_no_report_of_the_shuffle_before_it(ray_local, tmp_path):
+    """A call refused before it starts (an unknown column, a bad partitioner) is the most
+    recent call too: last_report() kept returning the previous shuffle's report."""
+    ray = ray_local
+    table = pa.table({"key": np.arange(100)})
+    ds = ray.data.from_arrow(table)
+    refused = [
+        lambda: hybrid_ray.run_shuffle([ray.put(table)], 2, "key", table.schema,
+                                       base_config(tmp_path)),
+        lambda: hybrid_ray.repartition(ds, 2, keys=["nope"], config=base_config(tmp_path)),
+        lambda: hybrid_ray.sort(ds, "nope", config=base_config(tmp_path)),
+        lambda: hybrid_ray.random_shuffle(ds, num_partitions=0,
+                                          config=base_config(tmp_path)),
+    ]
+    for call in refused:
+        hybrid_ray.repartition(ds, 2, keys=["key"], config=base_config(tmp_path))
+        assert hybrid_ray.last_report().rows == 100
+        with pytest.raises(hybrid_ray.ConfigError):
+            call()
+        assert hybrid_ray.last_report() is None
+
 class FailsInMapOne(HashPartitioner):
     def assign(self, table, map_index, num_partitions):
         if map_index == 1:
