@@ -84,6 +84,11 @@ def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int 
 
 # Remote tiers a tier manager keeps open beyond those its registered shuffles use.
 REMOTE_TIERS_KEPT = 4
+# Disk tiers (one per spill dirs, reserve fraction and cap) kept by a tier manager that no
+# registered or recently released shuffle uses and that hold no bytes. A tier manager
+# outlives jobs, and a job with fresh spill dirs (a temporary directory per run) added one
+# for good: every release and status then went through all of them.
+DISK_TIERS_KEPT = 8
 
 
 class TierManager:
@@ -119,6 +124,9 @@ class TierManager:
         # (its space would stay counted, its quota taken, for good), and the recent ones are
         # looked at for late writers' files (``remove_late_files``).
         self._released: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # The disk tier of each shuffle in ``_released``: kept while its late files may
+        # still be swept (``remove_late_files``), see ``_prune_disks``.
+        self._released_disks: dict[str, tuple] = {}
         # (shuffle, spill dir) pairs whose shuffle directory carries our marker, made for
         # JVM disk grants (``mark_disk_target``); a shuffle's go with its release.
         self._marked: set[tuple[str, str]] = set()
@@ -160,7 +168,27 @@ class TierManager:
                                              in_flight=self._disk_in_flight,
                                              node_used=functools.partial(
                                                  self._disk_used_in, spill_dirs))
+            self._prune_disks(keep=disk_key)
         return disk_key
+
+    def _prune_disks(self, keep: tuple | None = None) -> None:
+        """Forget disk tiers, oldest first, while more than ``DISK_TIERS_KEPT`` are open:
+        only one that holds no bytes (granted or written), that no registered shuffle uses
+        and whose shuffles' releases are older than ``LATE_FILES_WINDOW_S`` (their late
+        files are swept through it), nor ``keep``. What it knew is not needed after: a
+        release or a free names the config or finds our marker (``_deletable_segment_file``),
+        as after a restart."""
+        if len(self._disks) <= DISK_TIERS_KEPT:
+            return
+        now = time.monotonic()
+        in_use = {info["disk"] for info in self._shuffles.values()} | {keep}
+        in_use |= {key for shuffle_id, key in self._released_disks.items()
+                   if now - self._released[shuffle_id] <= LATE_FILES_WINDOW_S}
+        for key in [k for k, disk in self._disks.items()
+                    if k not in in_use and disk.used_bytes == 0]:
+            if len(self._disks) <= DISK_TIERS_KEPT:
+                break
+            del self._disks[key]
 
     def _disk_used_in(self, spill_dirs: tuple[str, ...]) -> int:
         """Bytes the node's disk tiers over ``spill_dirs`` hold (granted, written or not):
@@ -474,16 +502,18 @@ class TierManager:
         again since the shuffle wrote here, which knows none of its disks, still removes
         its files from the config's spill dirs."""
         check_id("shuffle_id", shuffle_id)
-        if config is not None:
-            self._disk_key(config)
+        disk_key = self._disk_key(config) if config is not None else None
         info = self._shuffles.pop(shuffle_id, None)
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)
         self._open_packs.pop(shuffle_id, None)
         self._released[shuffle_id] = time.monotonic()
         self._released.move_to_end(shuffle_id)
+        disk_key = info["disk"] if info is not None else disk_key
+        if disk_key is not None:
+            self._released_disks[shuffle_id] = disk_key
         while len(self._released) > RELEASED_MEMORY:
-            self._released.popitem(last=False)
+            self._released_disks.pop(self._released.popitem(last=False)[0], None)
         self.memory.release_shuffle(shuffle_id)
         failures: list[str] = []
         for disk in self._disks.values():
@@ -494,6 +524,7 @@ class TierManager:
         if info is not None:
             self._rebalance_quotas()
             self._prune_remotes()
+        self._prune_disks()
         if failures:
             # The quota is given back (the shuffle is gone); the files left are raised so
             # the caller retries the release (the master queues it again) and the late

@@ -11,7 +11,7 @@ from hybrid_ray import (
     MiB, SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, ShuffleReleasedError,
     TierName,
 )
-from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, TierManager
+from hybrid_ray.tier_manager import DISK_TIERS_KEPT, REMOTE_TIERS_KEPT, TierManager
 
 
 def test_memory_quotas_by_weight_never_exceed_budget(ray_local, tmp_path):
@@ -77,6 +77,39 @@ def test_tier_manager_closes_remote_tiers_no_registered_shuffle_uses(tmp_path):
         tm.release_shuffle(shuffle_id)
     assert len(tm._remotes) <= REMOTE_TIERS_KEPT
 
+
+
+def test_a_tier_manager_forgets_disk_tiers_no_shuffle_needs_any_more(tmp_path, monkeypatch):
+    """A tier manager outlives jobs; each job with its own spill dirs (a temporary dir per
+    run) opened a disk tier kept for good, and every release and status went through all
+    of them. Idle ones go, oldest first, past DISK_TIERS_KEPT; never one a registered
+    shuffle uses, one holding bytes, or one whose shuffle's late files may still come."""
+    from hybrid_ray import tier_manager
+
+    tm = TierManager("n1", object_store_bytes=1000)
+    def config(i):
+        return ShuffleConfig(memory_fraction=0.0, spill_dirs=[str(tmp_path / f"spill{i}")])
+    tm.reserve("held", [100], register=config("held"))  # registered, its bytes counted
+    runs = 3 * DISK_TIERS_KEPT
+    for i in range(runs):
+        tm.reserve(f"s{i}", [100], register=config(i))
+        tm.release_shuffle(f"s{i}")
+    # Released within the late-files window: every one kept for the sweep.
+    assert len(tm._disks) == runs + 1
+    clock = [tier_manager.time.monotonic() + tier_manager.LATE_FILES_WINDOW_S + 1]
+    monkeypatch.setattr(tier_manager.time, "monotonic", lambda: clock[0])
+    tm.reserve("new", [100], register=config("new"))
+    spills = {key[0][0].rsplit("/", 1)[-1] for key in tm._disks}
+    assert len(tm._disks) == DISK_TIERS_KEPT
+    assert {"spillheld", "spillnew"} <= spills
+    # The newest idle ones stayed, the oldest went.
+    assert f"spill{runs - 1}" in spills and "spill0" not in spills
+    # A forgotten tier's shuffle still releases and frees through its config.
+    tm.release_shuffle("s0", config=config(0))
+    assert not (tmp_path / "spill0" / "hybrid_ray" / "s0").exists()
+    assert tm.usage().shuffles == ("held", "new")
+    disk_bytes = sorted(t.used_bytes for t in tm.usage().tiers if t.tier == TierName.DISK)
+    assert disk_bytes == [0] * (DISK_TIERS_KEPT - 2) + [100, 100]
 
 def test_a_reservation_registers_the_shuffle_it_carries_the_config_of(tmp_path):
     """A map's first reservation carries its shuffle's config: one call instead of a
