@@ -104,6 +104,9 @@ class TierManager:
         self.owner = owner
         self.memory = MemoryTier(0, 0, owner)
         self._disks: dict[tuple, DiskTier] = {}
+        # The spill dirs of each disk tier as a set of resolved paths: what the node's
+        # disk cap compares (``_disk_used_in``), so an order or a symlink is the same dirs.
+        self._disk_dirs: dict[tuple, frozenset[str]] = {}
         # Bytes granted on each spill directory and not yet written, shared by every disk
         # tier of this node (see DiskTier): statvfs sees only what is written.
         self._disk_in_flight: dict[tuple[str, str], int] = {}
@@ -167,7 +170,8 @@ class TierManager:
                                              config.disk_capacity_bytes,
                                              in_flight=self._disk_in_flight,
                                              node_used=functools.partial(
-                                                 self._disk_used_in, spill_dirs))
+                                                 self._disk_used_in, disk_key))
+            self._disk_dirs[disk_key] = frozenset(os.path.realpath(d) for d in spill_dirs)
             self._prune_disks(keep=disk_key)
         return disk_key
 
@@ -189,14 +193,19 @@ class TierManager:
             if len(self._disks) <= DISK_TIERS_KEPT:
                 break
             del self._disks[key]
+            self._disk_dirs.pop(key, None)
 
-    def _disk_used_in(self, spill_dirs: tuple[str, ...]) -> int:
-        """Bytes the node's disk tiers over ``spill_dirs`` hold (granted, written or not):
-        what ``disk_capacity_bytes``, a cap per node, bounds for shuffles spilling there.
-        Tiers over other directories are not counted: a shuffle with no cap, or a larger
-        one, elsewhere must not use up a capped shuffle's room (a review of the first
-        version, which summed every disk tier of the node)."""
-        return sum(disk.used_bytes for key, disk in self._disks.items() if key[0] == spill_dirs)
+    def _disk_used_in(self, disk_key: tuple) -> int:
+        """Bytes the node's disk tiers over the spill dirs of ``disk_key``'s tier hold
+        (granted, written or not): what ``disk_capacity_bytes``, a cap per node, bounds for
+        shuffles spilling there. Tiers over other directories are not counted: a shuffle
+        with no cap, or a larger one, elsewhere must not use up a capped shuffle's room (a
+        review of the first version, which summed every disk tier of the node). The dirs
+        are compared as sets of resolved paths: the same dirs listed in another order, or
+        through a symlink, were counted apart and each config got the whole cap."""
+        dirs = self._disk_dirs[disk_key]
+        return sum(disk.used_bytes for key, disk in self._disks.items()
+                   if self._disk_dirs[key] == dirs)
 
     def _remote_key(self, config: ShuffleConfig) -> tuple | None:
         """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""

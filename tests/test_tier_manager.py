@@ -647,3 +647,25 @@ def test_the_disk_byte_cap_bounds_the_node_whatever_each_shuffle_s_config(tmp_pa
     assert tm.reserve("b", [8 * MiB])[0].grant.tier == TierName.DISK  # a's room came back
     for shuffle in ("b", "c"):
         tm.release_shuffle(shuffle)
+
+
+def test_the_disk_byte_cap_counts_the_same_spill_dirs_listed_in_another_order(tmp_path):
+    """The node's disk cap counts every disk tier over the same spill dirs; two configs
+    listing the same two dirs in another order (or one through a symlink) are the same
+    dirs, but were keyed apart, so each got the whole cap: 16 MiB under a 10 MiB cap."""
+    tm = TierManager("n1", object_store_bytes=0)
+    x, y = str(tmp_path / "x"), str(tmp_path / "y")
+    os.makedirs(x)
+    os.symlink(x, str(tmp_path / "x-link"))
+    a = ShuffleConfig(memory_fraction=0, spill_dirs=[x, y], disk_capacity_bytes=10 * MiB,
+                      progress=False)
+    b = a.replace(spill_dirs=[y, x])
+    c = a.replace(spill_dirs=[str(tmp_path / "x-link"), y])
+    for shuffle, config in (("a", a), ("b", b), ("c", c)):
+        tm.register_shuffle(shuffle, config)
+    assert tm.reserve("a", [8 * MiB])[0].grant.tier == TierName.DISK
+    assert tm.reserve("b", [8 * MiB])[0].grant is None
+    assert tm.reserve("c", [8 * MiB])[0].grant is None
+    assert tm.reserve("b", [2 * MiB])[0].grant.tier == TierName.DISK  # what is left
+    for shuffle in ("a", "b", "c"):
+        tm.release_shuffle(shuffle)
