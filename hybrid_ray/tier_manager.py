@@ -130,6 +130,10 @@ class TierManager:
         # The disk tier of each shuffle in ``_released``: kept while its late files may
         # still be swept (``remove_late_files``), see ``_prune_disks``.
         self._released_disks: dict[str, tuple] = {}
+        # Released shuffles whose files could not all be removed: ``remove_late_files``
+        # tries them again on every sweep, past its window, until nothing is left. (A
+        # release by the orphan sweep has no master to retry it.)
+        self._removal_failed: set[str] = set()
         # (shuffle, spill dir) pairs whose shuffle directory carries our marker, made for
         # JVM disk grants (``mark_disk_target``); a shuffle's go with its release.
         self._marked: set[tuple[str, str]] = set()
@@ -178,16 +182,17 @@ class TierManager:
     def _prune_disks(self, keep: tuple | None = None) -> None:
         """Forget disk tiers, oldest first, while more than ``DISK_TIERS_KEPT`` are open:
         only one that holds no bytes (granted or written), that no registered shuffle uses
-        and whose shuffles' releases are older than ``LATE_FILES_WINDOW_S`` (their late
-        files are swept through it), nor ``keep``. What it knew is not needed after: a
-        release or a free names the config or finds our marker (``_deletable_segment_file``),
-        as after a restart."""
+        and whose shuffles' releases are older than ``LATE_FILES_WINDOW_S`` and removed in
+        full (their late files are swept through it), nor ``keep``. What it knew is not
+        needed after: a release or a free names the config or finds our marker
+        (``_deletable_segment_file``), as after a restart."""
         if len(self._disks) <= DISK_TIERS_KEPT:
             return
         now = time.monotonic()
         in_use = {info["disk"] for info in self._shuffles.values()} | {keep}
         in_use |= {key for shuffle_id, key in self._released_disks.items()
-                   if now - self._released[shuffle_id] <= LATE_FILES_WINDOW_S}
+                   if now - self._released[shuffle_id] <= LATE_FILES_WINDOW_S
+                   or shuffle_id in self._removal_failed}
         for key in [k for k, disk in self._disks.items()
                     if k not in in_use and disk.used_bytes == 0]:
             if len(self._disks) <= DISK_TIERS_KEPT:
@@ -537,28 +542,42 @@ class TierManager:
         if failures:
             # The quota is given back (the shuffle is gone); the files left are raised so
             # the caller retries the release (the master queues it again) and the late
-            # files sweep removes them meanwhile.
+            # files sweep removes them meanwhile, however long that takes.
+            self._removal_failed.add(shuffle_id)
             raise OSError("; ".join(failures))
+        self._removal_failed.discard(shuffle_id)
 
     def remove_late_files(self, window_s: float = LATE_FILES_WINDOW_S) -> list[str]:
         """Remove what writers left of shuffles released here in the last ``window_s``;
         returns the shuffles whose directories were found again. A map that reserved space
         before its shuffle's release and wrote after it recreates the shuffle's directory;
-        its abort removes it, but a writer killed before its abort leaves its files. Run
-        periodically (the tier manager actor's sweep). Raises ``OSError`` naming what could
-        not be removed, after trying every shuffle."""
+        its abort removes it, but a writer killed before its abort leaves its files. A
+        release whose removal failed is tried again whatever its age, until it succeeds.
+        Run periodically (the tier manager actor's sweep). Raises ``OSError`` naming what
+        could not be removed, after trying every shuffle."""
         now = time.monotonic()
-        found = []
-        failures: list[str] = []
+        recent = []
         for shuffle_id, released in reversed(self._released.items()):  # newest first
             if now - released > window_s:
                 break
+            recent.append(shuffle_id)
+        # A release whose removal failed is tried until it succeeds, past the window too.
+        recent += sorted(self._removal_failed.difference(recent))
+        found = []
+        failures: list[str] = []
+        for shuffle_id in recent:
             left = [d for d in self._disks.values() if d.has_shuffle_data(shuffle_id)]
+            failed = False
             for disk in left:
                 try:
                     disk.remove_shuffle_data(shuffle_id)
                 except OSError as exc:  # tried again next sweep; the others go on
                     failures.append(str(exc))
+                    failed = True
+            if failed:
+                self._removal_failed.add(shuffle_id)
+            else:
+                self._removal_failed.discard(shuffle_id)
             if left:
                 found.append(shuffle_id)
         if failures:

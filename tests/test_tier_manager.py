@@ -669,3 +669,44 @@ def test_the_disk_byte_cap_counts_the_same_spill_dirs_listed_in_another_order(tm
     assert tm.reserve("b", [2 * MiB])[0].grant.tier == TierName.DISK  # what is left
     for shuffle in ("a", "b", "c"):
         tm.release_shuffle(shuffle)
+
+
+def test_a_release_whose_removal_failed_is_retried_past_the_late_files_window(
+        tmp_path, monkeypatch):
+    """The tier manager's orphan sweep releases a shuffle its master no longer knows; no
+    master retries that release, only the late-files sweep (``remove_late_files``). It
+    looked at a release for ``LATE_FILES_WINDOW_S`` only: a removal that kept failing
+    longer (a file busy for 11 minutes) was never tried again, and the files stayed for
+    good. A removal that failed is now tried again on every sweep until it succeeds."""
+    import errno
+
+    from hybrid_ray import tier_manager
+    from hybrid_ray.tiers.disk import (
+        make_private_dir, segment_path, shuffle_dir, write_private_file, write_shuffle_marker,
+    )
+
+    spill = str(tmp_path / "spill")
+    tm = TierManager("n1", 0)
+    tm.register_shuffle("shf-1", ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=0))
+    path = segment_path(spill, SegmentId("shf-1", 0, 3, 0))
+    make_private_dir(os.path.dirname(path))
+    write_shuffle_marker(shuffle_dir(spill, "shf-1"), "shf-1")
+    write_private_file(path, b"x" * 100)
+    real_unlink = os.unlink
+
+    def busy_segments(p, *args, **kwargs):
+        if str(p).endswith(".seg"):
+            raise OSError(errno.EBUSY, "Device or resource busy", p)
+        return real_unlink(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy_segments)
+    with pytest.raises(OSError, match="Device or resource busy"):
+        tm.release_shuffle("shf-1")  # as the orphan sweep does: nobody calls it again
+    clock = [tier_manager.time.monotonic() + tier_manager.LATE_FILES_WINDOW_S + 1]
+    monkeypatch.setattr(tier_manager.time, "monotonic", lambda: clock[0])
+    with pytest.raises(OSError, match="Device or resource busy"):
+        tm.remove_late_files()  # still busy, past the window: still tried, and said
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert tm.remove_late_files() == ["shf-1"]
+    assert not os.path.exists(shuffle_dir(spill, "shf-1"))
+    assert tm.remove_late_files() == []  # done: not looked at again
