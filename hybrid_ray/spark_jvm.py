@@ -423,7 +423,11 @@ def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> d
                           "remote_path, through spark_bridge.init_spark)")
     segment = SegmentId(shuffle_id, int(request["map_index"]), int(request["partition"]),
                         int(request["index"]), int(request["map_id"]), tier.job_id)
-    return {"location": tier.write_frame(segment, frame)}
+    # On the tier's transfer threads, waited for within its bound (``RemoteTier.outcome``):
+    # this runs in the tier manager, one call at a time, and a sync filesystem (NFS through
+    # file://) has no per-call deadline: a hung one held the tier manager for good.
+    return {"location": tier.outcome(tier.io_pool().submit(tier.write_frame, segment, frame),
+                                     f"writing {segment}", len(frame))}
 
 
 def read_remote(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) -> bytes:
@@ -437,5 +441,8 @@ def read_remote(tm: TierManager, request: Mapping[str, Any], sessions: SessionLo
     if tier is None:
         raise ConfigError(f"Spark shuffle {shuffle_id!r} has no remote tier in this "
                           "session's ShuffleConfig; a remote segment cannot be read")
-    return tier.read_frame(str(request["location"]), int(request["nbytes"]),
-                           f"a segment of Spark shuffle {shuffle_id}")
+    nbytes = int(request["nbytes"])
+    what = f"a segment of Spark shuffle {shuffle_id}"
+    # Bounded, as write_remote's is: a hung read held the tier manager for good.
+    return tier.outcome(tier.io_pool().submit(tier.read_frame, str(request["location"]),
+                                              nbytes, what), f"reading {what}", nbytes)

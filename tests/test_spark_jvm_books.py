@@ -229,3 +229,44 @@ def test_a_commit_the_writer_gave_up_on_is_deleted_by_its_abort_whenever_it_land
             abort(registry, {"shuffle": SHUFFLE, "map_id": 100})
         assert deleted == ["a"]
         assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[100, 0]]})["blocks"] == [None]
+
+
+def test_the_tier_manager_s_remote_io_for_the_jvm_is_bounded(tmp_path, monkeypatch) -> None:
+    """A JVM segment is written to and read from the remote tier by the node's tier
+    manager (``spark_jvm.write_remote`` / ``read_remote``), an actor that runs one call at
+    a time. Those calls went straight to the filesystem: a sync one (NFS through
+    ``file://``) has no deadline, so a hung server held the tier manager forever, and with
+    it every writer's reservation on the node. They are now waited for within the tier's
+    bound (``RemoteTier.outcome``), as a Python reader's and writer's are."""
+    import threading
+    import time
+
+    import pytest
+
+    from hybrid_ray import SegmentId, ShuffleConfig
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.spark_jvm import read_remote, write_remote
+    from hybrid_ray.tier_manager import TierManager
+    from hybrid_ray.tiers import remote as remote_module
+
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
+                        remote_path=f"file://{tmp_path}/remote", progress=False)
+    tm = TierManager("n1", 0)
+    tm.register_shuffle(SHUFFLE, cfg)
+    tier = tm.remote_tier(SHUFFLE)
+    hung = threading.Event()
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 0.5)
+    monkeypatch.setattr(tier.fs, "pipe_file", lambda *a, **k: hung.wait(5))
+    monkeypatch.setattr(tier.fs, "cat_file", lambda *a, **k: hung.wait(5))
+    request = {"shuffle": SHUFFLE, "map_index": 0, "partition": 0, "index": 0, "map_id": 7}
+    try:
+        started = time.monotonic()
+        with pytest.raises(ShuffleStalledError):
+            write_remote(tm, request, b"x" * 100)
+        with pytest.raises(ShuffleStalledError):
+            read_remote(tm, {"shuffle": SHUFFLE, "nbytes": 100,
+                             "location": tier.segment_path(SegmentId(SHUFFLE, 0, 0, 0, 7))},
+                        lambda token: None)
+        assert time.monotonic() - started < 4
+    finally:
+        hung.set()
