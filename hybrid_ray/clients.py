@@ -272,17 +272,8 @@ class WriteClient:
                 self.storage.free_segments(self.shuffle_id, local)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
-        for meta in self.written:
-            if meta.tier == TierName.REMOTE:
-                try:
-                    self.io_tiers[TierName.REMOTE].delete(meta)
-                except Exception as exc:  # noqa: BLE001
-                    errors.append(exc)
-        if shuffle_released and self._wrote_remote:
-            try:
-                self.io_tiers[TierName.REMOTE].remove_shuffle_data(self.shuffle_id)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
+        errors += self._remove_remote([m for m in self.written if m.tier == TierName.REMOTE],
+                                      shuffle_released and self._wrote_remote)
         if settle_error is not None:
             # Once more, after the deletions gave the tier manager time: the settlements
             # kept for resending (tracked grants, counted once however often they come)
@@ -299,6 +290,34 @@ class WriteClient:
             raise errors[0]
 
     # ---- internals -----------------------------------------------------------------------------
+    def _remove_remote(self, metas: list[SegmentMeta], whole_shuffle: bool
+                       ) -> list[BaseException]:
+        """Delete an aborted attempt's remote segments (then, with ``whole_shuffle``, the
+        shuffle's remote directory), all on the tier's transfer threads within one bound:
+        called inline, a sync filesystem (NFS through ``file://``) that hung held the
+        abort, and the failed map with it, forever. Returns the errors."""
+        if not metas and not whole_shuffle:
+            return []
+        remote = self.io_tiers[TierName.REMOTE]
+        deadline = time.monotonic() + remote.result_bound_s()
+        pool = remote.io_pool()
+        errors: list[BaseException] = []
+        deletions = [(meta, pool.submit(remote.delete, meta)) for meta in metas]
+        for meta, future in deletions:
+            try:
+                remote.outcome(future, f"deleting {meta.id}",
+                               bound_s=deadline - time.monotonic())
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        if whole_shuffle:
+            try:
+                remote.outcome(pool.submit(remote.remove_shuffle_data, self.shuffle_id),
+                               f"removing shuffle {self.shuffle_id}",
+                               bound_s=deadline - time.monotonic())
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        return errors
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"write client of map {self.map_partition} is closed")

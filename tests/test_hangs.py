@@ -4,6 +4,7 @@ segment, a dead cluster address (the last in tests/test_cli.py)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -478,6 +479,42 @@ def test_an_abort_waits_for_hung_uploads_within_one_bound_not_one_each(tmp_path,
     assert elapsed < 3.0, f"the abort waited {elapsed:.1f} s for 4 hung uploads (bound 1 s)"
     tm.release_shuffle("shf-abort")
 
+
+def test_an_abort_s_remote_deletions_give_up_on_a_hung_sync_store_within_one_bound(
+        tmp_path, monkeypatch):
+    """An abort deletes the remote segments its attempt wrote. It called the filesystem
+    inline: a sync one (NFS through file://) that hung held the abort, and the failed map
+    with it, forever (found by a review). The deletions now share the tier's bound; the
+    abort raises ShuffleStalledError naming what hung."""
+    from hybrid_ray import TierName
+    from hybrid_ray.clients import WriteClient
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.segment import SegmentId, encode_segment
+    from hybrid_ray.tier_manager import TierManager
+    from hybrid_ray.tiers import remote as remote_module
+    from hybrid_ray.tiers.remote import open_remote_tier
+
+    config = base_config(tmp_path, remote_path=f"file://{tmp_path}/remote")
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("shf-abort", config)
+    tier = open_remote_tier(config)
+    client = WriteClient("shf-abort", 0, 1, config, tm, {TierName.REMOTE: tier})
+    sids = [SegmentId("shf-abort", 0, 0, i, job_id=config.job_id) for i in range(3)]
+    client.written = [tier.write(sid, encode_segment(pa.table({"v": [i]}), sid))
+                      for i, sid in enumerate(sids)]
+    client._wrote_remote = True
+    hung = threading.Event()
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 1.0)
+    monkeypatch.setattr(tier.fs, "rm_file", lambda *a, **k: hung.wait(10))
+    started = time.monotonic()
+    try:
+        with pytest.raises(ShuffleStalledError, match=re.escape(f"deleting {sids[0]}")):
+            client.abort(shuffle_released=True)
+        elapsed = time.monotonic() - started
+        assert elapsed < 3.0, f"the abort waited {elapsed:.1f} s on a hung store (bound 1 s)"
+    finally:
+        hung.set()
+    tm.release_shuffle("shf-abort")
 
 def test_the_master_s_remote_deletions_give_up_on_a_hung_sync_store_within_a_bound(
         tmp_path, monkeypatch):
