@@ -23,6 +23,7 @@ import java.util.ArrayList;
 import java.util.Base64;
 import java.util.EnumSet;
 import java.util.List;
+import java.util.Locale;
 
 /**
  * Stores one map attempt's segments in hybrid_ray's tiers, batch by batch: one space
@@ -428,8 +429,10 @@ final class RaySegmentSink implements SegmentSink {
 
   static Path segmentPath(String spillDir, String shuffleKey, int mapIndex, long mapId,
       int partition, int index) {
-    return Paths.get(spillDir, DATA_DIR_NAME, shuffleKey, String.format("sub-%05d", partition),
-        String.format("m%06d-a%03d-s%06d.seg", mapIndex, mapId, index));
+    // Locale.ROOT: ASCII digits whatever the executor's locale (see segmentPath's test).
+    return Paths.get(spillDir, DATA_DIR_NAME, shuffleKey,
+        String.format(Locale.ROOT, "sub-%05d", partition),
+        String.format(Locale.ROOT, "m%06d-a%03d-s%06d.seg", mapIndex, mapId, index));
   }
 
   /** Create missing directories below {@code <spill>/hybrid_ray} as 0700, then write the

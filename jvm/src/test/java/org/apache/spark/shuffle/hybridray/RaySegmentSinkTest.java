@@ -1,10 +1,13 @@
 package org.apache.spark.shuffle.hybridray;
 
+import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.ray.api.exception.RayTimeoutException;
 import java.io.IOException;
+import java.nio.file.Paths;
+import java.util.Locale;
 import org.junit.jupiter.api.Test;
 
 class RaySegmentSinkTest {
@@ -17,5 +20,25 @@ class RaySegmentSinkTest {
     assertFalse(RaySegmentSink.timedOut(new IOException("hybrid_ray call spark_commit failed",
         new RuntimeException("ShuffleStateError: attempt 3 of map 0 was aborted"))));
     assertFalse(RaySegmentSink.timedOut(new IOException("no cause")));
+  }
+
+  @Test
+  void segmentFileNamesUseAsciiDigitsWhateverTheExecutorsLocale() {
+    // An executor started with LANG=ar_EG (or fa, mr, bn, ...) has a default locale whose
+    // digits are not ASCII: String.format("%05d") then named the directory "sub-٠٠٠١٢". A
+    // tier manager refuses to serve (and to delete) a file that is not
+    // .../hybrid_ray/<shuffle>/sub-<digits>/<[A-Za-z0-9_.-]>, so every read of it from
+    // another node failed as a lost map output, again after each recomputation.
+    Locale before = Locale.getDefault();
+    try {
+      for (String tag : new String[] {"ar-EG", "fa", "mr", "th-TH-u-nu-thai"}) {
+        Locale.setDefault(Locale.forLanguageTag(tag));
+        assertEquals(Paths.get("/spill", "hybrid_ray", "spark-app-1-0", "sub-00012",
+                "m000003-a12345-s000007.seg"),
+            RaySegmentSink.segmentPath("/spill", "spark-app-1-0", 3, 12345L, 12, 7), tag);
+      }
+    } finally {
+      Locale.setDefault(before);
+    }
   }
 }
