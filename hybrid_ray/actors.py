@@ -484,7 +484,7 @@ class ShuffleMasterActor:
         self.last_loop_error = ""
         self._spark_history: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=spark_jvm.SPARK_HISTORY)
-        self._spark_sessions = spark_jvm.SparkSessions()
+        self._spark_sessions = spark_jvm.SparkSessions(self._config_in_use)
         self._remote_tiers: LruCache[RemoteTier] = LruCache(REMOTE_TIERS_KEPT,
                                                             on_evict=RemoteTier.close)
         self._tier_managers: LruCache[Any] = LruCache(TIER_MANAGER_HANDLES_KEPT)
@@ -820,6 +820,11 @@ class ShuffleMasterActor:
         included) under ``token``, the only part of it in Spark's configuration."""
         with self._lock:
             self._spark_sessions.open(token, config)
+
+    def _config_in_use(self, config: ShuffleConfig) -> bool:
+        """Whether a live shuffle was registered with ``config`` (this very object: a Spark
+        session's, see ``SparkSessions``). Called with the lock held."""
+        return any(self.registry.state(s).config is config for s in self.registry.shuffle_ids())
 
     def spark_session_config(self, token: str) -> Any:
         """The ShuffleConfig of an open Spark session, or None (for the tier managers)."""

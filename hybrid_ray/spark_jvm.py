@@ -97,10 +97,17 @@ def resolve_config(data: Mapping[str, Any] | None, sessions: SessionLookup) -> S
 
 
 class SparkSessions:
-    """The master's table of Spark sessions' whole configs, by session token."""
+    """The master's table of Spark sessions' whole configs, by session token.
 
-    def __init__(self) -> None:
+    ``in_use``: whether a live shuffle was registered with a config (the master's books).
+    Past ``SPARK_SESSIONS`` the oldest sessions are forgotten, but never one a live
+    shuffle uses: its later shuffles were registered with the fields Spark's conf carries,
+    which hold no remote tier, so their remote segments (written by tier managers that
+    still knew the session) were never deleted, and its reads failed."""
+
+    def __init__(self, in_use: Callable[[ShuffleConfig], bool] | None = None) -> None:
         self._configs: collections.OrderedDict[str, ShuffleConfig] = collections.OrderedDict()
+        self._in_use = in_use or (lambda config: False)
 
     def open(self, token: str, config: ShuffleConfig) -> None:
         check_id("session token", token)
@@ -109,8 +116,10 @@ class SparkSessions:
                               f"{type(config).__name__}")
         self._configs[token] = config
         self._configs.move_to_end(token)
-        while len(self._configs) > SPARK_SESSIONS:
-            self._configs.popitem(last=False)
+        if len(self._configs) > SPARK_SESSIONS:
+            idle = [t for t, c in self._configs.items() if t != token and not self._in_use(c)]
+            for old in idle[:len(self._configs) - SPARK_SESSIONS]:
+                del self._configs[old]
 
     def close(self, token: str) -> None:
         self._configs.pop(token, None)

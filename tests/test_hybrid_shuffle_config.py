@@ -90,6 +90,28 @@ def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):
     assert sessions.get("t0") is None and sessions.get(f"t{SPARK_SESSIONS + 4}") == config
 
 
+def test_a_spark_session_with_a_live_shuffle_is_never_forgotten(tmp_path):
+    """The master keeps SPARK_SESSIONS sessions' configs; the oldest was forgotten even
+    with a live shuffle: the session's next shuffles fell back to Spark's carried fields
+    (no remote tier), so their remote segments were never deleted and reads failed (found
+    by a review)."""
+    from hybrid_ray.spark_jvm import SPARK_SESSIONS, SparkSessions, resolve_config
+
+    def config(i):
+        return ShuffleConfig(spill_dirs=[str(tmp_path)], remote_path=f"file://{tmp_path}/r{i}",
+                             progress=False)
+    live = config("live")
+    sessions = SparkSessions(in_use=lambda c: c is live)
+    sessions.open("long-lived", live)
+    for i in range(2 * SPARK_SESSIONS):
+        sessions.open(f"t{i}", config(i))
+    carried = json.loads(config_to_json(live, "long-lived"))
+    assert resolve_config(carried, sessions.get).remote_path == live.remote_path
+    # The others are still bounded: the newest kept, the oldest idle ones forgotten.
+    assert sessions.get("t0") is None and sessions.get(f"t{2 * SPARK_SESSIONS - 1}") is not None
+    assert len(sessions._configs) == SPARK_SESSIONS
+
+
 def test_sparks_default_redaction_hides_the_carried_config_with_its_token(tmp_path):
     """Spark shows its configuration in the UI's Environment tab and the event logs,
     redacted only where a key or a value matches ``spark.redaction.regex``. The carried
