@@ -399,8 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
         "cleanup", help="remove orphaned spill files and remote data",
         description="Remove shuffle directories hybrid_ray wrote (marked ones only) that "
                     "are older than --older-than and that no running shuffle master lists "
-                    "as live. Spill dirs with {node_id} are expanded to every matching "
-                    "directory, removed nodes' included.")
+                    "as live. Only the cluster it connects to is asked: a shuffle of "
+                    "another cluster sharing these paths is kept by --older-than alone, so "
+                    "make it longer than any such shuffle lives. Spill dirs with {node_id} "
+                    "are expanded to every matching directory, removed nodes' included.")
     cleanup.add_argument("--older-than", type=_parse_duration, default=6 * 3600.0)
     cleanup.add_argument("--spill-dir", action="append",
                          help="a spill dir (repeatable); {node_id} matches every node's")
