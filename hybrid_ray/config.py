@@ -168,7 +168,10 @@ class ShuffleConfig:
             Ray node id (separate directories for nodes sharing a filesystem).
         min_reserve_fraction: the disk tier refuses a segment when the filesystem's free
             space after writing it would drop below this fraction of its size (FLIP-301).
-        disk_capacity_bytes: optional cap on the bytes the disk tier holds per node.
+        disk_capacity_bytes: optional cap on the bytes the disk tier holds per node, for
+            the shuffles of one namespace (each namespace has its own tier managers: two
+            sharing a spill dir each get the whole cap; ``min_reserve_fraction`` still
+            guards the filesystem).
         remote_path: fsspec URL of the remote tier (``s3://bucket/prefix``,
             ``file:///path``); ``None`` disables the remote tier.
         storage_options: passed to fsspec for ``remote_path`` (e.g. ``endpoint_url``,
