@@ -848,15 +848,16 @@ class ShuffleMasterActor:
         """``spark_locate``'s per-block form, waiting up to ``wait_s`` (at most
         ``MAX_POLL_WAIT_S``) while some block is not complete: a JVM map task sends its last
         commit without waiting, so a reader can ask for an attempt Spark already accepted
-        before that commit is in. ``awaited`` in the answer: some missing block may still come
-        (``spark_jvm.awaited``); the JVM reader asks again until its own bound."""
+        before that commit is in. ``awaited`` in the answer: every missing block may still come;
+        ``lost``: the indices of those that will not (``spark_jvm.missing_blocks``). The JVM
+        reader fails the fetch of a lost one, else asks again until its own bound."""
         parsed = json.loads(request)
         deadline = time.monotonic() + max(0.0, min(float(parsed.get("wait_s", 0.0)),
                                                    MAX_POLL_WAIT_S))
         with self._lock:
             while True:
                 answer = spark_jvm.locate(self.registry, parsed)
-                answer["awaited"] = spark_jvm.awaited(self.registry, parsed, answer)
+                answer.update(spark_jvm.missing_blocks(self.registry, parsed, answer))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not answer["awaited"]:
                     return json.dumps(answer)

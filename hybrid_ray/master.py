@@ -90,7 +90,7 @@ class ShuffleState:
     # map attempt id (task attempt id) -> (map index, this registry's attempt number).
     spark_attempts: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # Spark map attempts whose last commit arrived (even if their output was lost since):
-    # a reader waits only for the others (``spark_jvm.awaited``).
+    # a reader waits only for the others (``spark_jvm.missing_blocks``).
     spark_finished: set[int] = dataclasses.field(default_factory=set)
     # Spark map attempts aborted after committing: a commit of theirs arriving later (the
     # master is threaded, so a last commit and the abort sent after it can run in either

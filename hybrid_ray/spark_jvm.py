@@ -281,19 +281,26 @@ def locate(registry: ShuffleRegistry, request: Mapping[str, Any]) -> dict[str, A
     return {"blocks": out}
 
 
-def awaited(registry: ShuffleRegistry, request: Mapping[str, Any],
-            answer: Mapping[str, Any]) -> bool:
-    """Whether a per-block ``locate`` answer lacks a block whose attempt's last commit has
-    not arrived yet (a JVM map task sends it without waiting), so the reader's ask may
-    wait for it. Not when some block's attempt finished and was lost since, or was
-    aborted (its task failed, or a commit of it failed): no commit of it will come, so its
-    reader raises FetchFailedException at once, whatever else is still to come."""
+def missing_blocks(registry: ShuffleRegistry, request: Mapping[str, Any],
+                   answer: Mapping[str, Any]) -> dict[str, Any]:
+    """What a per-block ``locate`` answer lacks, for ``spark_await_blocks``'s answer.
+
+    ``lost``: indices (into the request's ``blocks``) of missing blocks whose attempt
+    finished and was lost since, or was aborted (its task failed, or a commit of it
+    failed): no commit of it will come, so the reader raises FetchFailedException for one
+    of these at once, naming a map whose output is really gone. Not the first missing
+    block in order: that one may be of an attempt whose last commit (sent by its task
+    without waiting) is still to come, and blaming it made Spark drop every output of a
+    healthy executor while the lost map stayed registered.
+
+    ``awaited``: some block is missing, none of them is lost, so all may still come and
+    the reader's ask may wait for them."""
     state = registry.state(request["shuffle"])
-    missing = [int(map_id) for (map_id, _), segments
-               in zip(request.get("blocks", ()), answer.get("blocks", ()))
+    missing = [(i, int(map_id)) for i, ((map_id, _), segments)
+               in enumerate(zip(request.get("blocks", ()), answer.get("blocks", ())))
                if segments is None]
-    return bool(missing) and not any(m in state.spark_finished or m in state.spark_aborted
-                                     for m in missing)
+    lost = [i for i, m in missing if m in state.spark_finished or m in state.spark_aborted]
+    return {"awaited": bool(missing) and not lost, "lost": lost}
 
 
 def matching(registry: ShuffleRegistry, request: Mapping[str, Any]) -> list[str]:

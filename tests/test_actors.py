@@ -470,13 +470,13 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
 
     start = time.monotonic()
     never = json.loads(ray.get(ask(999, 0.4)))
-    assert never == {"blocks": [None], "awaited": True}
+    assert never == {"blocks": [None], "awaited": True, "lost": []}
     assert time.monotonic() - start >= 0.4
 
     ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 100})))
     start = time.monotonic()
     lost = json.loads(ray.get(ask(100, MAX_POLL_WAIT_S)))
-    assert lost == {"blocks": [None], "awaited": False}
+    assert lost == {"blocks": [None], "awaited": False, "lost": [0]}
     assert time.monotonic() - start < MAX_POLL_WAIT_S  # not held for its bound
 
     # A last commit that fails in the master aborts its attempt and wakes the readers
@@ -488,7 +488,8 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
         ray.get(master.spark_commit.remote(json.dumps({
             "shuffle": shuffle, "num_partitions": 2, "map_index": 1, "map_id": 102,
             "node": "n1", "final": True, "segments": [[0, 0, "no-such-tier", 10, "x"]]})))
-    assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False}
+    assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False,
+                                         "lost": [0]}
     assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the failed commit
 
     # An attempt that committed part of its output and then failed: its abort wakes the
@@ -500,7 +501,8 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
     held = ask(103, MAX_POLL_WAIT_S)
     time.sleep(0.3)
     ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 103})))
-    assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False}
+    assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False,
+                                         "lost": [0]}
     assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the abort
     ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))
 

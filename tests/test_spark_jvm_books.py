@@ -148,35 +148,64 @@ def test_a_jvm_memory_lease_is_split_by_the_writer_and_its_rest_settled(tmp_path
 
 
 def test_a_reader_waits_only_for_last_commits_still_to_come() -> None:
-    """``awaited``: a block missing because its attempt's last commit has not arrived is
-    worth waiting for; one whose attempt finished and was lost since is not, and then the
-    reader must not wait for anything else either (it fails the fetch at once)."""
-    from hybrid_ray.spark_jvm import awaited
+    """``missing_blocks``: a block missing because its attempt's last commit has not
+    arrived is worth waiting for; one whose attempt finished and was lost since is not,
+    and then the reader must not wait for anything else either (it fails the fetch at
+    once, naming the lost block)."""
+    from hybrid_ray.spark_jvm import missing_blocks
 
     registry = _registry()
     _commit(registry, 0, 100, [_seg(0, 0, "a")])
     _commit(registry, 1, 101, [_seg(0, 0, "b")])
     abort(registry, {"shuffle": SHUFFLE, "map_id": 101})  # finished, then lost
 
-    def ask(*map_ids: int) -> bool:
+    def ask(*map_ids: int) -> dict[str, Any]:
         request = {"shuffle": SHUFFLE, "blocks": [[m, 0] for m in map_ids]}
-        return awaited(registry, request, locate(registry, request))
+        return missing_blocks(registry, request, locate(registry, request))
 
-    assert ask(100) is False          # all there
-    assert ask(100, 102) is True      # 102's last commit may still come
-    assert ask(101) is False          # lost: no wait
-    assert ask(101, 102) is False     # lost among them: the fetch fails anyway
+    assert ask(100) == {"awaited": False, "lost": []}        # all there
+    assert ask(100, 102) == {"awaited": True, "lost": []}    # 102's last commit may come
+    assert ask(101) == {"awaited": False, "lost": [0]}       # lost: no wait
+    assert ask(101, 102) == {"awaited": False, "lost": [0]}  # lost among them: fails anyway
+
+
+def test_the_lost_block_is_named_not_the_first_missing_one() -> None:
+    """Map 0's accepted attempt still has its last commit in its executor's sender; map
+    1's had its last commit fail at the master (aborted). A reader asking for both once
+    got only "not awaited" and raised FetchFailedException for the first missing block,
+    map 0's: Spark dropped every output of a healthy executor and ran the stage again,
+    where map 1 (still registered) failed it once more. The answer names map 1's block."""
+    import pytest
+
+    from hybrid_ray.spark_jvm import missing_blocks
+
+    registry = _registry()
+    _commit(registry, 0, 200, [_seg(0, 0, "a")], final=False)  # last commit still to come
+    _commit(registry, 1, 201, [_seg(0, 0, "b")], final=False)
+    bad = {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": 1, "map_id": 201,
+           "node": "n1", "final": True, "segments": [[1, 0, "no-such-tier", 10, "c"]]}
+    with pytest.raises(ValueError):
+        commit(registry, bad, lambda token: None)  # aborts attempt 201
+    request = {"shuffle": SHUFFLE, "blocks": [[200, 0], [200, 1], [201, 0], [201, 1]]}
+    answer = locate(registry, request)
+    assert answer["blocks"] == [None, None, None, None]
+    assert missing_blocks(registry, request, answer) == {"awaited": False, "lost": [2, 3]}
+    # Map 0's last commit arrives: only map 1's blocks are missing, and lost.
+    _commit(registry, 0, 200, [_seg(1, 0, "d")])
+    answer = locate(registry, request)
+    assert answer["blocks"][:2] == [[["memory", 10, "n1", "a"]], [["memory", 10, "n1", "d"]]]
+    assert missing_blocks(registry, request, answer) == {"awaited": False, "lost": [2, 3]}
 
 
 def test_a_failed_commit_aborts_its_attempt_so_readers_do_not_wait_for_it() -> None:
     """A JVM map task sends its last commit without waiting. When that commit fails in the
     master, no commit of the attempt will ever complete it: readers waiting for it
-    (``awaited``) used to wait their whole bound (commitWaitMs, 30 s) before Spark ran the
+    (``missing_blocks``) used to wait their whole bound (commitWaitMs, 30 s) before Spark ran the
     map again. The failed commit aborts the attempt, and an aborted attempt is not
     awaited; a later commit of it is dropped."""
     import pytest
 
-    from hybrid_ray.spark_jvm import awaited
+    from hybrid_ray.spark_jvm import missing_blocks
 
     registry = _registry()
     _commit(registry, 0, 100, [_seg(0, 0, "a")], final=False)
@@ -186,13 +215,14 @@ def test_a_failed_commit_aborts_its_attempt_so_readers_do_not_wait_for_it() -> N
         commit(registry, bad, lambda token: None)
     request = {"shuffle": SHUFFLE, "blocks": [[100, 0]]}
     assert locate(registry, request)["blocks"] == [None]
-    assert awaited(registry, request, locate(registry, request)) is False
+    assert missing_blocks(registry, request, locate(registry, request)) == {
+        "awaited": False, "lost": [0]}
     # The task's retry as the same Spark attempt id cannot complete it either.
     _commit(registry, 0, 100, [_seg(0, 1, "c")])
     assert locate(registry, request)["blocks"] == [None]
     # An attempt never aborted is still waited for.
-    assert awaited(registry, {"shuffle": SHUFFLE, "blocks": [[101, 0]]},
-                   {"blocks": [None]}) is True
+    assert missing_blocks(registry, {"shuffle": SHUFFLE, "blocks": [[101, 0]]},
+                          {"blocks": [None]}) == {"awaited": True, "lost": []}
 
 
 def _deleting_registry() -> tuple[ShuffleRegistry, list[str]]:

@@ -197,6 +197,9 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
       // Not finished when the master answered: an attempt whose last commit (sent by
       // its task without waiting) is not in yet, or one lost. Ask again for exactly those
       // blocks, letting the master wait for them, up to commitWaitMs; still null: lost.
+      // A block the master says is lost fails the fetch at once, naming that block: not
+      // the first missing one, whose last commit may still be on its way (blaming it made
+      // Spark drop a healthy executor's outputs while the lost map stayed registered).
       long deadline = System.nanoTime() + ctx.commitWaitMs * 1_000_000L;
       while (!missing.isEmpty()) {
         long leftMs = (deadline - System.nanoTime()) / 1_000_000L;
@@ -216,6 +219,13 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
           if (again.get(k) == null || again.get(k).isNull()) {
             still.add(missing.get(k));
           }
+        }
+        int lost = lostIndex(reply, missing.size());
+        if (lost >= 0) {
+          Block b = blocks.get(missing.get(lost));
+          throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId,
+              b.mapIndex, b.reduceId, "hybrid_ray: the shuffle master holds no segments of "
+                  + describe(b) + " (the attempt finished or was aborted without it)", null));
         }
         missing = still;
         if (leftMs <= 0 || !reply.path("awaited").asBoolean(false)) {
@@ -237,6 +247,27 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
           b.reduceId, "hybrid_ray: cannot locate the segments of Spark shuffle "
               + shuffleKey + ": " + e.getMessage(), e));
     }
+  }
+
+  /**
+   * Which of the {@code asked} blocks of a {@code spark_await_blocks} answer to blame: the
+   * first of its {@code lost} indices (blocks whose attempt finished or was aborted
+   * without them, so no commit of theirs will come), or -1 if none is lost (an index out
+   * of range is ignored).
+   */
+  static int lostIndex(JsonNode reply, int asked) {
+    for (JsonNode i : reply.path("lost")) {
+      if (i.canConvertToInt() && i.asInt() >= 0 && i.asInt() < asked) {
+        return i.asInt();
+      }
+    }
+    return -1;
+  }
+
+  /** A block, as messages name it. */
+  private String describe(Block b) {
+    return "block (map " + b.mapIndex + ", attempt " + b.mapId + ", partition "
+        + b.reduceId + ") of Spark shuffle " + shuffleKey;
   }
 
   /** Records of the blocks in order; each block is fetched when the previous one is done. */
@@ -398,8 +429,7 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
    * so no row of the failed block is kept.
    */
   private InputStream fetch(Block b, JsonNode segments) {
-    String what = "block (map " + b.mapIndex + ", attempt " + b.mapId + ", partition "
-        + b.reduceId + ") of Spark shuffle " + shuffleKey;
+    String what = describe(b);
     // Spark lists only non-empty blocks, so a block without segments lost them.
     if (segments == null || segments.isNull() || segments.size() == 0) {
       throw sneaky(new FetchFailedException(b.address, handle.shuffleId(), b.mapId, b.mapIndex,

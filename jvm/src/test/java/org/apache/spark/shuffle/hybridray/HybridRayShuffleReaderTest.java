@@ -1,10 +1,12 @@
 package org.apache.spark.shuffle.hybridray;
 
+import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertSame;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
+import com.fasterxml.jackson.databind.ObjectMapper;
 import io.ray.api.exception.RayActorException;
 import io.ray.api.exception.RayTaskException;
 import io.ray.api.exception.RayTimeoutException;
@@ -18,6 +20,26 @@ import org.apache.spark.storage.BlockManagerId;
 import org.junit.jupiter.api.Test;
 
 class HybridRayShuffleReaderTest {
+  @Test
+  void theBlockTheMasterSaysIsLostIsBlamedNotTheFirstMissingOne() throws Exception {
+    // Map 0's last commit is still on its way, map 1's attempt was aborted: the reader
+    // blamed the first missing block (map 0's), so Spark dropped a healthy executor's
+    // outputs and the next stage attempt failed again on map 1.
+    ObjectMapper json = new ObjectMapper();
+    assertEquals(1, HybridRayShuffleReader.lostIndex(json.readTree(
+        "{\"blocks\": [null, null], \"awaited\": false, \"lost\": [1]}"), 2));
+    assertEquals(2, HybridRayShuffleReader.lostIndex(json.readTree(
+        "{\"blocks\": [null, null, null], \"awaited\": false, \"lost\": [2, 0]}"), 3));
+    // None lost: all may still come (the reader waits, within commitWaitMs).
+    assertEquals(-1, HybridRayShuffleReader.lostIndex(json.readTree(
+        "{\"blocks\": [null], \"awaited\": true, \"lost\": []}"), 1));
+    assertEquals(-1, HybridRayShuffleReader.lostIndex(json.readTree(
+        "{\"blocks\": [null], \"awaited\": false}"), 1));
+    // An index the reader did not ask for names no block.
+    assertEquals(-1, HybridRayShuffleReader.lostIndex(json.readTree(
+        "{\"blocks\": [null], \"awaited\": false, \"lost\": [5, -1, \"0\"]}"), 1));
+  }
+
   @Test
   void aMasterThatDidNotAnswerBlamesNoExecutor() {
     // A locate call that timed out or found the master dead fails the reduce task; only
