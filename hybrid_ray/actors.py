@@ -467,9 +467,13 @@ class ShuffleMasterActor:
     """
 
     def __init__(self, namespace: str, release_wait_s: float = RELEASE_WAIT_S,
-                 late_sweep_s: float = LATE_REMOTE_SWEEP_S) -> None:
+                 late_sweep_s: float = LATE_REMOTE_SWEEP_S,
+                 max_poll_wait_s: float = MAX_POLL_WAIT_S) -> None:
         self.namespace = namespace
         self._release_wait_s = release_wait_s
+        # The longest a long poll (poll, spark_await_blocks) is held: tests raise it, so
+        # that "woken by the commit, not by the deadline" does not depend on their speed.
+        self._max_poll_wait_s = max_poll_wait_s
         self._lock = threading.RLock()
         # Notified (under _lock, by _changing) by every call that may give a reader news.
         self._changed = threading.Condition(self._lock)
@@ -683,10 +687,11 @@ class ShuffleMasterActor:
     def poll(self, shuffle_id: str, subpartition: int, cursors: dict, pid: int,
              wait_s: float = 0.0) -> PollResult:
         """The reader's news (``ShuffleRegistry.poll``). With nothing new and the
-        subpartition not complete, wait up to ``wait_s`` (at most ``MAX_POLL_WAIT_S``) for
-        a change before answering; ``PollResult.waited_s`` says how long it waited."""
+        subpartition not complete, wait up to ``wait_s`` (at most ``max_poll_wait_s``,
+        ``MAX_POLL_WAIT_S``) for a change before answering; ``PollResult.waited_s`` says how
+        long it waited."""
         start = time.monotonic()
-        deadline = start + max(0.0, min(float(wait_s), MAX_POLL_WAIT_S))
+        deadline = start + max(0.0, min(float(wait_s), self._max_poll_wait_s))
         with self._lock:
             # Answer once a batch of news is in (``ShuffleRegistry.poll_batch``), a map
             # was reset, the subpartition is complete, or at the deadline with what there is.
@@ -846,14 +851,14 @@ class ShuffleMasterActor:
     @ray.method(concurrency_group="poll")
     def spark_await_blocks(self, request: str) -> str:
         """``spark_locate``'s per-block form, waiting up to ``wait_s`` (at most
-        ``MAX_POLL_WAIT_S``) while some block is not complete: a JVM map task sends its last
+        ``max_poll_wait_s``) while some block is not complete: a JVM map task sends its last
         commit without waiting, so a reader can ask for an attempt Spark already accepted
         before that commit is in. ``awaited`` in the answer: every missing block may still come;
         ``lost``: the indices of those that will not (``spark_jvm.missing_blocks``). The JVM
         reader fails the fetch of a lost one, else asks again until its own bound."""
         parsed = json.loads(request)
         deadline = time.monotonic() + max(0.0, min(float(parsed.get("wait_s", 0.0)),
-                                                   MAX_POLL_WAIT_S))
+                                                   self._max_poll_wait_s))
         with self._lock:
             while True:
                 answer = spark_jvm.locate(self.registry, parsed)
