@@ -216,7 +216,7 @@ def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tm
     namespace = f"batchpoll-{uuid.uuid4().hex[:6]}"
     cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
                         namespace=namespace)
-    master = get_master(namespace)
+    master = _master_holding_polls(namespace)
     ray.get(master.register.remote("shf-batch", 8, 1, cfg))
 
     def commit(m):
@@ -225,7 +225,7 @@ def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tm
                            "n1", f"/x/{m}")
         assert ray.get(master.finish_map.remote("shf-batch", m, attempt, None, [meta]))
 
-    waiting = master.poll.remote("shf-batch", 0, {}, 1, MAX_POLL_WAIT_S)
+    waiting = master.poll.remote("shf-batch", 0, {}, 1, NEWS_WAIT_S)
     time.sleep(0.2)
     commit(0)
     ready, _ = ray.wait([waiting], timeout=0.3)
@@ -233,7 +233,7 @@ def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tm
     commit(1)
     answered = ray.get(waiting)
     assert sorted(u.map_index for u in answered.updates) == [0, 1]
-    assert answered.waited_s < MAX_POLL_WAIT_S  # answered by the batch, not the deadline
+    assert answered.waited_s < NEWS_WAIT_S  # answered by the batch, not the deadline
     cursors = {u.map_index: (u.attempt, 1) for u in answered.updates}
 
     commit(2)  # alone at the deadline: answered with what there is
@@ -247,6 +247,7 @@ def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tm
     final = ray.get(master.poll.remote("shf-batch", 0, cursors, 1, MAX_POLL_WAIT_S))
     assert final.done and sorted(u.map_index for u in final.updates) == [3, 4, 5, 6, 7]
     ray.get(master.release.remote("shf-batch"))
+    ray.kill(master)
 
 
 def _a_map_on_disk(tmp_path, prefix):
