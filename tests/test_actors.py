@@ -459,10 +459,8 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
     commits is answered at the ask's bound, still marked as awaited."""
     import json
 
-    from hybrid_ray.actors import MAX_POLL_WAIT_S
-
     namespace = f"jvmwait-{uuid.uuid4().hex[:6]}"
-    master = get_master(namespace)
+    master = _master_holding_polls(namespace)
     shuffle = "spark-app-waits-0"
 
     def commit(map_index: int, map_id: int) -> str:
@@ -476,13 +474,13 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
 
     ray.get(commit(0, 100))  # registers the shuffle
     start = time.monotonic()
-    held = ask(101, MAX_POLL_WAIT_S)
+    held = ask(101, NEWS_WAIT_S)
     time.sleep(0.3)
     ray.get(commit(1, 101))
     answer = json.loads(ray.get(held))
     assert answer["blocks"] == [[["memory", 10, "n1", "ref101"]]]
     assert answer["awaited"] is False
-    assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the commit
+    assert time.monotonic() - start < NEWS_WAIT_S  # woken by the commit
 
     start = time.monotonic()
     never = json.loads(ray.get(ask(999, 0.4)))
@@ -491,14 +489,14 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
 
     ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 100})))
     start = time.monotonic()
-    lost = json.loads(ray.get(ask(100, MAX_POLL_WAIT_S)))
+    lost = json.loads(ray.get(ask(100, NEWS_WAIT_S)))
     assert lost == {"blocks": [None], "awaited": False, "lost": [0]}
-    assert time.monotonic() - start < MAX_POLL_WAIT_S  # not held for its bound
+    assert time.monotonic() - start < NEWS_WAIT_S  # not held for its bound
 
     # A last commit that fails in the master aborts its attempt and wakes the readers
     # waiting for it (was: they slept to their bound; the abort changes the books too).
     start = time.monotonic()
-    held = ask(102, MAX_POLL_WAIT_S)
+    held = ask(102, NEWS_WAIT_S)
     time.sleep(0.3)
     with pytest.raises(ray.exceptions.RayTaskError):
         ray.get(master.spark_commit.remote(json.dumps({
@@ -506,7 +504,7 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
             "node": "n1", "final": True, "segments": [[0, 0, "no-such-tier", 10, "x"]]})))
     assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False,
                                          "lost": [0]}
-    assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the failed commit
+    assert time.monotonic() - start < NEWS_WAIT_S  # woken by the failed commit
 
     # An attempt that committed part of its output and then failed: its abort wakes the
     # readers waiting for it too (they slept to their bound).
@@ -514,13 +512,14 @@ def test_a_jvm_reader_asking_before_a_maps_last_commit_is_held_until_it_arrives(
         "shuffle": shuffle, "num_partitions": 2, "map_index": 1, "map_id": 103,
         "node": "n1", "final": False, "segments": [[0, 0, "memory", 10, "ref103"]]})))
     start = time.monotonic()
-    held = ask(103, MAX_POLL_WAIT_S)
+    held = ask(103, NEWS_WAIT_S)
     time.sleep(0.3)
     ray.get(master.spark_abort.remote(json.dumps({"shuffle": shuffle, "map_id": 103})))
     assert json.loads(ray.get(held)) == {"blocks": [None], "awaited": False,
                                          "lost": [0]}
-    assert time.monotonic() - start < MAX_POLL_WAIT_S  # woken by the abort
+    assert time.monotonic() - start < NEWS_WAIT_S  # woken by the abort
     ray.get(master.spark_release.remote(json.dumps({"shuffles": [shuffle]})))
+    ray.kill(master)
 
 
 def test_a_spark_shuffle_its_driver_registered_outlives_the_tier_manager_s_sweeps(ray_local,
