@@ -189,6 +189,32 @@ def base_config(tmp_path, **kw):
     return ShuffleConfig(**kw)
 
 
+def wait_for_a_delivery(namespace: str, bound_s: float) -> bool:
+    """Run in a map: wait until the master of ``namespace`` counts segments delivered to a
+    reader of a live shuffle, at most ``bound_s``; whether it did. A map that must still run
+    while reducers consume (hybrid) waits on this instead of sleeping a fixed time that a
+    reducer slow to start on a loaded machine outlasts."""
+    import time
+
+    import ray
+
+    from hybrid_ray.actors import master_handle
+
+    master = master_handle(namespace)
+    deadline = time.monotonic() + bound_s
+    while True:
+        for shuffle_id in ray.get(master.live_shuffles.remote()):
+            try:
+                readers = ray.get(master.progress.remote(shuffle_id))["readers"]
+            except ray.exceptions.RayTaskError:  # released meanwhile
+                continue
+            if any(r["delivered"] > 0 for r in readers.values()):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def assert_no_leftovers(config, ray_mod) -> None:
     """Nothing of a released shuffle remains: no spill files, no file:// remote objects
     (tests check S3 buckets themselves), no bytes in this node's tier accounting."""

@@ -67,16 +67,20 @@ def test_repartition_exact_through_three_tiers(dataset, tmp_path, mode, ray_loca
 
 
 class LastMapSlowPartitioner(hybrid_ray.HashPartitioner):
-    """Hash partitioning whose last map takes two seconds longer, so whether reducers
-    consume while a map still runs depends on the mode, not on how fast the machine is."""
+    """Hash partitioning whose last map goes on only once a reader was delivered segments
+    (of the other maps), or after ``bound_s``: whether reducers consume while a map still
+    runs then depends on the mode, not on how fast the machine is. (A fixed two-second sleep
+    was outlasted by a reducer slow to start, and hybrid mode showed no overlap.)"""
 
-    def __init__(self, keys, last_map: int) -> None:
+    def __init__(self, keys, last_map: int, namespace: str, bound_s: float) -> None:
         super().__init__(keys)
-        self.last_map = last_map
+        self.last_map, self.namespace, self.bound_s = last_map, namespace, bound_s
 
     def assign(self, table, map_index, num_partitions):
         if map_index == self.last_map:
-            time.sleep(2.0)
+            from conftest import wait_for_a_delivery
+
+            wait_for_a_delivery(self.namespace, self.bound_s)
         return super().assign(table, map_index, num_partitions)
 
 
@@ -85,8 +89,11 @@ def test_hybrid_readers_consume_while_a_map_still_runs(dataset, tmp_path, mode, 
     ds, table = dataset
     cfg = base_config(tmp_path, mode=mode, memory_capacity_bytes=2 * MiB)
     refs = ds.to_arrow_refs()
-    res = hybrid_ray.run_shuffle(refs, 4, LastMapSlowPartitioner(["key"], len(refs) - 1),
-                                 table.schema, cfg)
+    # hybrid: the last map waits (up to 120 s) for a reader to get segments; blocking: no
+    # reader runs before every map finished, so it waits out its 2 s.
+    partitioner = LastMapSlowPartitioner(["key"], len(refs) - 1, cfg.namespace,
+                                         120.0 if mode == "hybrid" else 2.0)
+    res = hybrid_ray.run_shuffle(refs, 4, partitioner, table.schema, cfg)
     assert row_fingerprint(ray_local.get(res.refs)) == row_fingerprint([table])
     # hybrid: segments of the other maps reach a reducer during the last map's sleep;
     # blocking: nothing is delivered before every map has finished.
