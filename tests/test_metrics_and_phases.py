@@ -33,23 +33,31 @@ def dataset(ray_local):
 
 
 class LastMapSlowPartitioner(HashPartitioner):
-    """Hash partitioning whose last map sleeps first: hybrid reducers then certainly wait
-    for segments, whatever the machine's speed."""
+    """Hash partitioning whose last map sleeps first and, in hybrid mode, goes on only once
+    a reader was delivered segments: hybrid reducers then certainly consume while it runs
+    and wait for its segments, whatever the machine's speed. (The sleep alone was outlasted
+    by a reducer slow to start on a loaded machine: no overlap.)"""
 
-    def __init__(self, keys, last_map: int) -> None:
+    def __init__(self, keys, last_map: int, namespace: str | None = None) -> None:
         super().__init__(keys)
-        self.last_map = last_map
+        self.last_map, self.namespace = last_map, namespace
 
     def assign(self, table, map_index, num_partitions):
         if map_index == self.last_map:
             time.sleep(1.0)
+            if self.namespace is not None:
+                from conftest import wait_for_a_delivery
+
+                wait_for_a_delivery(self.namespace, 120.0)
         return super().assign(table, map_index, num_partitions)
 
 
 def run_slow_last_map(ray, ds, table, cfg) -> hybrid_ray.ShuffleReport:
     refs = ds.to_arrow_refs()
-    res = hybrid_ray.run_shuffle(refs, 3, LastMapSlowPartitioner(["key"], len(refs) - 1),
-                                 table.schema, cfg)
+    hybrid = cfg.mode.value == "hybrid"
+    partitioner = LastMapSlowPartitioner(["key"], len(refs) - 1,
+                                         cfg.namespace if hybrid else None)
+    res = hybrid_ray.run_shuffle(refs, 3, partitioner, table.schema, cfg)
     assert row_fingerprint(ray.get(res.refs)) == row_fingerprint([table])
     return res.report
 
