@@ -475,10 +475,23 @@ def test_a_lost_map_goes_to_the_next_free_writer_whatever_its_node(monkeypatch):
     assert [m for m, _, _ in y.runs] == [2, 0] and list(runner._queue) == [3]
 
 
-def test_frees_of_the_last_reducers_are_sent_at_once_with_those_held_back():
+def test_frees_of_the_last_reducers_are_sent_at_once_with_those_held_back(monkeypatch):
     """Frees are batched (FREE_BATCH_S), but those of a shuffle's last reducers go at
     once, with every free held back: left for the release, their deletion kept the
     driver and the cores waiting at the end of each shuffle."""
+    # lifecycle's clock stands still: frees 1-3 are within FREE_BATCH_S of free 0 however
+    # long this process is descheduled between the calls (0.25 s of real time between free
+    # 0 and free 1 sent free 1 alone: [[0], [1]]).
+    class StoppedClock:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic():
+            return 1000.0
+
+    monkeypatch.setattr(lifecycle, "time", StoppedClock())
+
     class Calls:
         def __init__(self):
             self.sent = []
