@@ -631,16 +631,21 @@ def _passthrough(inputs, _sub):
 def test_direct_scan_reducers_consume_while_maps_still_write(spark, tmp_path):
     from spark_bridge import exchange
 
-    class LastMapSlow(HashPartitioner):  # local: pickled by value to the writers
-        def assign(self, table, map_index, num_partitions):
-            if map_index == 2:
-                import time
-
-                time.sleep(3.0)
-            return super().assign(table, map_index, num_partitions)
-
     df, table = _typed_scan(spark, tmp_path)
     cfg = base_config(tmp_path)
+    namespace = cfg.namespace
+
+    class LastMapSlow(HashPartitioner):  # local: pickled by value to the writers
+        """The last map goes on only once a reducer was delivered segments (a 3 s sleep was
+        outlasted by Spark starting the reduce tasks on a loaded machine: no overlap)."""
+
+        def assign(self, table, map_index, num_partitions):
+            if map_index == 2:
+                from conftest import wait_for_a_delivery
+
+                wait_for_a_delivery(namespace, 120.0)
+            return super().assign(table, map_index, num_partitions)
+
     shuffle = exchange.run_map_stage(df, 4, LastMapSlow(["id"]), cfg, "overlap-test")
     assert not shuffle.map_stage_done  # returned while the maps run
     out = exchange.reduce_frame(spark, [shuffle], _passthrough, df.schema)
