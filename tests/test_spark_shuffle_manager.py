@@ -218,22 +218,39 @@ def _shuffle_known_before_its_maps_commit(spark, config):
     holds their shuffle: the driver's shuffle manager registered it when Spark planned it.
     Registered only at its first commit, a shuffle whose tasks computed for longer than two
     tier-manager sweeps was released on their nodes under them."""
+    import tempfile
     import threading
     import time
 
+    # The map tasks write nothing until the test has looked (a flag file, bounded): with
+    # an 8 s sleep instead, the look had to come within 6 s of the job's start, which
+    # Spark planning the job on a loaded machine could exceed (nothing seen).
+    go = os.path.join(tempfile.mkdtemp(prefix="hr-known-early-"), "go")
+
+    def held(x):
+        import os
+        import time
+
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return (x, x)
+
     before = set(_live_spark_shuffles(config))
-    pairs = spark.sparkContext.parallelize(range(2), 2).map(
-        lambda x: (time.sleep(8), (x, x))[1])
+    pairs = spark.sparkContext.parallelize(range(2), 2).map(held)
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(
         rows=sorted(pairs.groupByKey().mapValues(len).collect())))
     job.start()
     seen, reported = [], None
-    deadline = time.monotonic() + 6  # the map tasks sleep 8 s before writing anything
-    while not seen and time.monotonic() < deadline:
-        time.sleep(0.2)
-        seen = sorted(set(_live_spark_shuffles(config)) - before)
-        reported = {r.shuffle_id for r in spark_bridge.spark_shuffle_reports()}
+    deadline = time.monotonic() + 100  # (inside the map tasks' own 120 s bound)
+    try:
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen = sorted(set(_live_spark_shuffles(config)) - before)
+            reported = {r.shuffle_id for r in spark_bridge.spark_shuffle_reports()}
+    finally:
+        open(go, "w").close()
     job.join(timeout=120)
     return {"seen": seen, "reported": sorted(reported & set(seen)) if reported else [],
             "rows": result.get("rows")}
