@@ -668,10 +668,11 @@ class ShuffleMasterActor:
         return result
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any,
-                   last_segments: list[SegmentMeta] | None = None, pid: int = 0) -> bool:
+                   last_segments: list[SegmentMeta] | None = None, pid: int = 0,
+                   row_digests: dict[int, int] | None = None) -> bool:
         with self._changing():
             result = self.registry.finish_map(shuffle_id, map_index, attempt, stats,
-                                              last_segments or (), pid)
+                                              last_segments or (), pid, row_digests)
         self._queued()
         return result
 

@@ -46,6 +46,9 @@ class MapState:
     rows_written: dict[int, collections.Counter[int]] = dataclasses.field(
         default_factory=dict)
     finished_rows: dict[int, int] | None = None
+    # And which input rows went to each subpartition (``row_digests`` of ``finish_map``) in
+    # that attempt; None: not sent (equal counts are then all that is checked).
+    finished_digests: dict[int, int] | None = None
     # Sealed shuffles: segments of freed subpartitions (read, and deleted) of an attempt
     # dropped after it was lost, kept for the books alone: its re-run's segments of those
     # subpartitions are not kept, so without these the report lost their bytes.
@@ -359,12 +362,16 @@ class ShuffleRegistry:
         return True
 
     def finish_map(self, shuffle_id: str, map_index: int, attempt: int, stats: Any = None,
-                   last_segments: Sequence[SegmentMeta] = (), pid: int = 0) -> bool:
+                   last_segments: Sequence[SegmentMeta] = (), pid: int = 0,
+                   row_digests: Mapping[int, int] | None = None) -> bool:
         """Mark an attempt complete, after committing its ``last_segments`` (one call for
         a map's final commit and its finish: a map's calls to the master are a large share
         of the control plane). The first attempt to finish wins (in an open shuffle, the
         attempt named at ``seal``). False: the attempt does not count (its last segments
-        are then deleted like any refused commit's)."""
+        are then deleted like any refused commit's).
+
+        ``row_digests``: subpartition -> a digest of which of the map's input rows the
+        attempt sent there (``map_task.row_digests``), checked against a re-run's."""
         if last_segments and not self.commit(shuffle_id, map_index, attempt, last_segments,
                                              pid):
             return False
@@ -377,33 +384,44 @@ class ShuffleRegistry:
             return True
         if m.finished_attempt is not None or attempt != m.current_attempt:
             return False
-        self._check_rerun(state, map_index, m, attempt)
+        self._check_rerun(state, map_index, m, attempt, row_digests)
         m.finished_attempt, m.finished, m.stats = attempt, self._clock(), stats
         return True
 
     def _check_rerun(self, state: ShuffleState, map_index: int, m: MapState,
-                     attempt: int) -> None:
-        """Record the rows per subpartition of a map's finished attempt; refuse a later one
-        (a re-run after its output was lost) that wrote others to a subpartition whose
-        reducer finished meanwhile. That reducer kept the earlier attempt's rows and the
-        re-run's rows for it are dropped (``commit``), so a re-run that partitions
-        differently loses or duplicates rows: a partitioner whose ``assign`` is not a pure
-        function of its input (unseeded randomness, wall-clock time, a counter kept across
-        calls). Where no reducer finished, readers drop what they read of the lost attempt
-        and read the re-run instead: exact whatever the partitioner did."""
+                     attempt: int, row_digests: Mapping[int, int] | None = None) -> None:
+        """Record the rows per subpartition of a map's finished attempt (their count and,
+        if sent, a digest of which input rows they are); refuse a later one (a re-run
+        after its output was lost) that wrote others to a subpartition whose reducer
+        finished meanwhile. That reducer kept the earlier attempt's rows and the re-run's
+        rows for it are dropped (``commit``), so a re-run that partitions differently
+        loses or duplicates rows: a partitioner whose ``assign`` is not a pure function of
+        its input (unseeded randomness, wall-clock time, a counter kept across calls).
+        Counts alone missed a balanced one (an unseeded permutation dealt round-robin
+        sends each subpartition as many rows every run, but others). Where no reducer
+        finished, readers drop what they read of the lost attempt and read the re-run
+        instead: exact whatever the partitioner did."""
         written = {sub: n for sub, n in m.rows_written.pop(attempt, {}).items() if n}
+        digests = {sub: d for sub, d in (row_digests or {}).items() if d}
         before, m.finished_rows = m.finished_rows, written
+        before_digests = m.finished_digests
+        m.finished_digests = digests if row_digests is not None else None
         if before is None:
             return
         # Kept: freed, or its reader was told it has everything (its poll answered done:
         # it polls no more, so it never hears of the re-run, and its free may still be on
         # the way; checking the freed ones alone let such a re-run through).
         kept = state.freed | {sub for sub, reader in state.readers.items() if reader.done}
-        differ = sorted(sub for sub in kept if written.get(sub, 0) != before.get(sub, 0))
+        compare_digests = before_digests is not None and row_digests is not None
+        differ = sorted(sub for sub in kept if written.get(sub, 0) != before.get(sub, 0)
+                        or compare_digests
+                        and digests.get(sub, 0) != before_digests.get(sub, 0))
         if differ:
-            m.finished_rows = before
-            examples = ", ".join(f"subpartition {sub}: {before.get(sub, 0)} rows then, "
-                                 f"{written.get(sub, 0)} now" for sub in differ[:3])
+            m.finished_rows, m.finished_digests = before, before_digests
+            examples = ", ".join(
+                f"subpartition {sub}: {before.get(sub, 0)} rows then, {written.get(sub, 0)} "
+                "now" + (" but other rows" if written.get(sub, 0) == before.get(sub, 0)
+                         else "") for sub in differ[:3])
             raise ConfigError(
                 f"map {map_index} of shuffle {state.shuffle_id} was run again after its "
                 f"output was lost and partitioned its rows differently ({examples}), where "

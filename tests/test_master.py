@@ -527,3 +527,28 @@ def test_a_sealed_shuffle_of_no_maps_has_a_summary(registry):
     summary = registry.summary("none")
     assert summary.num_maps == 0 and summary.last_map_finish is None
     assert summary.per_node_tier == {}
+
+
+def test_a_rerun_moving_rows_between_subpartitions_with_the_same_counts_is_refused(
+        registry):
+    """Was: the re-run check compared row counts only. A partitioner that is not
+    deterministic but balanced (e.g. an unseeded permutation dealt round-robin) sends each
+    subpartition as many rows every run, yet other rows: the re-run was accepted, and a
+    finished reducer's rows were duplicated in another partition while others were lost.
+    The maps send which input rows went where (``row_digests``) and the master compares."""
+    from hybrid_ray.errors import ConfigError
+
+    _map_lost_after_subpartition_0_was_read(registry)  # its first run sent no digests
+    a1 = registry.begin_map("w", 0, "n1")
+    # Without digests of the first run, counts alone are compared (an older writer).
+    assert registry.finish_map("w", 0, a1, last_segments=[_rows(0, a1, 5), _rows(1, a1, 5)],
+                               row_digests={0: 11, 1: 22})
+    assert registry.report_lost("w", 0, a1)
+    a2 = registry.begin_map("w", 0, "n1")
+    with pytest.raises(ConfigError, match=r"subpartition 0: 5 rows then, 5 now but other "
+                                          r"rows.*not deterministic"):
+        registry.finish_map("w", 0, a2, last_segments=[_rows(0, a2, 5), _rows(1, a2, 5)],
+                            row_digests={0: 22, 1: 11})
+    a3 = registry.begin_map("w", 0, "n1")
+    assert registry.finish_map("w", 0, a3, last_segments=[_rows(0, a3, 5), _rows(1, a3, 5)],
+                               row_digests={0: 11, 1: 22})

@@ -614,3 +614,48 @@ def test_a_node_table_that_cannot_be_read_does_not_fail_a_finished_shuffle(monke
 
     monkeypatch.setattr(shuffle_mod.ray, "nodes", unavailable)
     shuffle_mod._check_outputs_survived(["ref-0"], Pool())
+
+
+class DealingPartitioner(hybrid_ray.Partitioner):
+    """Not deterministic, yet balanced: every run sends each subpartition as many rows,
+    but a map's second run swaps which rows (as an unseeded permutation dealt round-robin
+    does)."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def assign(self, table, map_index, num_partitions):
+        parts = table["id"].to_numpy() % num_partitions
+        if map_index in self.seen:
+            return (parts + 1) % num_partitions
+        self.seen.add(map_index)
+        return parts
+
+
+def test_a_lost_map_rerun_that_moves_rows_but_keeps_counts_fails_loudly(ray_local, tmp_path):
+    """Was: only the rows per subpartition were compared, so a re-run sending each
+    subpartition as many but other rows was accepted: the finished reducer's rows came
+    out twice (kept, and read again by the other reducer) and the moved ones never."""
+    import uuid
+
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.shuffle import read_subpartition, write_map_partition
+
+    config = base_config(tmp_path, spilling="full", mode="blocking",
+                         namespace=f"hr-deal-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray_local.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    table = pa.table({"id": np.arange(10_000)})
+    partitioner = DealingPartitioner()  # the test's process runs every map here
+    try:
+        write_map_partition(shuffle_id, 0, [table], 2, partitioner, config, master)
+        assert len(pa.concat_tables(read_subpartition(shuffle_id, 1, config, master))) > 0
+        ray_local.get(master.free_subpartitions.remote(shuffle_id, [1]))  # its reducer is done
+        assert ray_local.get(master.report_lost.remote(shuffle_id, 0, 0))
+        with pytest.raises(ConfigError, match=r"subpartition 1: 5000 rows then, 5000 now "
+                                              r"but other rows.*not deterministic"):
+            write_map_partition(shuffle_id, 0, [table], 2, partitioner, config, master)
+    finally:
+        ray_local.get(master.release.remote(shuffle_id))
+    assert_no_leftovers(config, ray_local)
