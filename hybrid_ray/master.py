@@ -603,6 +603,13 @@ class ShuffleRegistry:
     # ---- deletion: queued by state changes, performed and retried apart from them -----------
     def _delete_segments(self, state: ShuffleState, metas: Sequence[SegmentMeta]) -> None:
         if metas:
+            # The master's references to memory-tier objects go now: tier managers free
+            # by id and size, and readers hold their own. Kept until the deletion
+            # succeeded, one retried for long (a tier manager down, a file that cannot be
+            # unlinked) pinned the objects, also past the shuffle's release.
+            for meta in metas:
+                if meta.object_ref:
+                    meta.object_ref.clear()
             self._queue(PendingDeletion(state, tuple(metas)))
 
     def _queue(self, deletion: PendingDeletion) -> None:

@@ -552,3 +552,28 @@ def test_a_rerun_moving_rows_between_subpartitions_with_the_same_counts_is_refus
     a3 = registry.begin_map("w", 0, "n1")
     assert registry.finish_map("w", 0, a3, last_segments=[_rows(0, a3, 5), _rows(1, a3, 5)],
                                row_digests={0: 11, 1: 22})
+
+
+def test_a_deletion_retried_for_long_does_not_pin_its_memory_objects():
+    """Was: a queued deletion kept the master's references to its memory-tier objects
+    until it succeeded. One that kept failing (a node's tier manager unavailable, a file
+    of the batch that cannot be unlinked) held a superseded attempt's objects in the
+    object store, also past the shuffle's release: data left behind. Tier managers free
+    by id and size, so the references go when the deletion is queued."""
+    def failing(state, metas):
+        raise OSError("tier manager unavailable")
+
+    reg = ShuffleRegistry(failing, lambda state: None, Clock())
+    reg.register("p", 1, 1, ShuffleConfig(orphan_ttl_s=60), recoverable=True)
+    a0 = reg.begin_map("p", 0, "n1")
+    sentinel = object()  # stands in for the segment's ObjectRef
+    held = SegmentMeta(SegmentId("p", 0, 0, 0, a0), TierName.MEMORY, 10, 1, "n1",
+                       object_ref=[sentinel])
+    assert reg.commit("p", 0, a0, [held])
+    reg.begin_map("p", 0, "n1")  # a new attempt supersedes it: its segment is deleted
+    assert reg.pending_deletions() and reg.pending_deletions()[0]["attempts"] == 1
+    assert held.object_ref == []
+    refused = SegmentMeta(SegmentId("p", 0, 0, 0, a0), TierName.MEMORY, 10, 1, "n1",
+                          object_ref=[sentinel])
+    assert not reg.commit("p", 0, a0, [refused])  # a late commit of the old attempt
+    assert refused.object_ref == []
