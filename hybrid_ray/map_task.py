@@ -28,7 +28,7 @@ from hybrid_ray.errors import (
     ConfigError, ShuffleFailedError, ShuffleReleasedError, ShuffleStalledError,
 )
 from hybrid_ray.io_tiers import io_tiers_for
-from hybrid_ray.partitioning import Partitioner, _mix64_inplace, split_by_partition
+from hybrid_ray.partitioning import Partitioner, split_by_partition
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 
@@ -101,9 +101,9 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
         with control:
             sent.append(master.commit.remote(shuffle_id, map_index, attempt, metas, pid))
 
-    # Which input rows went to each subpartition (see add_row_digests), for the master's
-    # check of a re-run against reducers that kept this run's rows.
-    digests = np.zeros(num_partitions, dtype=np.uint64)
+    # Which input rows went to each subpartition (``split_by_partition``), for the
+    # master's check of a re-run against reducers that kept this run's rows.
+    digests = [0] * num_partitions
     rows_seen = 0
     client = WriteClient(shuffle_id, map_index, num_partitions, config,
                          ActorNodeStorage(tm, control, register=config),
@@ -121,11 +121,10 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
             if chunk.num_rows == 0:
                 continue
             parts = _checked_assignment(partitioner, chunk, map_index, num_partitions)
-            add_row_digests(digests, parts, rows_seen)
-            rows_seen += chunk.num_rows
             last = upcoming is None
-            client.write_many(split_by_partition(chunk, parts, num_partitions),
-                              place=not last)
+            client.write_many(split_by_partition(chunk, parts, num_partitions, digests,
+                                                 rows_seen), place=not last)
+            rows_seen += chunk.num_rows
             if not last:
                 client.flush()
             if superseded:
@@ -161,7 +160,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     # Refused (another attempt finished first, or this one was superseded meanwhile): the
     # master deletes the last segments as it does a refused commit's.
     try:
-        row_digests = {sub: d for sub, d in enumerate(digests.tolist()) if d}
+        row_digests = {sub: d for sub, d in enumerate(digests) if d}
         finished = answer_of(
             master.finish_map.remote(shuffle_id, map_index, attempt, client.stats,
                                      last_segments, pid, row_digests),
@@ -213,18 +212,6 @@ def _settled_after_finish(client: WriteClient, error: BaseException | None, shuf
                      "%s: %s); its node counts those disk grants as in flight until the "
                      "shuffle's release", map_index, shuffle_id, type(error).__name__,
                      error, type(exc).__name__, exc)
-
-
-def add_row_digests(digests: np.ndarray, parts: np.ndarray, first_row: int) -> None:
-    """Add to ``digests[sub]`` (uint64, wrapping) a hash of the index, within the map's
-    input, of every row ``parts`` sends to ``sub``; the chunk's rows are ``first_row``
-    on. A map's input comes in the same order every run, so a re-run that sends a
-    subpartition other rows, even as many, gives it another digest (``_check_rerun``)."""
-    if not len(parts):
-        return
-    hashes = _mix64_inplace(np.arange(first_row, first_row + len(parts), dtype=np.uint64))
-    with np.errstate(over="ignore"):
-        np.add.at(digests, parts, hashes)
 
 
 def _checked_assignment(partitioner: Partitioner, chunk: pa.Table, map_index: int,
