@@ -193,10 +193,15 @@ class TierManager:
         in_use |= {key for shuffle_id, key in self._released_disks.items()
                    if now - self._released[shuffle_id] <= LATE_FILES_WINDOW_S
                    or shuffle_id in self._removal_failed}
+        # A failed removal's tier is kept whatever the shuffle's age: the late-files sweep
+        # retries it through the tiers, and one forgotten made it give up (files kept).
+        failed = sorted(self._removal_failed)
         for key in [k for k, disk in self._disks.items()
                     if k not in in_use and disk.used_bytes == 0]:
             if len(self._disks) <= DISK_TIERS_KEPT:
                 break
+            if any(self._disks[key].has_shuffle_data(s) for s in failed):
+                continue
             del self._disks[key]
             self._disk_dirs.pop(key, None)
 

@@ -710,3 +710,47 @@ def test_a_release_whose_removal_failed_is_retried_past_the_late_files_window(
     assert tm.remove_late_files() == ["shf-1"]
     assert not os.path.exists(shuffle_dir(spill, "shf-1"))
     assert tm.remove_late_files() == []  # done: not looked at again
+
+
+def test_a_disk_tier_holding_a_failed_removal_is_not_forgotten(tmp_path, monkeypatch):
+    """A release whose removal failed is retried by the late-files sweep through the disk
+    tiers (60a0f5c); ``_prune_disks`` (0d4468f) protected its tier only while the shuffle
+    was among the last RELEASED_MEMORY releases. Once it fell out, the tier was forgotten,
+    the sweep found no tier holding its files, gave up on it, and the files stayed."""
+    import errno
+
+    from hybrid_ray import tier_manager
+    from hybrid_ray.tiers.disk import (
+        make_private_dir, segment_path, shuffle_dir, write_private_file, write_shuffle_marker,
+    )
+
+    monkeypatch.setattr(tier_manager, "RELEASED_MEMORY", 2)
+    monkeypatch.setattr(tier_manager, "DISK_TIERS_KEPT", 1)
+
+    def config(name):
+        return ShuffleConfig(spill_dirs=[str(tmp_path / name)], memory_capacity_bytes=0)
+
+    spill = str(tmp_path / "a")
+    tm = TierManager("n1", 0)
+    tm.register_shuffle("shf-1", config("a"))
+    path = segment_path(spill, SegmentId("shf-1", 0, 3, 0))
+    make_private_dir(os.path.dirname(path))
+    write_shuffle_marker(shuffle_dir(spill, "shf-1"), "shf-1")
+    write_private_file(path, b"x" * 100)
+    real_unlink = os.unlink
+
+    def busy_segments(p, *args, **kwargs):
+        if str(p).endswith(".seg"):
+            raise OSError(errno.EBUSY, "Device or resource busy", p)
+        return real_unlink(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", busy_segments)
+    with pytest.raises(OSError, match="Device or resource busy"):
+        tm.release_shuffle("shf-1")  # as the orphan sweep does
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    for name in ("b", "c", "d"):  # later releases push shf-1 out of the recent ones
+        tm.register_shuffle(f"shf-{name}", config(name))
+        tm.release_shuffle(f"shf-{name}")
+    tm.register_shuffle("shf-e", config("e"))  # a new tier: the idle ones are pruned
+    assert tm.remove_late_files() == ["shf-1"]
+    assert not os.path.exists(shuffle_dir(spill, "shf-1"))
