@@ -23,9 +23,10 @@ all); the manager's shuffles are released by Spark (its ContextCleaner, or ``sto
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import pyarrow as pa
 
@@ -36,6 +37,19 @@ from hybrid_ray.shuffle import check_config, check_num_partitions
 from spark_bridge import exchange, parquet_scan
 
 _LOG = logging.getLogger(__name__)
+
+_Op = TypeVar("_Op", bound=Callable[..., Any])
+
+
+def _most_recent_call(fn: _Op) -> _Op:
+    """``fn`` is the calling thread's most recent operation as it starts: until an exchange
+    of it runs, ``last_report()`` is None (a refused or failed call kept returning the
+    report of the exchange before it, as ``hybrid_ray.last_report`` did)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        exchange.forget_last()
+        return fn(*args, **kwargs)
+    return cast(_Op, call)
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -116,6 +130,7 @@ def release(df: Any) -> int:
 
 
 # ---- repartition ------------------------------------------------------------------------------------
+@_most_recent_call
 def repartition(df: Any, num_partitions: int, *cols: str,
                 config: ShuffleConfig | None = None, direct_scan: bool = True) -> Any:
     """``df.repartition(num_partitions, *cols)`` with the exchange done by hybrid_ray.
@@ -160,6 +175,7 @@ def repartition(df: Any, num_partitions: int, *cols: str,
 
 
 # ---- sort -----------------------------------------------------------------------------------------------
+@_most_recent_call
 def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
          num_partitions: int | None = None, config: ShuffleConfig | None = None) -> Any:
     """``df.orderBy(*cols, ascending=...)`` through hybrid_ray's shuffle manager.
@@ -205,6 +221,7 @@ def _agg_column(col: str, fn: str) -> Any:
             "avg": F.avg, "count_distinct": F.count_distinct}[fn](_column(col))
 
 
+@_most_recent_call
 def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, str]],
               num_partitions: int | None = None, config: ShuffleConfig | None = None) -> Any:
     """``df.groupBy(*by).agg(...)`` through hybrid_ray's shuffle manager.
@@ -257,6 +274,7 @@ JOIN_TYPES = (
 )
 
 
+@_most_recent_call
 def join(left: Any, right: Any, on: str | Sequence[str], how: str = "inner",
          num_partitions: int | None = None, config: ShuffleConfig | None = None) -> Any:
     """``left.join(right, on, how)`` (an equi-join on same-named columns) through
