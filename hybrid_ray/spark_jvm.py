@@ -19,17 +19,21 @@ owner, base64), which only the JVM reads.
 from __future__ import annotations
 
 import collections
+import functools
 import json
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ConfigError, ShuffleNotFoundError
+from hybrid_ray.errors import ConfigError, ShuffleNotFoundError, ShuffleStalledError
 from hybrid_ray.ids import check_id
 from hybrid_ray.master import ShuffleRegistry, ShuffleState
 from hybrid_ray.segment import SegmentId, SegmentMeta
 from hybrid_ray.tier_manager import TierManager
 from hybrid_ray.tiers import Grant
+
+_LOG = logging.getLogger(__name__)
 
 # ShuffleConfig fields the JVM path carries in Spark's configuration. The remote tier's
 # fields are not among them: ``remote_path`` and ``storage_options`` (credentials) must
@@ -442,8 +446,28 @@ def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> d
     # On the tier's transfer threads, waited for within its bound (``RemoteTier.outcome``):
     # this runs in the tier manager, one call at a time, and a sync filesystem (NFS through
     # file://) has no per-call deadline: a hung one held the tier manager for good.
-    return {"location": tier.outcome(tier.io_pool().submit(tier.write_frame, segment, frame),
-                                     f"writing {segment}", len(frame))}
+    write = tier.io_pool().submit(tier.write_frame, segment, frame)
+    try:
+        return {"location": tier.outcome(write, f"writing {segment}", len(frame))}
+    except ShuffleStalledError:
+        # The write goes on; the JVM was told it failed, so nothing will commit it. If it
+        # lands, it goes (with the shuffle's tree once released here: the master removes
+        # that tree after the tier managers' release, and this write may land after it).
+        write.add_done_callback(functools.partial(_drop_late_write, tm, tier, shuffle_id))
+        raise
+
+
+def _drop_late_write(tm: TierManager, tier: Any, shuffle_id: str, write: Any) -> None:
+    """Remove a JVM remote write that landed after ``write_remote`` gave up on it."""
+    if write.cancelled() or write.exception() is not None:
+        return
+    try:
+        tier.fs.rm_file(write.result())
+        if tm.was_released(shuffle_id):
+            tier.remove_shuffle_data(shuffle_id)
+    except Exception:  # noqa: BLE001 - a leftover for `hybrid-ray cleanup` at worst
+        _LOG.warning("removing a late JVM remote write of shuffle %s failed", shuffle_id,
+                     exc_info=True)
 
 
 def read_remote(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) -> bytes:

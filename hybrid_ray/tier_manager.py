@@ -589,6 +589,10 @@ class TierManager:
             raise OSError("; ".join(failures))
         return found
 
+    def was_released(self, shuffle_id: str) -> bool:
+        """Whether ``shuffle_id`` was released here (among the last RELEASED_MEMORY)."""
+        return shuffle_id in self._released
+
     def shuffle_ids(self) -> list[str]:
         """The shuffles registered on this node (not released)."""
         return list(self._shuffles)

@@ -300,3 +300,47 @@ def test_the_tier_manager_s_remote_io_for_the_jvm_is_bounded(tmp_path, monkeypat
         assert time.monotonic() - started < 4
     finally:
         hung.set()
+
+
+def test_a_jvm_remote_write_that_lands_after_its_bound_and_the_release_leaves_nothing(
+        tmp_path, monkeypatch) -> None:
+    """6911c74 runs a JVM segment's remote write on the transfer threads and gives up on
+    it after the bound, but the write goes on. The master removes a released shuffle's
+    remote tree after the tier managers' release, relying on no JVM write of it coming
+    after (the tier manager ran one call at a time): a write that landed late re-created
+    the shuffle's marked directory and its segment, which no one committed nor removed."""
+    import os
+    import threading
+
+    import pytest
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.spark_jvm import write_remote
+    from hybrid_ray.tier_manager import TierManager
+    from hybrid_ray.tiers import remote as remote_module
+
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
+                        remote_path=f"file://{tmp_path}/remote", progress=False)
+    tm = TierManager("n1", 0)
+    tm.register_shuffle(SHUFFLE, cfg)
+    tier = tm.remote_tier(SHUFFLE)
+    hung = threading.Event()
+    real_pipe = tier.fs.pipe_file
+
+    def slow_pipe(*args, **kwargs):
+        hung.wait(5)
+        return real_pipe(*args, **kwargs)
+
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 0.3)
+    monkeypatch.setattr(tier.fs, "pipe_file", slow_pipe)
+    request = {"shuffle": SHUFFLE, "map_index": 0, "partition": 0, "index": 0, "map_id": 7}
+    with pytest.raises(ShuffleStalledError):
+        write_remote(tm, request, b"x" * 100)
+    pool = tier.io_pool()  # the write's threads (a release may close the tier's pool)
+    tm.release_shuffle(SHUFFLE, cfg)
+    tier.remove_shuffle_data(SHUFFLE)  # the master, after the tier managers' release
+    hung.set()  # the store answers again: the write lands
+    pool.shutdown(wait=True)
+    assert not os.path.exists(tier.shuffle_path(SHUFFLE)), os.listdir(
+        tier.shuffle_path(SHUFFLE))
