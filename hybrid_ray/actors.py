@@ -315,16 +315,26 @@ class TierManagerActor:
     # ---- the JVM shuffle manager (JSON strings in and out: see hybrid_ray.spark_jvm) ------
     def spark_reserve(self, request: str) -> str:
         return json.dumps(spark_jvm.reserve(self.tm, json.loads(request),
-                                            self._spark_session))
+                                            self._spark_session_now))
 
     def spark_lease(self, request: str) -> str:
         """A memory lease for a JVM map task (``spark_jvm.lease``)."""
-        return json.dumps(spark_jvm.lease(self.tm, json.loads(request), self._spark_session))
+        return json.dumps(spark_jvm.lease(self.tm, json.loads(request),
+                                          self._spark_session_now))
 
-    def _spark_session(self, token: str) -> Any:
+    def _spark_session_now(self, token: str) -> Any:
+        """``_spark_session`` asked of the master again: what a shuffle registers with here
+        (once per shuffle and node) must be what the master registered it with. The master
+        forgets idle sessions (``SparkSessions``) and then registers their shuffles without
+        the remote tier; registered here from the cache, their JVM segments went to a
+        remote tier the master never deletes from."""
+        return self._spark_session(token, fresh=True)
+
+    def _spark_session(self, token: str, fresh: bool = False) -> Any:
         """A Spark session's whole ShuffleConfig, asked of the master once per session."""
-        if token not in self._spark_sessions:
-            if len(self._spark_sessions) >= spark_jvm.SPARK_SESSIONS:
+        if fresh or token not in self._spark_sessions:
+            if token not in self._spark_sessions and \
+                    len(self._spark_sessions) >= spark_jvm.SPARK_SESSIONS:
                 self._spark_sessions.clear()
             self._spark_sessions[token] = ray.get(
                 master_handle(self.namespace).spark_session_config.remote(token),

@@ -917,3 +917,37 @@ def test_status_reports_a_silent_or_failing_tier_manager_and_the_others(ray_loca
     assert "its books are broken" in errors["node-failing"]
     for fake in fakes.values():
         ray.kill(fake)
+
+
+def test_a_tier_manager_registers_a_spark_shuffle_with_the_session_the_master_holds(
+        ray_local, tmp_path):
+    """The master forgets idle Spark sessions past SPARK_SESSIONS (c1a85fe keeps only those
+    with a live shuffle) and then registers the session's next shuffles with Spark's
+    carried fields, without the remote tier. A tier manager kept the session's whole config
+    cached and registered them with the remote tier: JVM segments went to a remote tier
+    whose segments and tree the master never deletes (it knows none), and readers on other
+    nodes, asking the master, found no remote tier to read them from."""
+    import json
+
+    from hybrid_ray.spark_jvm import SPARK_SESSIONS, config_to_json
+
+    namespace = f"spksess-{uuid.uuid4().hex[:6]}"
+    node = ray.get_runtime_context().get_node_id()
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, remote_path=f"file://{tmp_path}/remote")
+    master = get_master(namespace)
+    tm = get_tier_manager(node, namespace)
+    ray.get(master.spark_open_session.remote("tok", cfg))
+    carried = json.loads(config_to_json(cfg, "tok"))
+
+    def reserve(shuffle):
+        return json.loads(ray.get(tm.spark_reserve.remote(json.dumps(
+            {"shuffle": shuffle, "sizes": [100], "config": carried}))))
+
+    assert reserve("spk-sess-1")["remote"] is True
+    for i in range(SPARK_SESSIONS):  # other sessions: the idle "tok" is forgotten
+        ray.get(master.spark_open_session.remote(f"other{i}", cfg))
+    assert ray.get(master.spark_session_config.remote("tok")) is None
+    assert reserve("spk-sess-2")["remote"] is False  # as the master registers it
+    for shuffle in ("spk-sess-1", "spk-sess-2"):
+        ray.get(tm.release_shuffle.remote(shuffle, cfg))
