@@ -83,6 +83,35 @@ HELD_ERRORS_KEPT = 100
 _LOG = logging.getLogger(__name__)
 
 
+class _WriterProgress:
+    """When a map run last returned from each writer actor, over every shuffle this driver
+    runs (thread-safe): a shuffle whose maps wait in a writer's queue behind another
+    shuffle's is not stalled while that writer finishes those. Counting only its own maps,
+    it failed after ``stall_timeout_s`` (and restarted the writers, losing the other
+    shuffle's memory segments) while nothing was stuck. Keyed by actor id: a writer
+    restarted by Ray keeps its id; the writers are a fixed set per namespace and node."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: dict[Any, float] = {}
+
+    @staticmethod
+    def _key(writer: Any) -> Any:
+        return getattr(writer, "_actor_id", None) or id(writer)
+
+    def record(self, writer: Any) -> None:
+        with self._lock:
+            self._at[self._key(writer)] = time.monotonic()
+
+    def latest(self, writers: Sequence[Any]) -> float:
+        """The last return from any of ``writers`` (monotonic; 0.0: none seen)."""
+        with self._lock:
+            return max((self._at.get(self._key(w), 0.0) for w in writers), default=0.0)
+
+
+_WRITER_PROGRESS = _WriterProgress()
+
+
 class AttemptPolicy(enum.Enum):
     """Which attempt of a map counts (see ``ShuffleRegistry``)."""
 
@@ -516,6 +545,7 @@ class MapRunner:
                     del self._running[slot]
                 try:
                     result = ray.get(ref)
+                    _WRITER_PROGRESS.record(self._writers[slot][1])
                     # A run that found its map finished already wrote nothing: its empty
                     # result must not replace the run that wrote the map's output.
                     if not (isinstance(result, dict) and result.get("skipped")) \
@@ -575,14 +605,17 @@ class MapRunner:
                       restart_others: Callable[[list[str]], None] | None = None
                       ) -> None:
         """Raise ``ShuffleStalledError`` if work is running but no map finished (and
-        nothing the caller tracks made progress: ``other_progress``, monotonic) for the
-        config's ``stall_timeout_s``. A hung writer would otherwise keep its shuffle, and
-        every later shuffle dispatched to it, waiting forever: the writers of the running
-        maps (and the caller's stuck workers, ``restart_others``) are restarted first.
+        nothing the caller tracks made progress: ``other_progress``, monotonic; nor did
+        the writers of its maps in flight finish another shuffle's map, ahead of them in
+        their queues) for the config's ``stall_timeout_s``. A hung writer would otherwise
+        keep its shuffle, and every later shuffle dispatched to it, waiting forever: the
+        writers of the running maps (and the caller's stuck workers, ``restart_others``)
+        are restarted first.
         ``other_running`` names the caller's running work for the message;
         ``restart_others`` adds the restarts that failed to the list it is given."""
         timeout = self._lifecycle.config.stall_timeout_s
-        idle = time.monotonic() - max(self.last_progress, other_progress)
+        writers = _WRITER_PROGRESS.latest([self._writers[slot][1] for slot in self._running])
+        idle = time.monotonic() - max(self.last_progress, other_progress, writers)
         if idle <= timeout or not (self._running or other_running):
             return
         maps = sorted(m for m, _ in self._in_flight())

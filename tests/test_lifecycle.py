@@ -475,6 +475,48 @@ def test_a_lost_map_goes_to_the_next_free_writer_whatever_its_node(monkeypatch):
     assert [m for m, _, _ in y.runs] == [2, 0] and list(runner._queue) == [3]
 
 
+def test_a_shuffle_queued_behind_another_on_its_writers_is_not_stalled(monkeypatch):
+    """Shuffles of one driver share the writers. One whose maps wait in a writer's queue
+    behind another shuffle's long maps counted only its own progress: past stall_timeout_s
+    it failed and restarted the writers (losing the other shuffle's memory segments) while
+    nothing was stuck (found by a review). Another shuffle's map finishing on that writer
+    is progress; a writer that returns nothing for the bound is still stalled."""
+    from types import SimpleNamespace
+
+    from hybrid_ray.errors import ShuffleStalledError
+
+    clock = [1000.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lifecycle.ray, "get", lambda ref, **_: ref.value)
+    monkeypatch.setattr(lifecycle, "held_shuffle", lambda _sid: None)
+    restarted = []
+    monkeypatch.setattr(lifecycle, "restart_stuck_worker",
+                        lambda writer, failures: restarted.append(writer))
+    monkeypatch.setattr(lifecycle, "_WRITER_PROGRESS", lifecycle._WriterProgress())
+    shared = _ScriptedWriter()
+
+    def runner(name, maps):
+        fake = _CountsLostAsks([])
+        fake.shuffle_id = name
+        fake.config = SimpleNamespace(stall_timeout_s=60.0)
+        return lifecycle.MapRunner(fake, [("node-a", shared)], [None] * maps,
+                                   lambda *a, **k: None, ())
+    busy = runner("shf-long", 20)   # its maps fill the writer's queue first
+    waiting = runner("shf-queued", 1)
+    assert waiting.running_refs()  # handed to the writer, queued behind busy's maps
+    collected = 0
+    for _ in range(10):  # busy's maps finish every 50 s: 500 s in all, none stalled
+        clock[0] += 50
+        ref = busy.running_refs()[0]
+        busy.poll({ref})
+        collected += 1
+        waiting.check_stalled()
+    assert collected == 10 and restarted == []
+    clock[0] += 61  # then the writer returns nothing for longer than the bound
+    with pytest.raises(ShuffleStalledError, match="shf-queued made no progress for 61 s"):
+        waiting.check_stalled()
+    assert restarted == [shared]
+
 def test_frees_of_the_last_reducers_are_sent_at_once_with_those_held_back(monkeypatch):
     """Frees are batched (FREE_BATCH_S), but those of a shuffle's last reducers go at
     once, with every free held back: left for the release, their deletion kept the
