@@ -788,9 +788,13 @@ def _check_optional_partitions(num_partitions: Any) -> None:
 
 def _to_dataset(result: ShuffleResult, input_bytes: int) -> ray.data.Dataset:
     result.report.input_bytes = input_bytes
-    _set_last_report(result.report)
-    ds = _materialized_dataset(result.refs, ray.get(result.block_stats))
+    try:
+        ds = _materialized_dataset(result.refs, ray.get(result.block_stats))
+    except BaseException:  # the call failed after its shuffle: no report of it stands
+        _set_last_report(None)
+        raise
     setattr(ds, _REPORT_ATTR, result.report)
+    _set_last_report(result.report)
     return ds
 
 
