@@ -117,3 +117,20 @@ def test_a_failed_bridge_shuffle_whose_release_fails_says_so_instead_of_hiding_i
     assert "orphan_ttl_s" in left and "hybrid-ray cleanup" in left
     monkeypatch.setattr(exchange, "release", lambda *a, **k: True)
     assert exchange._release_failed("spk-0123456789ab", "boom") == ""
+
+
+def test_a_call_that_fails_after_its_shuffle_leaves_no_report(ray_local, tmp_path,
+                                                              monkeypatch):
+    """The shuffle ran and set its report; the Dataset around its blocks then failed to
+    build (its block stats could not be got): the call failed, so no report stands."""
+    from hybrid_ray import shuffle
+
+    ds = ray_local.data.from_arrow(pa.table({"key": np.arange(100)}))
+
+    def broken(*_args):
+        raise RuntimeError("block stats lost")
+
+    monkeypatch.setattr(shuffle, "_materialized_dataset", broken)
+    with pytest.raises(RuntimeError, match="block stats lost"):
+        hybrid_ray.repartition(ds, 2, keys=["key"], config=base_config(tmp_path))
+    assert hybrid_ray.last_report() is None
