@@ -244,8 +244,20 @@ def _release_failed(shuffle_id: str, why: str) -> str:
 
 
 def release_all() -> int:
-    """Release every shuffle this process's bridge holds; returns how many."""
-    return sum(release(s) for s in held_shuffles())
+    """Release every shuffle this process's bridge holds; returns how many. Each is tried:
+    one whose release fails (its master gone) does not keep the others held; the first
+    such error is raised after all were tried."""
+    released, errors = 0, []
+    for shuffle_id in held_shuffles():
+        try:
+            released += release(shuffle_id)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the others
+            errors.append(exc)
+    if errors:
+        if len(errors) > 1:
+            errors[0].add_note(f"{len(errors) - 1} more shuffle release(s) failed too")
+        raise errors[0]
+    return released
 
 
 def held_shuffles() -> list[str]:

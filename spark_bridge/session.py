@@ -349,13 +349,31 @@ def stop_spark() -> None:
     """Release every hybrid_ray shuffle the bridge still holds, then stop RayDP's Spark.
     The session's Spark shuffles are released by the shuffle manager as Spark stops, and
     here again in case the driver could not reach the master, also when RayDP's own stop
-    fails (its error is raised after the release)."""
-    import raydp
-
+    fails (its error is raised after the release). A bridge shuffle whose release fails
+    does not keep Spark running: Spark is stopped, then that error is raised."""
     from spark_bridge.exchange import release_all
 
+    release_error: Exception | None = None
+    try:
+        release_all()
+    except Exception as exc:  # noqa: BLE001 - raised once Spark is stopped
+        release_error = exc
+    try:
+        _stop_raydp()
+    except BaseException as exc:
+        if release_error is not None:
+            exc.add_note(f"releasing the bridge's shuffles failed too: {release_error!r}")
+        raise
+    if release_error is not None:
+        raise release_error
+
+
+def _stop_raydp() -> None:
+    """Stop RayDP's Spark, then release the session's Spark shuffles (also when the stop
+    fails)."""
+    import raydp
+
     global _session_shuffles, _last_session_shuffles, _session_config
-    release_all()
     _session_config = None
     if _session_shuffles is not None:
         _quiesce_driver_shuffle_manager()

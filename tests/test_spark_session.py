@@ -97,3 +97,32 @@ def test_init_spark_refuses_executors_the_cluster_s_memory_cannot_hold(ray_local
     many = int(node_gib // 2) + 1
     with pytest.raises(ConfigError, match=f"x {2 * 4} executor"):
         init_spark("many", 2 * 4, 1, f"{many}GB", shuffle_config=config)
+
+
+def test_stop_spark_stops_spark_and_releases_the_rest_when_a_release_fails(monkeypatch):
+    """A bridge shuffle whose release failed (its master gone, Ray going down) made
+    stop_spark raise before RayDP's stop: Spark kept running, and the other held shuffles
+    stayed held (heartbeated, so never expired by the master). Every release is tried,
+    Spark is stopped, then the release's error is raised (found by a review)."""
+    import sys
+    import types
+
+    from spark_bridge import exchange, session
+
+    calls: list[str] = []
+    fake_raydp = types.ModuleType("raydp")
+    fake_raydp.stop_spark = lambda cleanup_data=True: calls.append("raydp.stop_spark")
+    monkeypatch.setitem(sys.modules, "raydp", fake_raydp)
+    monkeypatch.setattr(session, "_wait_for_spark_masters_to_exit", lambda: None)
+    monkeypatch.setattr(session, "_session_shuffles", None)
+    monkeypatch.setattr(exchange, "held_shuffles", lambda: ["spk-a", "spk-b"])
+
+    def release(shuffle_id: str, reason: str = "", failed: bool = False) -> bool:
+        calls.append(f"release {shuffle_id}")
+        if shuffle_id == "spk-a":
+            raise RuntimeError("the shuffle master is gone")
+        return True
+    monkeypatch.setattr(exchange, "release", release)
+    with pytest.raises(RuntimeError, match="master is gone"):
+        session.stop_spark()
+    assert calls == ["release spk-a", "release spk-b", "raydp.stop_spark"]
