@@ -306,6 +306,8 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                                                          configs, cluster_cpus,
                                                          ray_logs_dir()))
     except Exception as exc:  # RayDP raises bare Exceptions and Py4J errors
+        if hybrid_shuffle:
+            _close_master_session(shuffle_config.namespace, session_token)
         text = str(exc)
         if "has inited" in text:
             raise SparkSetupError("a Spark session is already running on this Ray cluster; "
@@ -323,6 +325,25 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
     return session
+
+
+def _close_master_session(namespace: str, token: str) -> None:
+    """Best effort: have the shuffle master forget the config (credentials included) it
+    holds for a session whose Spark did not start; nothing else would ever close it."""
+    import json
+
+    import ray
+
+    from hybrid_ray.actors import master_handle
+
+    try:
+        ray.get(master_handle(namespace).spark_release.remote(
+            json.dumps({"close_session": token})), timeout=60)
+    except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "could not close the failed Spark session at the shuffle master: %s", exc)
 
 
 def _heartbeat_spark_shuffles(session: tuple[str, str, str]) -> None:

@@ -126,3 +126,31 @@ def test_stop_spark_stops_spark_and_releases_the_rest_when_a_release_fails(monke
     with pytest.raises(RuntimeError, match="master is gone"):
         session.stop_spark()
     assert calls == ["release spk-a", "release spk-b", "raydp.stop_spark"]
+
+
+def test_init_spark_that_fails_closes_the_session_it_opened_at_the_master(
+        ray_local, tmp_path, monkeypatch):
+    """init_spark hands the shuffle master the session's whole config (remote-tier
+    credentials included) before RayDP starts Spark. When RayDP failed (a session already
+    running, executors the cluster cannot place) the master kept it under a token nothing
+    would ever close (found by a review). It is closed again."""
+    import uuid
+
+    import raydp
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.actors import get_master
+    from spark_bridge.session import SparkSetupError, init_spark
+
+    token = uuid.UUID(int=0x1234)
+    monkeypatch.setattr(uuid, "uuid4", lambda: token)
+
+    def fail(*args, **kwargs):
+        raise Exception("Spark has inited.")
+    monkeypatch.setattr(raydp, "init_spark", fail)
+    config = ShuffleConfig(namespace="hr_failed_init", spill_dirs=[str(tmp_path)],
+                           progress=False)
+    with pytest.raises(SparkSetupError, match="already running"):
+        init_spark(executor_memory="256MB", shuffle_config=config)
+    master = get_master("hr_failed_init")
+    assert ray_local.get(master.spark_session_config.remote(f"s{token.hex}")) is None
