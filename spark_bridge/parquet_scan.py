@@ -47,6 +47,9 @@ SAFE_TYPES = {
 _WIDENED = {pa.uint8(): pa.int16(), pa.uint16(): pa.int32(), pa.uint32(): pa.int64()}
 # Files written by Spark 2.x may hold dates in the legacy calendar, which Spark rebases.
 _LEGACY_KEYS = (b"org.apache.spark.legacyDateTime", b"org.apache.spark.legacyINT96")
+# 1582-10-15 (the first Gregorian day: Spark rebases or refuses dates before it) as days
+# since the epoch.
+_GREGORIAN_START_DAYS = (datetime.date(1582, 10, 15) - datetime.date(1970, 1, 1)).days
 # A map reads about this much (uncompressed) of one file, as Spark's maxPartitionBytes.
 MAP_TARGET_BYTES = 128 * 1024 * 1024
 # Session settings, at their defaults, under which pyarrow reads what Spark's scan reads.
@@ -173,7 +176,9 @@ def _dates_need_rebase(path: str, metadata: Any, schema: pa.Schema) -> str | Non
             if stats is None or not stats.has_min_max:
                 return f"{path}: column {name!r} has no statistics to rule out dates " \
                        "before 1582-10-15"
-            if stats.min < datetime.date(1582, 10, 15):
+            # As days (the physical INT32): ``stats.min`` as a Python date overflows past
+            # year 9999, dates Spark reads.
+            if stats.physical_type != "INT32" or stats.min_raw < _GREGORIAN_START_DAYS:
                 return f"{path}: column {name!r} holds dates before 1582-10-15 (Spark " \
                        "rebases or refuses them)"
     return None

@@ -90,3 +90,20 @@ def test_columns_equal_but_for_case_are_left_to_spark(tmp_path):
     assert isinstance(reason, str) and "['id', 'ID']" in reason and "caseSensitive" in reason
     pieces = _pieces(path, schema, 1 << 20, case_sensitive=True)  # Spark reads "id" exactly
     assert not isinstance(pieces, str) and len(pieces) == 1
+
+
+def test_dates_beyond_python_s_range_do_not_break_planning(tmp_path):
+    """A date column whose smallest value lies past year 9999 (a far-future sentinel, which
+    Spark reads) made planning raise pyarrow's ``OverflowError: date value out of range``
+    out of ``spark_bridge.repartition``, where Spark's operator runs (found by a review).
+    The statistics are compared as days, not as Python dates; dates before year 1 are
+    still left to Spark (it refuses them)."""
+    schema = pa.schema([("d", pa.date32())])
+    pq.write_table(pa.table({"d": pa.array([3_000_000, 3_000_001], pa.date32())}),
+                   tmp_path / "far.parquet")
+    pieces = _pieces(str(tmp_path / "far.parquet"), schema, 1 << 20)
+    assert not isinstance(pieces, str) and len(pieces) == 1
+    pq.write_table(pa.table({"d": pa.array([-1_000_000], pa.date32())}),
+                   tmp_path / "ancient.parquet")
+    reason = _pieces(str(tmp_path / "ancient.parquet"), schema, 1 << 20)
+    assert isinstance(reason, str) and "1582-10-15" in reason
