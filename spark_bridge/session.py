@@ -42,6 +42,10 @@ SUPPORTED_JAVA = (8, 11, 17, 21)
 # executor (spark.executor.cores) do not depend on it.
 EXECUTOR_ACTOR_CPU_KEY = "spark.ray.raydp_spark_executor.actor.resource.cpu"
 SUPPORTED_PYSPARK = "3.5."
+# Spark refuses executors with less memory (INVALID_EXECUTOR_MEMORY, raised in the driver's
+# JVM after ~40 s of start-up and reported by Py4J only as "An error occurred while
+# calling None.org.apache.spark.api.java.JavaSparkContext").
+MIN_EXECUTOR_MEMORY = 450 * 1024 * 1024
 
 
 class SparkSetupError(HybridRayError, RuntimeError):
@@ -235,6 +239,12 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                           f"got {executor_memory!r}")
     if _memory_bytes(executor_memory) <= 0:
         raise ConfigError(f"executor_memory must be above 0, got {executor_memory!r}")
+    if _memory_bytes(executor_memory) < MIN_EXECUTOR_MEMORY and not (
+            isinstance(configs, Mapping) and "spark.testing.reservedMemory" in configs):
+        raise ConfigError(
+            f"executor_memory={executor_memory!r} is below Spark's minimum of "
+            f"{MIN_EXECUTOR_MEMORY // 2**20} MiB (1.5 x its 300 MiB reserved memory); "
+            "ask for at least '450MB'")
     if configs is not None and not isinstance(configs, Mapping):
         raise ConfigError(f"configs must be a dict of Spark configs, got {type(configs).__name__}")
     if not isinstance(hybrid_shuffle, bool):

@@ -151,6 +151,19 @@ def test_init_spark_that_fails_closes_the_session_it_opened_at_the_master(
     config = ShuffleConfig(namespace="hr_failed_init", spill_dirs=[str(tmp_path)],
                            progress=False)
     with pytest.raises(SparkSetupError, match="already running"):
-        init_spark(executor_memory="256MB", shuffle_config=config)
+        init_spark(executor_memory="512MB", shuffle_config=config)
     master = get_master("hr_failed_init")
     assert ray_local.get(master.spark_session_config.remote(f"s{token.hex}")) is None
+
+
+@pytest.mark.parametrize("memory", ["256MB", "2", 400 * 1024 * 1024])
+def test_init_spark_refuses_executor_memory_below_spark_s_minimum(memory):
+    """Spark refuses executors under 450 MiB, but only in the driver's JVM after ~40 s of
+    start-up, and init_spark then said only "An error occurred while calling
+    None.org.apache.spark.api.java.JavaSparkContext" (found by a review; "2" is 2 bytes,
+    as RayDP reads it). Refused at once, saying the minimum."""
+    from hybrid_ray.errors import ConfigError
+    from spark_bridge.session import init_spark
+
+    with pytest.raises(ConfigError, match="below Spark's minimum of 450 MiB"):
+        init_spark(executor_memory=memory)
