@@ -322,7 +322,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         if "has inited" in text:
             raise SparkSetupError("a Spark session is already running on this Ray cluster; "
                                   "call spark_bridge.stop_spark() before starting another") from exc
-        raise SparkSetupError(f"RayDP could not start Spark: {text.strip().splitlines()[0][:500]}"
+        raise SparkSetupError(f"RayDP could not start Spark: {_failure_summary(text)}"
                               " (check the executor settings against the cluster's free CPUs "
                               "and memory: `ray status`)") from exc
     if hybrid_shuffle:
@@ -335,6 +335,19 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
     return session
+
+
+def _failure_summary(text: str) -> str:
+    """The first line of a start failure and, for a Py4J error, the Java exception on the
+    line after it ("An error occurred while calling ..." alone names no reason)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    summary = lines[0][:500]
+    java = next((line for line in lines[1:] if line.startswith(": ")), None)
+    if java is not None:
+        summary += f" {java[2:][:500]}"
+    return summary
 
 
 def _close_master_session(namespace: str, token: str) -> None:

@@ -167,3 +167,22 @@ def test_init_spark_refuses_executor_memory_below_spark_s_minimum(memory):
 
     with pytest.raises(ConfigError, match="below Spark's minimum of 450 MiB"):
         init_spark(executor_memory=memory)
+
+
+def test_init_spark_s_error_names_the_java_exception_behind_a_py4j_failure(
+        ray_local, monkeypatch):
+    """A Py4J failure's first line is only "An error occurred while calling
+    None.org.apache.spark.api.java.JavaSparkContext."; the reason (a Spark config Spark
+    refused) is on the line after, which init_spark dropped (found by a review)."""
+    import raydp
+
+    from spark_bridge.session import SparkSetupError, init_spark
+
+    def fail(*args, **kwargs):
+        raise Exception(
+            "An error occurred while calling None.org.apache.spark.api.java.JavaSparkContext."
+            "\n: org.apache.spark.SparkIllegalArgumentException: [INVALID_EXECUTOR_MEMORY] "
+            "Executor memory 1 must be at least 471859200.\n\tat org.apache.spark.x(X.scala:1)")
+    monkeypatch.setattr(raydp, "init_spark", fail)
+    with pytest.raises(SparkSetupError, match=r"JavaSparkContext.*INVALID_EXECUTOR_MEMORY"):
+        init_spark(executor_memory="512MB", hybrid_shuffle=False)
