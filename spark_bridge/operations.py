@@ -182,8 +182,9 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
 
     Partitions of the result, in order, hold the globally sorted rows (collect() returns
     them sorted); nulls first when ascending, last when descending, as in Spark. With
-    ``num_partitions`` the result has exactly that many partitions (Spark's
-    ``repartitionByRange`` then ``sortWithinPartitions``), else Spark picks them.
+    ``num_partitions`` the result has at most that many partitions (Spark's
+    ``repartitionByRange`` then ``sortWithinPartitions``: fewer where the sort keys have
+    fewer distinct values than that), else Spark picks them.
     """
 
     _check_dataframe(df)
