@@ -44,11 +44,17 @@ _LOG = logging.getLogger(__name__)
 JVM_CONFIG_FIELDS = ("memory_fraction", "memory_capacity_bytes", "spill_dirs",
                      "min_reserve_fraction", "disk_capacity_bytes", "segment_bytes", "spilling",
                      "memory_weight", "job_id", "orphan_ttl_s", "namespace")
-# Named so that Spark's default ``spark.redaction.regex`` (``secret|password|token|
-# access.?key``, matched against keys and values) hides the whole ``spark.hybridray.config``
-# value in the UI's Environment tab and the event logs: the token is the key the master hands
-# the session's whole config (remote-tier credentials included) out under.
+# The field of a JVM request's config holding the session token: the key the master hands
+# the session's whole config (remote-tier credentials included) out under. It is never in
+# Spark's configuration: PySpark's launch_gateway passes every Spark config as ``--conf``
+# on spark-submit's command line, which any local user can read (``ps``), and Spark's
+# redaction covers only its UI and event logs. The driver's JVM reads the token from a file
+# (``SESSION_FILE_FIELD``), its executors from the shuffle handles of their tasks.
 SESSION_FIELD = "session_token"
+# The field of ``spark.hybridray.config`` holding the path of the file (0600, in a 0700
+# directory on the driver's node) the driver's JVM reads the session token from while Spark
+# starts; ``spark_bridge.init_spark`` removes it once Spark has started.
+SESSION_FILE_FIELD = "session_file"
 # What a tier manager answers a JVM reader for a segment that is gone (its file or object
 # removed): a segment is never empty (it has a header), and a Python error's type does not
 # reach Java. The reader tells Spark the map output is lost (FetchFailedException) only
@@ -62,10 +68,11 @@ SPARK_HISTORY = 1000
 SPARK_SESSIONS = 64
 
 
-def config_to_json(config: ShuffleConfig, session: str = "") -> str:
+def config_to_json(config: ShuffleConfig, session_file: str = "") -> str:
     """The part of ``config`` the JVM shuffle manager passes back to the actors, with the
-    session token under which the master holds the whole config (if any)."""
-    out: dict[str, Any] = {SESSION_FIELD: session} if session else {}
+    path of the file holding the session token under which the master holds the whole
+    config (if any; never the token itself, see ``SESSION_FIELD``)."""
+    out: dict[str, Any] = {SESSION_FILE_FIELD: session_file} if session_file else {}
     for name in JVM_CONFIG_FIELDS:
         value = getattr(config, name)
         if name == "spill_dirs":

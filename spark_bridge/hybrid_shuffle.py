@@ -49,16 +49,17 @@ def shuffle_manager_jar() -> str:
 
 
 def shuffle_manager_configs(config: ShuffleConfig, jar: str,
-                            session: str = "") -> dict[str, str]:
+                            session_file: str = "") -> dict[str, str]:
     """Spark configs that route every ordinary exchange through hybrid_ray.
 
     The jar goes on RayDP's executor classpath (``raydp.executor.extraClassPath``, which
     RayDP puts first on the executor actor's ``-cp``; ``spark.executor.extraClassPath``
     alone gives ClassNotFoundException and a hung query) and the driver's. No external
     shuffle service, no AQE local shuffle reader and no reduce locality: map output is not
-    in Spark's block manager, so those would read files that do not exist. ``session`` is the token under which
-    the shuffle master holds ``config`` whole (its remote tier and credentials stay out of
-    Spark's configuration; see ``hybrid_ray.spark_jvm``).
+    in Spark's block manager, so those would read files that do not exist.
+    ``session_file`` is the path of the file holding the token under which the shuffle
+    master holds ``config`` whole (its remote tier and credentials stay out of Spark's
+    configuration, and so does the token: see ``hybrid_ray.spark_jvm.SESSION_FIELD``).
     """
     from hybrid_ray.spark_jvm import config_to_json
 
@@ -68,7 +69,7 @@ def shuffle_manager_configs(config: ShuffleConfig, jar: str,
         "spark.sql.adaptive.localShuffleReader.enabled": "false",
         "spark.shuffle.reduceLocality.enabled": "false",
         "spark.hybridray.namespace": config.namespace,
-        "spark.hybridray.config": config_to_json(config, session),
+        "spark.hybridray.config": config_to_json(config, session_file),
         # One segment size for every tier: a segment's tier is chosen after it is cut.
         "spark.hybridray.segmentBytes": str(config.segment_bytes[TierName.MEMORY]),
         "spark.hybridray.flushBytes": str(config.map_chunk_bytes),

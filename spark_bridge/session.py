@@ -201,7 +201,8 @@ _session_config: ShuffleConfig | None = None
 _last_session_shuffles: tuple[str, str, str] | None = None
 
 
-# Spark settings init_spark derives from shuffle_config (and its session token).
+# Spark settings init_spark derives from shuffle_config (and the path of the file the
+# driver's JVM reads its session token from).
 SHUFFLE_CONFIG_KEYS = ("spark.hybridray.config", "spark.hybridray.namespace")
 
 
@@ -270,7 +271,9 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         from spark_bridge.hybrid_shuffle import shuffle_manager_configs, shuffle_manager_jar
 
         session_token = f"s{uuid.uuid4().hex}"
-        extra = shuffle_manager_configs(shuffle_config, shuffle_manager_jar(), session_token)
+        # Without the token: Spark's configs are on spark-submit's command line. The
+        # driver's JVM reads it from a file while Spark starts (see _session_token_file).
+        extra = shuffle_manager_configs(shuffle_config, shuffle_manager_jar())
         for key in ("raydp.executor.extraClassPath", "spark.driver.extraClassPath"):
             if configs and configs.get(key):
                 extra[key] = f"{extra[key]}:{configs[key]}"
@@ -309,7 +312,13 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         # session's whole config, remote tier included, for the actors serving the JVM.
         ray.get(get_master(shuffle_config.namespace).spark_open_session.remote(
             session_token, shuffle_config), timeout=120)
+    token_dir = ""
     try:
+        if hybrid_shuffle:
+            from hybrid_ray.spark_jvm import config_to_json
+
+            token_dir, token_file = _session_token_file(session_token)
+            configs["spark.hybridray.config"] = config_to_json(shuffle_config, token_file)
         cluster_cpus = float(ray.cluster_resources().get("CPU", 0))
         session = raydp.init_spark(app_name, num_executors, executor_cores, executor_memory,
                                    configs=spark_configs(num_executors, executor_cores,
@@ -325,6 +334,10 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise SparkSetupError(f"RayDP could not start Spark: {_failure_summary(text)}"
                               " (check the executor settings against the cluster's free CPUs "
                               "and memory: `ray status`)") from exc
+    finally:
+        # The driver's JVM read it while Spark started (its shuffle manager is made then).
+        if token_dir:
+            shutil.rmtree(token_dir, ignore_errors=True)
     if hybrid_shuffle:
         from spark_bridge.hybrid_shuffle import app_prefix
 
@@ -335,6 +348,28 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
     return session
+
+
+def _session_token_file(token: str) -> tuple[str, str]:
+    """A new directory (0700) holding one file (0600) with ``token``, for the driver's JVM
+    to read while Spark starts; returns both paths. The token is the key the shuffle master
+    hands the session's whole config (remote-tier credentials included) out under, and
+    Spark's configs are on spark-submit's command line (PySpark's launch_gateway), which
+    any local user can read: the config carries only the file's path. The driver's JVM runs
+    on this node as this user (PySpark starts it); executors take the token from the shuffle
+    handles of their tasks."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="hybrid-ray-session-")
+    path = os.path.join(directory, "token")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(token)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory, path
 
 
 def _failure_summary(text: str) -> str:

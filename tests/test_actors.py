@@ -938,7 +938,7 @@ def test_a_tier_manager_registers_a_spark_shuffle_with_the_session_the_master_ho
     master = get_master(namespace)
     tm = get_tier_manager(node, namespace)
     ray.get(master.spark_open_session.remote("tok", cfg))
-    carried = json.loads(config_to_json(cfg, "tok"))
+    carried = {**json.loads(config_to_json(cfg)), "session_token": "tok"}  # as the JVM sends
 
     def reserve(shuffle):
         return json.loads(ray.get(tm.spark_reserve.remote(json.dumps(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 import pytest
@@ -77,8 +76,9 @@ def test_session_token_resolves_the_whole_config_outside_sparks_conf(tmp_path):
                            storage_options={"secret": "s3cr3t"}, progress=False)
     sessions = SparkSessions()
     sessions.open("s1", config)
-    carried = json.loads(config_to_json(config, "s1"))
-    assert carried["session_token"] == "s1" and "s3cr3t" not in json.dumps(carried)
+    # What the JVM sends: the carried fields, and the token it read from the session file.
+    carried = {**json.loads(config_to_json(config, "/tmp/d/token")), "session_token": "s1"}
+    assert "s3cr3t" not in config_to_json(config, "/tmp/d/token")
     # The master's copy, remote tier and credentials included, wins over the carried part.
     assert resolve_config(carried, sessions.get) == config
     # An unknown (or closed) session falls back to what Spark's conf carries: no remote.
@@ -105,24 +105,30 @@ def test_a_spark_session_with_a_live_shuffle_is_never_forgotten(tmp_path):
     sessions.open("long-lived", live)
     for i in range(2 * SPARK_SESSIONS):
         sessions.open(f"t{i}", config(i))
-    carried = json.loads(config_to_json(live, "long-lived"))
+    carried = {**json.loads(config_to_json(live)), "session_token": "long-lived"}
     assert resolve_config(carried, sessions.get).remote_path == live.remote_path
     # The others are still bounded: the newest kept, the oldest idle ones forgotten.
     assert sessions.get("t0") is None and sessions.get(f"t{2 * SPARK_SESSIONS - 1}") is not None
     assert len(sessions._configs) == SPARK_SESSIONS
 
 
-def test_sparks_default_redaction_hides_the_carried_config_with_its_token(tmp_path):
-    """Spark shows its configuration in the UI's Environment tab and the event logs,
-    redacted only where a key or a value matches ``spark.redaction.regex``. The carried
-    config holds the session token, the key to the session's whole config (credentials
-    included): under the field name "session" nothing matched and the token was shown."""
-    # Spark 3.5's default spark.redaction.regex (core internal/config/package.scala: SECRET_REDACTION_PATTERN).
-    spark_default = re.compile(r"(?i)secret|password|token|access[.]?key")
-    config = ShuffleConfig(spill_dirs=[str(tmp_path)], progress=False)
-    assert spark_default.search(config_to_json(config, "s0123456789abcdef"))
-    # Without a session there is nothing to hide (RayDP started by hand): no token field.
-    assert "token" not in config_to_json(config)
+def test_sparks_conf_carries_the_session_file_s_path_never_the_token(tmp_path):
+    """PySpark's launch_gateway passes every Spark config as ``--conf`` on spark-submit's
+    command line, which any local user reads with ``ps``; Spark's redaction covers only
+    its UI and event logs. The carried config held the session token, the key to the
+    session's whole config (remote-tier credentials included; found by a review). It holds
+    the path of the file the driver's JVM reads the token from."""
+    from spark_bridge.hybrid_shuffle import shuffle_manager_configs
+
+    token = "s0123456789abcdef0123456789abcdef"
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], remote_path=f"file://{tmp_path}/r",
+                           storage_options={"secret": "s3cr3t"}, progress=False)
+    confs = shuffle_manager_configs(config, "/x/hybrid-ray-spark.jar", "/tmp/d/token")
+    assert json.loads(confs["spark.hybridray.config"])["session_file"] == "/tmp/d/token"
+    for value in confs.values():
+        assert token not in value and "session_token" not in value and "s3cr3t" not in value
+    # Without a session (RayDP started by hand) there is no session field at all.
+    assert "session" not in config_to_json(config)
 
 
 def test_session_token_and_config_are_checked():

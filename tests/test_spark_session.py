@@ -186,3 +186,48 @@ def test_init_spark_s_error_names_the_java_exception_behind_a_py4j_failure(
     monkeypatch.setattr(raydp, "init_spark", fail)
     with pytest.raises(SparkSetupError, match=r"JavaSparkContext.*INVALID_EXECUTOR_MEMORY"):
         init_spark(executor_memory="512MB", hybrid_shuffle=False)
+
+
+def test_init_spark_keeps_the_session_token_off_spark_s_conf_and_command_line(
+        ray_local, tmp_path, monkeypatch):
+    """PySpark's launch_gateway passes every Spark config as ``--conf`` on spark-submit's
+    command line, readable by any local user (``ps -eo args``); the session token, the key
+    the master hands the session's whole config (remote-tier credentials included) out
+    under, was among them (found by a review). RayDP is given none of it: the driver's JVM
+    reads the token from a 0600 file in a 0700 directory, gone once Spark has started."""
+    import json
+    import os
+    import stat
+    import uuid
+
+    import raydp
+
+    from hybrid_ray import ShuffleConfig
+    from spark_bridge import session as bridge
+
+    token = uuid.UUID(int=0x5678)
+    monkeypatch.setattr(uuid, "uuid4", lambda: token)
+    seen = {}
+
+    def fake_init_spark(app_name, num_executors, executor_cores, executor_memory, configs):
+        seen["configs"] = dict(configs)
+        path = json.loads(configs["spark.hybridray.config"])["session_file"]
+        seen["path"] = path
+        with open(path, encoding="ascii") as f:
+            seen["token"] = f.read()
+        seen["file_mode"] = stat.S_IMODE(os.stat(path).st_mode)
+        seen["dir_mode"] = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+        raise Exception("Spark has inited.")  # stop here: no Spark in this test
+    monkeypatch.setattr(raydp, "init_spark", fake_init_spark)
+    import spark_bridge.hybrid_shuffle as hybrid_shuffle
+    monkeypatch.setattr(hybrid_shuffle, "shuffle_manager_jar",
+                        lambda: "/x/hybrid-ray-spark.jar")
+    config = ShuffleConfig(namespace="hr_token_conf", spill_dirs=[str(tmp_path)],
+                           progress=False)
+    with pytest.raises(bridge.SparkSetupError):
+        bridge.init_spark(executor_memory="512MB", shuffle_config=config)
+    assert seen["token"] == f"s{token.hex}"
+    for key, value in seen["configs"].items():
+        assert token.hex not in key and token.hex not in str(value), key
+    assert seen["file_mode"] == 0o600 and seen["dir_mode"] == 0o700
+    assert not os.path.exists(os.path.dirname(seen["path"]))

@@ -45,11 +45,24 @@ public final class HybridRayContext {
   public static final String CONF_NAMESPACE = "spark.hybridray.namespace";
   public static final String CONF_CONFIG = "spark.hybridray.config";
   /**
-   * The field of {@link #CONF_CONFIG} holding spark_bridge's session token (hybrid_ray's
-   * {@code spark_jvm.SESSION_FIELD}): its name matches Spark's default
-   * {@code spark.redaction.regex}, so the UI and event logs show the value redacted.
+   * The field of the config this JVM sends the actors that holds spark_bridge's session
+   * token (hybrid_ray's {@code spark_jvm.SESSION_FIELD}), the key the master hands the
+   * session's whole config (remote-tier credentials included) out under. Never in Spark's
+   * configuration: PySpark passes every Spark config on spark-submit's command line, which
+   * any local user can read. The driver reads it from {@link #SESSION_FILE_FIELD}, the
+   * executors from the shuffle handles ({@link HybridRayHandle#sessionToken}).
    */
   static final String SESSION_FIELD = "session_token";
+  /**
+   * The field of {@link #CONF_CONFIG} holding the path of the file (0600, in a 0700
+   * directory, on the driver's node) from which the driver reads the session token while
+   * Spark starts (hybrid_ray's {@code spark_jvm.SESSION_FILE_FIELD}); spark_bridge removes
+   * it once Spark has started.
+   */
+  static final String SESSION_FILE_FIELD = "session_file";
+  /** What a session token may hold (spark_bridge's: "s" and 32 hex digits). */
+  private static final java.util.regex.Pattern TOKEN =
+      java.util.regex.Pattern.compile("[A-Za-z0-9_.-]{1,128}");
   public static final String CONF_SEGMENT_BYTES = "spark.hybridray.segmentBytes";
   public static final String CONF_FLUSH_BYTES = "spark.hybridray.flushBytes";
   public static final String CONF_FETCH_TIMEOUT_MS = "spark.hybridray.fetchTimeoutMs";
@@ -65,6 +78,10 @@ public final class HybridRayContext {
   static final long SENT_COMMITS_CHECK_MS = 1000;
 
   private static HybridRayContext instance;
+  // The last session file the driver read and its token (guarded by the class): the file
+  // is gone once Spark has started, and the driver's context is made later than that.
+  private static String lastSessionFile;
+  private static String lastSessionToken;
 
   final String namespace;
   /** The ShuffleConfig as JSON, for the Python side (opaque here). */
@@ -130,7 +147,7 @@ public final class HybridRayContext {
     } catch (IOException e) {
       config = null;  // configNode() raises it where the config is needed
     }
-    this.configNode = config;
+    this.configNode = config = withSession(config, isDriver(conf));
     this.appKey = appKey(conf.getAppId()) + "-" + sessionTag(config);
     sender.scheduleWithFixedDelay(() -> {
       try {
@@ -142,6 +159,99 @@ public final class HybridRayContext {
         LOG.warn("hybrid_ray: checking sent calls failed: {}", e.toString());
       }
     }, SENT_COMMITS_CHECK_MS, SENT_COMMITS_CHECK_MS, TimeUnit.MILLISECONDS);
+  }
+
+  static boolean isDriver(SparkConf conf) {
+    return "driver".equals(conf.get("spark.executor.id", "driver"));
+  }
+
+  /**
+   * The driver's session token, from the file {@code spark.hybridray.config} names (read
+   * once per file: spark_bridge removes it once Spark has started), or "" if the config
+   * names none (RayDP started by hand: memory and disk only). A file that cannot be read
+   * fails the start: the session's remote tier would silently be lost otherwise.
+   */
+  static void loadDriverSessionToken(SparkConf conf) {
+    try {
+      withSession(new ObjectMapper().readTree(conf.get(CONF_CONFIG, "{}")), true);
+    } catch (IOException e) {
+      // A config that is not JSON: configNode() raises it where the config is needed.
+    }
+  }
+
+  static synchronized String driverSessionToken(String path) {
+    if (path == null || path.isEmpty()) {
+      return "";
+    }
+    if (!path.equals(lastSessionFile)) {
+      String token;
+      try {
+        token = new String(java.nio.file.Files.readAllBytes(java.nio.file.Paths.get(path)),
+            java.nio.charset.StandardCharsets.UTF_8).trim();
+      } catch (IOException e) {
+        throw new IllegalStateException("hybrid_ray: cannot read the Spark session's token "
+            + "file " + path + " (spark_bridge.init_spark writes it for the driver while "
+            + "Spark starts): " + e, e);
+      }
+      if (!TOKEN.matcher(token).matches()) {
+        throw new IllegalStateException("hybrid_ray: the Spark session's token file " + path
+            + " does not hold a session token");
+      }
+      lastSessionFile = path;
+      lastSessionToken = token;
+    }
+    return lastSessionToken;
+  }
+
+  /**
+   * {@code config} as this JVM sends it to the actors: without the session file's path and,
+   * on the {@code driver}, with the session token read from that file.
+   */
+  static JsonNode withSession(JsonNode config, boolean driver) {
+    if (!(config instanceof ObjectNode)) {
+      return config;
+    }
+    ObjectNode out = ((ObjectNode) config).deepCopy();
+    JsonNode file = out.remove(SESSION_FILE_FIELD);
+    if (file != null && driver) {
+      String token = driverSessionToken(file.asText());
+      if (!token.isEmpty()) {
+        out.put(SESSION_FIELD, token);
+      }
+    }
+    return out;
+  }
+
+  /** {@code config} with {@code token} as its session token (a copy). */
+  static JsonNode withToken(JsonNode config, String token) {
+    ObjectNode out = ((ObjectNode) config).deepCopy();
+    out.put(SESSION_FIELD, token);
+    return out;
+  }
+
+  /** The session token {@code config} holds ("" if none). */
+  static String sessionToken(JsonNode config) {
+    JsonNode token = config == null ? null : config.get(SESSION_FIELD);
+    return token == null ? "" : token.asText();
+  }
+
+  /** The session token this JVM sends the actors ("" if none). */
+  String sessionToken() {
+    return sessionToken(configNode);
+  }
+
+  /**
+   * Executors: send {@code token} (a shuffle handle's: the driver's session token) with
+   * this JVM's requests from now on. An executor serves one Spark session, so every handle
+   * carries the same token; an empty one (no session) changes nothing.
+   */
+  synchronized void adoptSession(String token) {
+    JsonNode node = configNode;
+    if (token == null || token.isEmpty() || !(node instanceof ObjectNode)
+        || token.equals(sessionToken(node))) {
+      return;
+    }
+    configNode = withToken(node, token);
   }
 
   /** This JVM's context (created from its SparkConf on first use). */
@@ -523,11 +633,12 @@ public final class HybridRayContext {
     return false;
   }
 
-  /** {@link #configJson} parsed once (requests embed it; nobody changes it). */
+  /** {@link #configJson} parsed once, with the session token in place of the session
+   *  file (requests embed it). */
   JsonNode configNode() throws IOException {
     JsonNode node = configNode;
     if (node == null) {
-      node = configNode = parse(configJson);
+      node = parse(configJson);  // not JSON: this raises
     }
     return node;
   }

@@ -4,4 +4,11 @@ package org.apache.spark.shuffle.hybridray;
 public interface HybridRayHandle {
   /** hybrid_ray's id of this shuffle ({@code spark-<app>-<shuffle id>}). */
   String shuffleKey();
+
+  /**
+   * The driver's session token ("" if none), which executors send the actors with their
+   * requests (see {@link HybridRayContext#SESSION_FIELD}). Carried here, in Spark's tasks,
+   * because Spark's configuration is on spark-submit's command line.
+   */
+  String sessionToken();
 }

@@ -15,11 +15,13 @@ public class HybridRayShuffleHandle<K, V, C> extends BaseShuffleHandle<K, V, C>
     implements HybridRayHandle {
   private static final long serialVersionUID = 1L;
   private final String shuffleKey;
+  private final String sessionToken;
 
   public HybridRayShuffleHandle(int shuffleId, ShuffleDependency<K, V, C> dependency,
-      String shuffleKey) {
+      String shuffleKey, String sessionToken) {
     super(shuffleId, dependency);
     this.shuffleKey = shuffleKey;
+    this.sessionToken = sessionToken;
   }
 
   @Override
@@ -27,20 +29,33 @@ public class HybridRayShuffleHandle<K, V, C> extends BaseShuffleHandle<K, V, C>
     return shuffleKey;
   }
 
+  @Override
+  public String sessionToken() {
+    return sessionToken;
+  }
+
   /** Few reduce partitions, no map-side combine: Spark's bypass-merge writer. */
   public static class Bypass<K, V> extends BypassMergeSortShuffleHandle<K, V>
       implements HybridRayHandle {
     private static final long serialVersionUID = 1L;
     private final String shuffleKey;
+    private final String sessionToken;
 
-    public Bypass(int shuffleId, ShuffleDependency<K, V, V> dependency, String shuffleKey) {
+    public Bypass(int shuffleId, ShuffleDependency<K, V, V> dependency, String shuffleKey,
+        String sessionToken) {
       super(shuffleId, dependency);
       this.shuffleKey = shuffleKey;
+      this.sessionToken = sessionToken;
     }
 
     @Override
     public String shuffleKey() {
       return shuffleKey;
+    }
+
+    @Override
+    public String sessionToken() {
+      return sessionToken;
     }
   }
 
@@ -49,15 +64,23 @@ public class HybridRayShuffleHandle<K, V, C> extends BaseShuffleHandle<K, V, C>
       implements HybridRayHandle {
     private static final long serialVersionUID = 1L;
     private final String shuffleKey;
+    private final String sessionToken;
 
-    public Serialized(int shuffleId, ShuffleDependency<K, V, V> dependency, String shuffleKey) {
+    public Serialized(int shuffleId, ShuffleDependency<K, V, V> dependency, String shuffleKey,
+        String sessionToken) {
       super(shuffleId, dependency);
       this.shuffleKey = shuffleKey;
+      this.sessionToken = sessionToken;
     }
 
     @Override
     public String shuffleKey() {
       return shuffleKey;
+    }
+
+    @Override
+    public String sessionToken() {
+      return sessionToken;
     }
   }
 }

@@ -59,6 +59,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     this.isDriver = "driver".equals(conf.get("spark.executor.id", "driver"));
     if (isDriver) {
       driverManager = this;
+      // Now, while Spark starts: spark_bridge removes the token's file once it has.
+      HybridRayContext.loadDriverSessionToken(conf);
     } else {
       warmUpExecutor();
     }
@@ -196,19 +198,20 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     }
     ShuffleHandle spark = super.registerShuffle(shuffleId, dependency);
     String key = ctx().shuffleKey(shuffleId);
+    String token = ctx().sessionToken();
     hybridShuffles.add(shuffleId);
     startHeartbeat();
     registerAtMaster(shuffleId, dependency, key);
     // The same writer path as Spark's would take (see HybridRayShuffleHandle).
     if (spark instanceof BypassMergeSortShuffleHandle) {
       return new HybridRayShuffleHandle.Bypass<>(shuffleId,
-          ((BypassMergeSortShuffleHandle<K, V>) spark).dependency(), key);
+          ((BypassMergeSortShuffleHandle<K, V>) spark).dependency(), key, token);
     }
     if (spark instanceof SerializedShuffleHandle) {
       return new HybridRayShuffleHandle.Serialized<>(shuffleId,
-          ((SerializedShuffleHandle<K, V>) spark).dependency(), key);
+          ((SerializedShuffleHandle<K, V>) spark).dependency(), key, token);
     }
-    return new HybridRayShuffleHandle<>(shuffleId, dependency, key);
+    return new HybridRayShuffleHandle<>(shuffleId, dependency, key, token);
   }
 
   @Override
@@ -218,6 +221,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     if (!(handle instanceof HybridRayHandle)) {
       return super.getWriter(handle, mapId, context, metrics);
     }
+    ctx().adoptSession(((HybridRayHandle) handle).sessionToken());
     if (handle instanceof HybridRayShuffleHandle.Serialized
         || handle instanceof HybridRayShuffleHandle.Bypass) {
       // No map-side combine: records go straight into per-partition memory buffers and
@@ -242,6 +246,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
       return super.getReader(handle, startMapIndex, endMapIndex, startPartition, endPartition,
           context, metrics);
     }
+    ctx().adoptSession(((HybridRayHandle) handle).sessionToken());
     @SuppressWarnings("unchecked")
     BaseShuffleHandle<K, ?, C> h = (BaseShuffleHandle<K, ?, C>) handle;
     return new HybridRayShuffleReader<>(ctx(), h, startMapIndex, endMapIndex, startPartition,
