@@ -256,30 +256,14 @@ def test_a_release_that_cannot_remove_a_file_says_so_and_keeps_the_marker(tmp_pa
     master retries it, and leave the shuffle's marker, so `hybrid-ray cleanup` still knows
     the directory as ours. It was dropped silently: the marker went first, the file
     stayed, and nothing would ever remove it."""
-    import errno
-
     from hybrid_ray import cleanup
-    from hybrid_ray.tiers.disk import (
-        make_private_dir, read_shuffle_marker, segment_path, shuffle_dir,
-        write_private_file, write_shuffle_marker,
-    )
+    from hybrid_ray.tiers.disk import read_shuffle_marker, shuffle_dir
 
     spill = str(tmp_path / "spill")
     tm = TierManager("n1", 0)
     tm.register_shuffle("shf-1", ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=0))
     assert tm.reserve("shf-1", [100])[0].grant.tier == TierName.DISK
-    path = segment_path(spill, SegmentId("shf-1", 0, 3, 0))
-    make_private_dir(os.path.dirname(path))
-    write_shuffle_marker(shuffle_dir(spill, "shf-1"), "shf-1")
-    write_private_file(path, b"x" * 100)
-    real_unlink = os.unlink
-
-    def busy_segments(p, *args, **kwargs):
-        if str(p).endswith(".seg"):
-            raise OSError(errno.EBUSY, "Device or resource busy", p)
-        return real_unlink(p, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", busy_segments)
+    path, real_unlink = _busy_segment_file_of_shf_1(spill, monkeypatch)
     with pytest.raises(OSError, match=r"removing shuffle shf-1 from the disk tier left \d+ "
                                       r"path\(s\): .*Device or resource busy"):
         tm.release_shuffle("shf-1")
@@ -678,28 +662,13 @@ def test_a_release_whose_removal_failed_is_retried_past_the_late_files_window(
     looked at a release for ``LATE_FILES_WINDOW_S`` only: a removal that kept failing
     longer (a file busy for 11 minutes) was never tried again, and the files stayed for
     good. A removal that failed is now tried again on every sweep until it succeeds."""
-    import errno
-
     from hybrid_ray import tier_manager
-    from hybrid_ray.tiers.disk import (
-        make_private_dir, segment_path, shuffle_dir, write_private_file, write_shuffle_marker,
-    )
+    from hybrid_ray.tiers.disk import shuffle_dir
 
     spill = str(tmp_path / "spill")
     tm = TierManager("n1", 0)
     tm.register_shuffle("shf-1", ShuffleConfig(spill_dirs=[spill], memory_capacity_bytes=0))
-    path = segment_path(spill, SegmentId("shf-1", 0, 3, 0))
-    make_private_dir(os.path.dirname(path))
-    write_shuffle_marker(shuffle_dir(spill, "shf-1"), "shf-1")
-    write_private_file(path, b"x" * 100)
-    real_unlink = os.unlink
-
-    def busy_segments(p, *args, **kwargs):
-        if str(p).endswith(".seg"):
-            raise OSError(errno.EBUSY, "Device or resource busy", p)
-        return real_unlink(p, *args, **kwargs)
-
-    monkeypatch.setattr(os, "unlink", busy_segments)
+    _, real_unlink = _busy_segment_file_of_shf_1(spill, monkeypatch)
     with pytest.raises(OSError, match="Device or resource busy"):
         tm.release_shuffle("shf-1")  # as the orphan sweep does: nobody calls it again
     clock = [tier_manager.time.monotonic() + tier_manager.LATE_FILES_WINDOW_S + 1]
@@ -717,12 +686,8 @@ def test_a_disk_tier_holding_a_failed_removal_is_not_forgotten(tmp_path, monkeyp
     tiers (60a0f5c); ``_prune_disks`` (0d4468f) protected its tier only while the shuffle
     was among the last RELEASED_MEMORY releases. Once it fell out, the tier was forgotten,
     the sweep found no tier holding its files, gave up on it, and the files stayed."""
-    import errno
-
     from hybrid_ray import tier_manager
-    from hybrid_ray.tiers.disk import (
-        make_private_dir, segment_path, shuffle_dir, write_private_file, write_shuffle_marker,
-    )
+    from hybrid_ray.tiers.disk import shuffle_dir
 
     monkeypatch.setattr(tier_manager, "RELEASED_MEMORY", 2)
     monkeypatch.setattr(tier_manager, "DISK_TIERS_KEPT", 1)
@@ -733,6 +698,28 @@ def test_a_disk_tier_holding_a_failed_removal_is_not_forgotten(tmp_path, monkeyp
     spill = str(tmp_path / "a")
     tm = TierManager("n1", 0)
     tm.register_shuffle("shf-1", config("a"))
+    _, real_unlink = _busy_segment_file_of_shf_1(spill, monkeypatch)
+    with pytest.raises(OSError, match="Device or resource busy"):
+        tm.release_shuffle("shf-1")  # as the orphan sweep does
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    for name in ("b", "c", "d"):  # later releases push shf-1 out of the recent ones
+        tm.register_shuffle(f"shf-{name}", config(name))
+        tm.release_shuffle(f"shf-{name}")
+    tm.register_shuffle("shf-e", config("e"))  # a new tier: the idle ones are pruned
+    assert tm.remove_late_files() == ["shf-1"]
+    assert not os.path.exists(shuffle_dir(spill, "shf-1"))
+
+
+def _busy_segment_file_of_shf_1(spill: str, monkeypatch) -> tuple[str, object]:
+    """Write a segment file of shuffle "shf-1" in its marked directory under ``spill`` and
+    make unlinking any segment file fail with EBUSY; returns the file and the real
+    ``os.unlink``."""
+    import errno
+
+    from hybrid_ray.tiers.disk import (
+        make_private_dir, segment_path, shuffle_dir, write_private_file, write_shuffle_marker,
+    )
+
     path = segment_path(spill, SegmentId("shf-1", 0, 3, 0))
     make_private_dir(os.path.dirname(path))
     write_shuffle_marker(shuffle_dir(spill, "shf-1"), "shf-1")
@@ -745,12 +732,4 @@ def test_a_disk_tier_holding_a_failed_removal_is_not_forgotten(tmp_path, monkeyp
         return real_unlink(p, *args, **kwargs)
 
     monkeypatch.setattr(os, "unlink", busy_segments)
-    with pytest.raises(OSError, match="Device or resource busy"):
-        tm.release_shuffle("shf-1")  # as the orphan sweep does
-    monkeypatch.setattr(os, "unlink", real_unlink)
-    for name in ("b", "c", "d"):  # later releases push shf-1 out of the recent ones
-        tm.register_shuffle(f"shf-{name}", config(name))
-        tm.release_shuffle(f"shf-{name}")
-    tm.register_shuffle("shf-e", config("e"))  # a new tier: the idle ones are pruned
-    assert tm.remove_late_files() == ["shf-1"]
-    assert not os.path.exists(shuffle_dir(spill, "shf-1"))
+    return path, real_unlink
