@@ -273,17 +273,12 @@ def test_the_tier_manager_s_remote_io_for_the_jvm_is_bounded(tmp_path, monkeypat
 
     import pytest
 
-    from hybrid_ray import SegmentId, ShuffleConfig
+    from hybrid_ray import SegmentId
     from hybrid_ray.errors import ShuffleStalledError
     from hybrid_ray.spark_jvm import read_remote, write_remote
-    from hybrid_ray.tier_manager import TierManager
     from hybrid_ray.tiers import remote as remote_module
 
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
-                        remote_path=f"file://{tmp_path}/remote", progress=False)
-    tm = TierManager("n1", 0)
-    tm.register_shuffle(SHUFFLE, cfg)
-    tier = tm.remote_tier(SHUFFLE)
+    tm, tier, cfg = _tier_manager_with_a_remote_tier(tmp_path)
     hung = threading.Event()
     monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 0.5)
     monkeypatch.setattr(tier.fs, "pipe_file", lambda *a, **k: hung.wait(5))
@@ -314,17 +309,11 @@ def test_a_jvm_remote_write_that_lands_after_its_bound_and_the_release_leaves_no
 
     import pytest
 
-    from hybrid_ray import ShuffleConfig
     from hybrid_ray.errors import ShuffleStalledError
     from hybrid_ray.spark_jvm import write_remote
-    from hybrid_ray.tier_manager import TierManager
     from hybrid_ray.tiers import remote as remote_module
 
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
-                        remote_path=f"file://{tmp_path}/remote", progress=False)
-    tm = TierManager("n1", 0)
-    tm.register_shuffle(SHUFFLE, cfg)
-    tier = tm.remote_tier(SHUFFLE)
+    tm, tier, cfg = _tier_manager_with_a_remote_tier(tmp_path)
     hung = threading.Event()
     real_pipe = tier.fs.pipe_file
 
@@ -344,3 +333,16 @@ def test_a_jvm_remote_write_that_lands_after_its_bound_and_the_release_leaves_no
     pool.shutdown(wait=True)
     assert not os.path.exists(tier.shuffle_path(SHUFFLE)), os.listdir(
         tier.shuffle_path(SHUFFLE))
+
+
+def _tier_manager_with_a_remote_tier(tmp_path):
+    """A tier manager with SHUFFLE registered on a ``file://`` remote tier, that tier and
+    the shuffle's config."""
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.tier_manager import TierManager
+
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
+                        remote_path=f"file://{tmp_path}/remote", progress=False)
+    tm = TierManager("n1", 0)
+    tm.register_shuffle(SHUFFLE, cfg)
+    return tm, tm.remote_tier(SHUFFLE), cfg
