@@ -658,13 +658,7 @@ def test_a_tier_manager_tells_a_jvm_reader_a_segment_is_gone_apart_from_a_failed
     from hybrid_ray.tiers.disk import DiskTier
     from hybrid_ray.tiers.remote import open_remote_tier
 
-    namespace = f"spkgone-{uuid.uuid4().hex[:6]}"
-    node = ray.get_runtime_context().get_node_id()
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
-                        namespace=namespace, remote_path=f"file://{tmp_path}/remote")
-    master = get_master(namespace)
-    tm = get_tier_manager(node, namespace)
-    ray.get(master.spark_open_session.remote("tok", cfg))
+    node, cfg, master, tm = _spark_session_tok("spkgone", tmp_path)
     shuffle = "spk-app-gone-1"
     disk_sid, remote_sid = SegmentId(shuffle, 0, 0, 0, 0), SegmentId(shuffle, 1, 0, 0, 0)
     disk_bytes = bytes(encode_segment(pa.table({"v": [1]}), disk_sid))
@@ -931,13 +925,7 @@ def test_a_tier_manager_registers_a_spark_shuffle_with_the_session_the_master_ho
 
     from hybrid_ray.spark_jvm import SPARK_SESSIONS, config_to_json
 
-    namespace = f"spksess-{uuid.uuid4().hex[:6]}"
-    node = ray.get_runtime_context().get_node_id()
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
-                        namespace=namespace, remote_path=f"file://{tmp_path}/remote")
-    master = get_master(namespace)
-    tm = get_tier_manager(node, namespace)
-    ray.get(master.spark_open_session.remote("tok", cfg))
+    node, cfg, master, tm = _spark_session_tok("spksess", tmp_path)
     carried = {**json.loads(config_to_json(cfg)), "session_token": "tok"}  # as the JVM sends
 
     def reserve(shuffle):
@@ -951,3 +939,16 @@ def test_a_tier_manager_registers_a_spark_shuffle_with_the_session_the_master_ho
     assert reserve("spk-sess-2")["remote"] is False  # as the master registers it
     for shuffle in ("spk-sess-1", "spk-sess-2"):
         ray.get(tm.release_shuffle.remote(shuffle, cfg))
+
+
+def _spark_session_tok(prefix, tmp_path):
+    """A fresh namespace's master holding Spark session "tok" (a config with a ``file://``
+    remote tier) and this node's tier manager: (node, config, master, tier manager)."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    node = ray.get_runtime_context().get_node_id()
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, remote_path=f"file://{tmp_path}/remote")
+    master = get_master(namespace)
+    tm = get_tier_manager(node, namespace)
+    ray.get(master.spark_open_session.remote("tok", cfg))
+    return node, cfg, master, tm
