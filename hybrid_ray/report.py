@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from hybrid_ray.config import TierName
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def forgets_last_report(forget: Callable[[], None]) -> Callable[[_Call], _Call]:
+    """A decorator that calls ``forget`` (which makes a ``last_report()`` None) as the
+    decorated call starts: a call that is refused, or fails, is the caller's most recent
+    one, and kept returning the report of the one before it."""
+    def decorate(fn: _Call) -> _Call:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            forget()
+            return fn(*args, **kwargs)
+        return cast(_Call, call)
+    return decorate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -51,7 +50,9 @@ from hybrid_ray.partitioning import (
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
     read_subpartition, reduce_partition,
 )
-from hybrid_ray.report import PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport
+from hybrid_ray.report import (
+    PhaseTimes, ProgressBar, ReduceTimes, ShuffleReport, forgets_last_report,
+)
 from hybrid_ray.tiers.remote import open_remote_tier
 
 SAMPLES_PER_BLOCK = 256
@@ -111,18 +112,8 @@ def _set_last_report(report: ShuffleReport | None) -> None:
     _reports.last = report
 
 
-_Call = TypeVar("_Call", bound=Callable[..., Any])
-
-
-def _most_recent_call(fn: _Call) -> _Call:
-    """Make ``fn`` the calling thread's most recent shuffle as it starts: until it returns
-    a result, ``last_report()`` is None. A call refused before it started (an unknown
-    column, a bad partitioner) kept returning the report of the shuffle before it."""
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        _set_last_report(None)
-        return fn(*args, **kwargs)
-    return cast(_Call, call)
+# Every public shuffle call is its thread's most recent as it starts (see last_report).
+_most_recent_call = forgets_last_report(lambda: _set_last_report(None))
 
 
 def report_of(ds: Any) -> ShuffleReport:

@@ -23,33 +23,24 @@ all); the manager's shuffles are released by Spark (its ContextCleaner, or ``sto
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import ConfigError
 from hybrid_ray.partitioning import HashPartitioner
+from hybrid_ray.report import forgets_last_report
 from hybrid_ray.shuffle import check_config, check_num_partitions
 from spark_bridge import exchange, parquet_scan
 
 _LOG = logging.getLogger(__name__)
 
-_Op = TypeVar("_Op", bound=Callable[..., Any])
-
-
-def _most_recent_call(fn: _Op) -> _Op:
-    """``fn`` is the calling thread's most recent operation as it starts: until an exchange
-    of it runs, ``last_report()`` is None (a refused or failed call kept returning the
-    report of the exchange before it, as ``hybrid_ray.last_report`` did)."""
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        exchange.forget_last()
-        return fn(*args, **kwargs)
-    return cast(_Op, call)
+# Every public operation is its thread's most recent as it starts: until an exchange of it
+# runs, ``last_report()`` is None.
+_most_recent_call = forgets_last_report(exchange.forget_last)
 
 
 # ---- validation -----------------------------------------------------------------------------------
