@@ -99,6 +99,9 @@ class ShuffleState:
     # master is threaded, so a last commit and the abort sent after it can run in either
     # order) is deleted instead of published (``spark_jvm.commit``).
     spark_aborted: set[int] = dataclasses.field(default_factory=set)
+    # What the shuffle's report must say about how it ran other than its config asked
+    # (``spark_jvm.unknown_session_note``).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def all_maps_finished(self) -> bool:

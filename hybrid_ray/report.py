@@ -132,6 +132,9 @@ class ShuffleReport:
     # Where the time went (see PhaseTimes); None where it was not measured (the reports
     # of the Spark bridge, whose maps run in Spark's tasks).
     phases: PhaseTimes | None = None
+    # How the shuffle ran other than its config asked (e.g. a Spark shuffle without the
+    # remote tier its session configured, because the master no longer knew the session).
+    notes: tuple[str, ...] = ()
 
     @property
     def throughput_mb_s(self) -> float:
@@ -169,6 +172,7 @@ class ShuffleReport:
             f"reducers overlapped mappers: {'yes' if self.hybrid_overlap else 'no'}  "
             f"uncompressed (compression not paying) segments {self.uncompressed_segments}",
         ]
+        lines.extend(f"  note: {note}" for note in self.notes)
         if self.phases is not None:
             lines.append("  " + self.phases.line())
         lines.append(f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}")

@@ -55,6 +55,10 @@ SESSION_FIELD = "session_token"
 # directory on the driver's node) the driver's JVM reads the session token from while Spark
 # starts; ``spark_bridge.init_spark`` removes it once Spark has started.
 SESSION_FILE_FIELD = "session_file"
+# The field of a JVM request's config saying whether its session has a remote tier (a
+# bool; the tier's path and credentials stay with the master). It lets the master say so
+# when it no longer knows the session and the shuffle runs on memory and disk only.
+REMOTE_TIER_FIELD = "remote_tier"
 # What a tier manager answers a JVM reader for a segment that is gone (its file or object
 # removed): a segment is never empty (it has a header), and a Python error's type does not
 # reach Java. The reader tells Spark the map output is lost (FetchFailedException) only
@@ -73,6 +77,7 @@ def config_to_json(config: ShuffleConfig, session_file: str = "") -> str:
     path of the file holding the session token under which the master holds the whole
     config (if any; never the token itself, see ``SESSION_FIELD``)."""
     out: dict[str, Any] = {SESSION_FILE_FIELD: session_file} if session_file else {}
+    out[REMOTE_TIER_FIELD] = config.remote_path is not None
     for name in JVM_CONFIG_FIELDS:
         value = getattr(config, name)
         if name == "spill_dirs":
@@ -105,6 +110,18 @@ def resolve_config(data: Mapping[str, Any] | None, sessions: SessionLookup) -> S
         if config is not None:
             return config
     return config_from_json(data)
+
+
+def unknown_session_note(data: Mapping[str, Any] | None, sessions: SessionLookup) -> str:
+    """What a shuffle's report must say when its session asked for a remote tier the
+    shuffle will not have: the master no longer knows the session (restarted since, or the
+    session was stopped), so ``resolve_config`` falls back to memory and disk. "" if not."""
+    token = (data or {}).get(SESSION_FIELD)
+    if not token or not (data or {}).get(REMOTE_TIER_FIELD) or sessions(str(token)) is not None:
+        return ""
+    return ("remote tier off: the shuffle master does not know this Spark session (it was "
+            "restarted, or the session was stopped), so this shuffle stores its data in "
+            "memory and on disk only; stop_spark and init_spark again to use the remote tier")
 
 
 class SparkSessions:
@@ -149,6 +166,12 @@ def _ensure_registered(registry: ShuffleRegistry, request: Mapping[str, Any],
                                        "map attempt cannot write to it")
         registry.register(shuffle_id, None, int(request["num_partitions"]),
                           resolve_config(request.get("config"), sessions))
+        note = unknown_session_note(request.get("config"), sessions)
+        if note:
+            # Said once per shuffle: in the master's log (shown on the driver's console)
+            # and in the shuffle's report, not silently.
+            _LOG.warning("Spark shuffle %s: %s", shuffle_id, note)
+            registry.state(shuffle_id).notes.append(note)
     return registry.state(shuffle_id)
 
 
@@ -344,6 +367,7 @@ def summary(registry: ShuffleRegistry, shuffle_id: str) -> dict[str, Any]:
         "spilling": state.config.spilling.value,
         "age_s": registry.now() - state.created,
         "released": False,
+        "notes": list(state.notes),
     }
 
 

@@ -128,4 +128,5 @@ def _report(summary: dict[str, Any]) -> ShuffleReport:
         spill_events=0, superseded_attempts=summary["superseded_attempts"],
         hybrid_overlap=False,
         map_input=(f"Spark's own shuffle (fallback: {summary['fallback']})"
-                   if summary.get("fallback") else "spark executors (JVM shuffle manager)"))
+                   if summary.get("fallback") else "spark executors (JVM shuffle manager)"),
+        notes=tuple(summary.get("notes", ())))

@@ -346,3 +346,47 @@ def _tier_manager_with_a_remote_tier(tmp_path):
     tm = TierManager("n1", 0)
     tm.register_shuffle(SHUFFLE, cfg)
     return tm, tm.remote_tier(SHUFFLE), cfg
+
+
+def test_a_session_the_master_forgot_is_said_in_the_report_not_silently_left_off(
+        tmp_path, caplog) -> None:
+    """A Spark session whose config the master no longer holds (restarted since, or the
+    session stopped) registers its shuffles with the fields Spark's conf carries: memory
+    and disk, no remote tier. That happened silently: a user who configured S3 to keep a
+    small disk from filling saw nothing until the disk filled."""
+    import json
+    import logging
+
+    from hybrid_ray.config import ShuffleConfig
+    from hybrid_ray.spark_jvm import SparkSessions, config_to_json, summary
+    from spark_bridge.hybrid_shuffle import _report
+
+    with_remote = ShuffleConfig(spill_dirs=[str(tmp_path)], remote_path=f"file://{tmp_path}/r",
+                                progress=False)
+    sessions = SparkSessions()
+    registry = _registry()
+
+    def register_as_the_jvm(shuffle: str, config: ShuffleConfig) -> None:
+        carried = {**json.loads(config_to_json(config)), "session_token": "s1"}
+        register(registry, {"shuffle": shuffle, "num_partitions": 4, "config": carried},
+                 sessions.get)
+
+    # Known session: its whole config, nothing to say.
+    sessions.open("s1", with_remote)
+    register_as_the_jvm("spark-app-1-1", with_remote)
+    assert registry.state("spark-app-1-1").config.remote_path == with_remote.remote_path
+    assert summary(registry, "spark-app-1-1")["notes"] == []
+    # Forgotten session: no remote tier, and the log and the report say so.
+    sessions.close("s1")
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray.spark_jvm"):
+        register_as_the_jvm("spark-app-1-2", with_remote)
+    assert registry.state("spark-app-1-2").config.remote_path is None
+    [note] = summary(registry, "spark-app-1-2")["notes"]
+    assert note.startswith("remote tier off: the shuffle master does not know this Spark")
+    assert note in caplog.text and "spark-app-1-2" in caplog.text
+    report = _report(summary(registry, "spark-app-1-2"))
+    assert report.notes == (note,) and f"note: {note}" in report.table()
+    # A session that never had a remote tier loses nothing: no note.
+    register_as_the_jvm("spark-app-1-3", ShuffleConfig(spill_dirs=[str(tmp_path)],
+                                                       progress=False))
+    assert summary(registry, "spark-app-1-3")["notes"] == []
