@@ -459,18 +459,33 @@ def _stop_raydp() -> None:
     try:
         raydp.stop_spark(cleanup_data=True)
         _wait_for_spark_masters_to_exit()
-    finally:
-        if _session_shuffles is not None:
-            import json
+    except BaseException as stop_error:
+        # RayDP's error is the one to raise: a failing release as well (Ray going down
+        # with Spark) used to replace it, and the user saw only the release's timeout.
+        try:
+            _release_session_shuffles()
+        except Exception as exc:  # noqa: BLE001 - said on the stop's error
+            stop_error.add_note(f"releasing the session's Spark shuffles failed too: {exc!r}")
+        raise
+    _release_session_shuffles()
 
-            import ray
 
-            from hybrid_ray.actors import master_handle
+def _release_session_shuffles() -> None:
+    """Release every Spark shuffle of the session at the master and close the session
+    there (its config and credentials); once: the session is forgotten first."""
+    global _session_shuffles, _last_session_shuffles
+    if _session_shuffles is None:
+        return
+    import json
 
-            namespace, prefix, token = _session_shuffles
-            _last_session_shuffles, _session_shuffles = _session_shuffles, None
-            ray.get(master_handle(namespace).spark_release.remote(
-                json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
+    import ray
+
+    from hybrid_ray.actors import master_handle
+
+    namespace, prefix, token = _session_shuffles
+    _last_session_shuffles, _session_shuffles = _session_shuffles, None
+    ray.get(master_handle(namespace).spark_release.remote(
+        json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
 
 
 def _quiesce_driver_shuffle_manager() -> None:

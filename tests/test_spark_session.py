@@ -231,3 +231,37 @@ def test_init_spark_keeps_the_session_token_off_spark_s_conf_and_command_line(
         assert token.hex not in key and token.hex not in str(value), key
     assert seen["file_mode"] == 0o600 and seen["dir_mode"] == 0o700
     assert not os.path.exists(os.path.dirname(seen["path"]))
+
+
+def test_stop_spark_raises_raydp_s_error_when_the_session_release_fails_too(monkeypatch):
+    """When RayDP's stop failed and the release of the session's Spark shuffles then failed
+    as well (Ray going down with Spark), the release's error replaced RayDP's: the user saw
+    a timeout at the master instead of why Spark did not stop. RayDP's error is raised,
+    with the release's failure noted on it; the session is forgotten either way."""
+    import sys
+    import types
+
+    from hybrid_ray import actors
+    from spark_bridge import exchange, session
+
+    def raydp_stop(cleanup_data: bool = True) -> None:
+        raise RuntimeError("RayDP could not stop its Spark master")
+
+    class _Master:
+        class spark_release:  # noqa: N801 - the shape of an actor method
+            @staticmethod
+            def remote(request: str) -> None:
+                raise TimeoutError("the shuffle master did not answer")
+
+    fake_raydp = types.ModuleType("raydp")
+    fake_raydp.stop_spark = raydp_stop
+    monkeypatch.setitem(sys.modules, "raydp", fake_raydp)
+    monkeypatch.setattr(session, "_quiesce_driver_shuffle_manager", lambda: None)
+    monkeypatch.setattr(session, "_session_shuffles", ("hybrid_ray", "spark-app-x", "s1"))
+    monkeypatch.setattr(actors, "master_handle", lambda namespace: _Master)
+    monkeypatch.setattr(exchange, "held_shuffles", lambda: [])
+    with pytest.raises(RuntimeError, match="RayDP could not stop") as raised:
+        session.stop_spark()
+    assert any("releasing the session's Spark shuffles failed too" in note
+               and "did not answer" in note for note in raised.value.__notes__)
+    assert session._session_shuffles is None
