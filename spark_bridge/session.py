@@ -452,7 +452,7 @@ def _stop_raydp() -> None:
     fails)."""
     import raydp
 
-    global _session_shuffles, _last_session_shuffles, _session_config
+    global _session_config
     _session_config = None
     if _session_shuffles is not None:
         _quiesce_driver_shuffle_manager()
