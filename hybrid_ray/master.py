@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import threading
 import time
 import typing
@@ -244,6 +245,11 @@ class ShuffleRegistry:
             raise ShuffleStateError(f"shuffle {shuffle_id!r} is already registered")
         if maps_begun_on is not None and num_maps is None:
             raise ShuffleStateError("maps can begin at registration only with a map count")
+        for name, count in (("num_maps", num_maps), ("num_subpartitions", num_subpartitions)):
+            if count is not None and (isinstance(count, bool)
+                                      or not isinstance(count, numbers.Integral) or count < 0):
+                raise ShuffleStateError(f"{name} of shuffle {shuffle_id!r} must be an integer "
+                                        f">= 0, got {count!r}")
         now = self._clock()
         maps = [MapState() for _ in range(num_maps or 0)]
         state = ShuffleState(shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
@@ -265,6 +271,11 @@ class ShuffleRegistry:
         that attempt finished and no other map may have written. The other attempts'
         segments are deleted."""
         state = self._get(shuffle_id)
+        if isinstance(num_maps, bool) or not isinstance(num_maps, numbers.Integral) \
+                or num_maps < 0:
+            # (A negative count sliced maps off the end of the list below.)
+            raise ShuffleStateError(f"cannot seal shuffle {shuffle_id!r} at {num_maps!r} maps: "
+                                    "the map count must be an integer >= 0")
         extra = [i for i, m in enumerate(state.maps[num_maps:], num_maps) if m.current_attempt >= 0]
         chosen: dict[int, int] = {}
         missing, ambiguous = [], []
@@ -307,10 +318,7 @@ class ShuffleRegistry:
         if map_index >= len(state.maps) and not state.sealed:
             state.maps.extend(MapState() for _ in range(map_index + 1 - len(state.maps)))
             state.num_maps = len(state.maps)
-        if not 0 <= map_index < len(state.maps):
-            raise ShuffleStateError(f"map index {map_index} is outside [0, {len(state.maps)}) of "
-                             f"shuffle {shuffle_id!r}")
-        m = state.maps[map_index]
+        m = self._map(state, map_index)
         if not state.sealed:
             # Open shuffle (Spark's executors): attempts of a task may run side by side
             # (speculation), and an attempt may finish writing and still fail its Spark
@@ -340,7 +348,9 @@ class ShuffleRegistry:
         ``pid``: the writer's process, recorded for progress (a map begun at registration
         names its writer first here)."""
         state = self._get(shuffle_id)
-        m = state.maps[map_index]
+        m = self._map(state, map_index)
+        for meta in metas:
+            self._check_subpartition(state, meta.id.subpartition)
         live = (attempt in m.segments and attempt not in m.done_attempts) if not state.sealed \
             else (attempt == m.current_attempt and m.finished_attempt is None)
         if not live:
@@ -379,7 +389,7 @@ class ShuffleRegistry:
                                              pid):
             return False
         state = self._get(shuffle_id)
-        m = state.maps[map_index]
+        m = self._map(state, map_index)
         if not state.sealed:  # open shuffle: seal chooses among the finished attempts
             if attempt not in m.segments or attempt in m.done_attempts:
                 return False
@@ -443,7 +453,7 @@ class ShuffleRegistry:
         if the shuffle is recoverable.
         """
         state = self._get(shuffle_id)
-        m = state.maps[map_index]
+        m = self._map(state, map_index)
         if attempt != m.current_attempt:
             return True
         if m.finished_attempt is None:
@@ -475,6 +485,9 @@ class ShuffleRegistry:
         ``record=False``: only look (a long poll deciding whether to answer yet); the
         delivery is not counted."""
         state = self._get(shuffle_id)
+        # Else a reader of a subpartition the shuffle does not have was told "done" with
+        # no rows: an empty partition instead of an error naming the bad index.
+        self._check_subpartition(state, subpartition)
         if subpartition in state.freed:
             # Its reducer's output was stored and its data deleted: a second reader (a
             # reducer Ray re-executed after it returned) found no object references,
@@ -582,10 +595,29 @@ class ShuffleRegistry:
         """Delete one attempt of a map of an open shuffle (a Spark map attempt that failed
         after committing some segments); the map's other attempts stay."""
         state = self._get(shuffle_id)
-        m = state.maps[map_index]
+        m = self._map(state, map_index)
         m.done_attempts.pop(attempt, None)
         self._drop_attempt(state, m, attempt)
         state.superseded_attempts += 1
+
+    @staticmethod
+    def _map(state: ShuffleState, map_index: int) -> MapState:
+        """Map ``map_index`` of ``state``, or a ShuffleStateError naming the bad index
+        (indexed as is, a negative one addressed another map: a loss reported for map -2
+        of two maps re-ran map 0)."""
+        if not 0 <= map_index < len(state.maps):
+            raise ShuffleStateError(f"map index {map_index!r} is outside [0, "
+                                    f"{len(state.maps)}) of shuffle {state.shuffle_id!r}")
+        return state.maps[map_index]
+
+    @staticmethod
+    def _check_subpartition(state: ShuffleState, subpartition: int) -> None:
+        """A ShuffleStateError unless ``subpartition`` is one of the shuffle's: a segment
+        of another is read by nobody (its rows lost), a reader of one reads no rows."""
+        if not 0 <= subpartition < state.num_subpartitions:
+            raise ShuffleStateError(
+                f"subpartition {subpartition!r} is outside [0, {state.num_subpartitions}) "
+                f"of shuffle {state.shuffle_id!r}")
 
     def _drop_attempt(self, state: ShuffleState, m: MapState, attempt: int) -> None:
         m.rows_written.pop(attempt, None)

@@ -577,3 +577,33 @@ def test_a_deletion_retried_for_long_does_not_pin_its_memory_objects():
                           object_ref=[sentinel])
     assert not reg.commit("p", 0, a0, [refused])  # a late commit of the old attempt
     assert refused.object_ref == []
+
+
+def test_indices_outside_the_shuffle_are_refused_not_taken_for_others(registry):
+    """A map index or subpartition the shuffle does not have is a ShuffleStateError naming
+    it. Indexed as is, a negative map index addressed another map (a loss reported for map
+    -2 of two re-ran map 0), a reader of subpartition 5 of two was told it had everything
+    with no rows, and a segment of it was kept where no reader reads it."""
+    registry.state("s").recoverable = True
+    for i in range(2):
+        a = registry.begin_map("s", i, "n1")
+        registry.finish_map("s", i, a)
+    with pytest.raises(ShuffleStateError, match="map index -2 is outside"):
+        registry.report_lost("s", -2, 0)
+    assert registry.take_lost("s") == []  # map 0 untouched
+    with pytest.raises(ShuffleStateError, match="map index 7 is outside"):
+        registry.finish_map("s", 7, 0)
+    with pytest.raises(ShuffleStateError, match="subpartition 5 is outside"):
+        registry.poll("s", 5, {})
+    registry.register("t", num_maps=1, num_subpartitions=2, config=ShuffleConfig())
+    a = registry.begin_map("t", 0, "n1")
+    with pytest.raises(ShuffleStateError, match="subpartition 2 is outside"):
+        registry.commit("t", 0, a, [meta("t", 0, 2, 0, a)])
+    with pytest.raises(ShuffleStateError, match="map index -1 is outside"):
+        registry.commit("t", -1, a, [meta("t", 0, 0, 0, a)])
+    assert registry.segments("t") == []
+    with pytest.raises(ShuffleStateError, match="num_subpartitions .* got -3"):
+        registry.register("u", num_maps=2, num_subpartitions=-3, config=ShuffleConfig())
+    registry.register("open", num_maps=None, num_subpartitions=1, config=ShuffleConfig())
+    with pytest.raises(ShuffleStateError, match="at -1 maps"):
+        registry.seal("open", -1)
