@@ -585,11 +585,17 @@ class ShuffleRegistry:
     def expire(self) -> list[str]:
         """Release shuffles whose driver stopped heartbeating more than ``orphan_ttl_s`` ago."""
         now = self._clock()
-        expired = [s.shuffle_id for s in self._shuffles.values()
+        expired = [s for s in self._shuffles.values()
                    if now - s.last_heartbeat > s.config.orphan_ttl_s]
-        for shuffle_id in expired:
-            self.release(shuffle_id)
-        return expired
+        for state in expired:
+            # The reason its driver, writers and readers are told at their next call: without
+            # it a driver that was paused (GC, a suspended VM) past the TTL, or whose
+            # heartbeats could not reach the master, read only "released".
+            self.release(state.shuffle_id,
+                         f"its driver sent no heartbeat for {now - state.last_heartbeat:.0f} s, "
+                         f"more than orphan_ttl_s={state.config.orphan_ttl_s:g} (the driver "
+                         "died, hung or was paused), so it was expired and its data deleted")
+        return [state.shuffle_id for state in expired]
 
     def drop_attempt(self, shuffle_id: str, map_index: int, attempt: int) -> None:
         """Delete one attempt of a map of an open shuffle (a Spark map attempt that failed

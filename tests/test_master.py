@@ -607,3 +607,16 @@ def test_indices_outside_the_shuffle_are_refused_not_taken_for_others(registry):
     registry.register("open", num_maps=None, num_subpartitions=1, config=ShuffleConfig())
     with pytest.raises(ShuffleStateError, match="at -1 maps"):
         registry.seal("open", -1)
+
+
+def test_an_expired_shuffle_s_late_calls_say_it_expired(registry):
+    """A shuffle released because its driver stopped heartbeating says so to its driver's
+    next heartbeat and to its tasks: they were told only that it was released, as if a
+    user had released it, with nothing pointing at the orphan TTL."""
+    registry.clock.now += 61
+    assert registry.expire() == ["s"]
+    with pytest.raises(ShuffleReleasedError,
+                       match=r"no heartbeat for 61 s, more than orphan_ttl_s=60"):
+        registry.heartbeat("s")
+    with pytest.raises(ShuffleReleasedError, match="expired"):
+        registry.poll("s", 0, {})
