@@ -52,7 +52,7 @@ from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
 from hybrid_ray.config import ShuffleConfig
 from hybrid_ray.errors import (
     ConfigError, ShuffleFailedError, ShuffleMasterLostError, ShuffleNotFoundError,
-    ShuffleStalledError,
+    ShuffleReleasedError, ShuffleStalledError,
 )
 from hybrid_ray.master import ShuffleSummary
 from hybrid_ray.nodes import RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, lost_with_node
@@ -339,7 +339,11 @@ class ShuffleLifecycle:
             raise ShuffleFailedError(f"shuffle {self.shuffle_id} was released already: "
                                      "its books went with it")
         summary = self._call(self.master.summarize_and_release)
-        self._check_unchecked(wait=True)
+        # The master runs calls on several threads, in no fixed order: a heartbeat or the
+        # last frees (``flush_frees``), sent just before, may run after this release and be
+        # told the shuffle was released. That is this release, not a failure: a shuffle
+        # that succeeded was reported failed.
+        self._check_unchecked(wait=True, released_here=True)
         return summary
 
     def fail(self, exc: BaseException) -> BaseException:
@@ -400,9 +404,11 @@ class ShuffleLifecycle:
                              f"the shuffle master's {getattr(method, '_method_name', 'call')} of "
                              f"{self.shuffle_id}")
 
-    def _check_unchecked(self, wait: bool) -> None:
+    def _check_unchecked(self, wait: bool, released_here: bool = False) -> None:
         """Raise the error of a call not waited for, if one failed (``wait``: wait,
-        bounded, for all of them; else look only at those already answered)."""
+        bounded, for all of them; else look only at those already answered).
+        ``released_here``: this driver's own release succeeded, so a call refused because
+        the shuffle was released ran after it and is no error."""
         with self._unchecked_lock:
             pending = list(self._unchecked)
         if not pending:
@@ -425,7 +431,11 @@ class ShuffleLifecycle:
                          "got no answer within %.0f s; going on (the release deletes what "
                          "they did not)", unanswered, self.shuffle_id, MASTER_CALL_TIMEOUT_S)
         for ref in ready:
-            ray.get(ref, timeout=MASTER_CALL_TIMEOUT_S)
+            try:
+                ray.get(ref, timeout=MASTER_CALL_TIMEOUT_S)
+            except ShuffleReleasedError:
+                if not released_here:
+                    raise
 
     def _release_after_failure(self) -> bool:
         """Release a failed shuffle; returns False if the master is gone (nothing to

@@ -692,3 +692,25 @@ def test_the_books_come_with_the_release_and_a_failed_free_still_raises(config):
     with pytest.raises(ShuffleNotFoundError, match="injected"):
         other.summarize_and_release()
     assert not _known(other)  # released all the same
+
+
+def test_a_heartbeat_that_runs_after_the_shuffle_s_own_release_is_no_failure(config):
+    """The master runs calls on several threads in no fixed order: a heartbeat or the last
+    frees, sent just before the end of a shuffle that succeeded, could run after its
+    release and be told the shuffle was released, and the end then raised: a shuffle that
+    succeeded was reported failed (found by a review). Only this driver's own release is
+    forgiven: a refusal for another reason still raises (the test above)."""
+    from hybrid_ray.errors import ShuffleReleasedError
+
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    _finish_map_with_a_segment(shuffle, 0)
+
+    @ray.remote(num_cpus=0)
+    def ran_after_the_release(shuffle_id: str) -> None:
+        raise ShuffleReleasedError(f"unknown shuffle {shuffle_id!r} (it was released: "
+                                   "its data is gone; re-run the shuffle)")
+
+    shuffle._unchecked.append(ran_after_the_release.remote(shuffle.shuffle_id))
+    summary = shuffle.summarize_and_release()
+    assert summary.maps_finished == 1 and not _known(shuffle)
