@@ -230,7 +230,9 @@ def _hash_lists(column: pa.Array, n: int) -> np.ndarray:
     if pa.types.is_fixed_size_list(column.type):
         size = column.type.list_size
         offsets = np.arange(n + 1, dtype=np.int64) * size
-        values = column.flatten()
+        # Not flatten(): it leaves out the elements behind null rows, which shifted every
+        # later row's elements (NumPy then refused the shapes, failing every map).
+        values = column.values.slice(column.offset * size, n * size)
     else:
         offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
         values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))

@@ -226,6 +226,21 @@ def test_nested_keys_hash_by_value_whatever_else_their_chunk_holds():
     assert hash_column(sliced)[0] == lists[0]
 
 
+def test_fixed_size_list_keys_with_null_rows_hash_by_value():
+    """A fixed-size-list key column holding a null row failed every map with NumPy's
+    "operands could not be broadcast" (Arrow's flatten leaves a null row's elements out,
+    so the elements no longer lined up with the rows); sliced ones must hash alike too."""
+    t = pa.list_(pa.int64(), 2)
+    with_null = hash_column(pa.array([[1, 2], None, [3, 4]], type=t))
+    alone = hash_column(pa.array([[3, 4], [1, 2]], type=t))
+    assert (with_null[0], with_null[2]) == (alone[1], alone[0])
+    assert with_null[1] == 0  # a null key
+    sliced = hash_column(pa.array([[9, 9], None, [3, 4]], type=t).slice(1))
+    assert (sliced[0], sliced[1]) == (0, alone[0])
+    # The same lists hash alike whether their list type is of fixed size or not.
+    assert hash_column(pa.array([[3, 4]]))[0] == alone[0]
+
+
 def test_a_partitioner_that_labels_too_few_rows_or_out_of_range_is_refused():
     """A custom partitioner returning fewer labels than rows had the chunk's other rows
     dropped without a word (split_by_partition took as many rows as labels)."""
