@@ -484,7 +484,7 @@ class RangePartitioner(Partitioner):
     NaNs go to the first partition if ``nulls_first`` else to the last, and sort there
     (NaNs between the values and the nulls, as Arrow sorts them). ``nulls_first=None``
     sorts nulls as Ray Data does, greater than every value: last ascending, first
-    descending. ``boundaries`` hold no nulls or NaNs (any given are dropped).
+    descending. ``boundaries`` hold no nulls, NaNs or NaTs (any given are dropped).
     """
 
     def __init__(self, key: str, boundaries: Sequence, descending: bool = False,
@@ -494,9 +494,13 @@ class RangePartitioner(Partitioner):
             boundaries = pc.drop_null(boundaries).to_numpy(zero_copy_only=False)
         boundaries = np.asarray(boundaries)
         if boundaries.dtype == object:
-            boundaries = boundaries[[b is not None for b in boundaries]]
+            # NaN too (a None beside it keeps it in an object array): it compares false
+            # with everything, so the boundaries were refused as out of order.
+            boundaries = boundaries[[not _is_missing(b) for b in boundaries]]
         elif boundaries.dtype.kind == "f":
             boundaries = boundaries[~np.isnan(boundaries)]
+        elif boundaries.dtype.kind in "Mm":
+            boundaries = boundaries[~np.isnat(boundaries)]
         if not isinstance(key, str) or not key:
             raise ConfigError(f"RangePartitioner's key must be a column name, got {key!r}")
         if boundaries.ndim != 1:
@@ -590,6 +594,17 @@ class RangePartitioner(Partitioner):
         indices = pc.sort_indices(pa.table({"key": sortable}),
                                   sort_keys=[("key", order, placement)])
         return table.take(indices)
+
+
+def _is_missing(value: Any) -> bool:
+    """Whether a boundary given in an object array is a null or a NaN (float, NumPy or
+    Decimal), which ``RangePartitioner`` drops."""
+    if value is None:
+        return True
+    try:
+        return bool(value != value)
+    except (TypeError, ValueError, ArithmeticError):  # pd.NA, arrays, signalling NaNs
+        return False
 
 
 def _key_type(schema: pa.Schema, key: str, who: str) -> pa.DataType:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import pyarrow as pa
 
-from hybrid_ray.partitioning import HashPartitioner, hash_column
+from hybrid_ray.partitioning import HashPartitioner, RangePartitioner, hash_column
 
 
 def test_a_key_hashes_alike_whatever_else_its_chunk_holds():
@@ -286,6 +286,20 @@ def test_partitioners_refuse_arguments_that_would_partition_wrongly():
         HashPartitioner([])
     with pytest.raises(ConfigError, match="seed must be an integer >= 0"):
         RandomPartitioner(-1)
+
+
+def test_range_boundaries_drop_nans_and_nats_as_documented():
+    """RangePartitioner drops nulls and NaNs given among the boundaries (its docstring);
+    a NaN left in an object array (a None beside it) or a NaT among datetimes was kept,
+    and the boundaries were refused as "not in ascending order" although they were."""
+    table = pa.table({"k": np.arange(30)})
+    for given in ([None, 10.0, float("nan"), 20], [10, np.nan, 20.0]):
+        partitioner = RangePartitioner("k", given)
+        assert list(partitioner.boundaries) == [10, 20]
+        partitioner.check_schema(table.schema)
+        assert np.bincount(partitioner.assign(table, 0, 3)).tolist() == [10, 10, 10]
+    days = np.array(["2020-01-01", "NaT", "2020-01-03"], dtype="datetime64[D]")
+    assert list(RangePartitioner("d", days).boundaries) == [days[0], days[2]]
 
 
 def test_range_boundaries_of_another_type_than_the_key_are_refused():
