@@ -7,6 +7,7 @@ clients take explicit arguments derived from it, so they stay testable on their 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import uuid
@@ -152,6 +153,25 @@ def _require_count(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _check_transfer_timeouts(storage_options: Mapping[str, Any]) -> None:
+    """The remote tier bounds each call by ``config_kwargs``' connect and read timeouts
+    (``tiers.remote.call_deadline_s``): each must be a positive number of seconds, or a
+    bad one failed deep inside the first transfer (or ``hybrid-ray cleanup``) with a bare
+    "could not convert string to float"."""
+    config_kwargs = storage_options.get("config_kwargs") or {}
+    if not isinstance(config_kwargs, Mapping):
+        raise ConfigError("storage_options['config_kwargs'] must be a mapping of botocore "
+                          f"Config options, got {type(config_kwargs).__name__}")
+    for name in ("connect_timeout", "read_timeout"):
+        value = config_kwargs.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"storage_options['config_kwargs'][{name!r}] must be a positive "
+                              f"number of seconds, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +344,7 @@ class ShuffleConfig:
             raise ConfigError("storage_options must be a mapping of fsspec options with "
                               "string keys, e.g. {'key': ..., 'secret': ...}")
         set_("storage_options", dict(self.storage_options))
+        _check_transfer_timeouts(self.storage_options)
         if self.remote_path is not None:
             set_("remote_path", validate_remote_path(self.remote_path))
             if self.remote_path.split("://", 1)[0] == "memory":

@@ -125,3 +125,19 @@ def test_config_is_frozen():
     with pytest.raises(AttributeError):
         cfg.memory_fraction = 0.9  # type: ignore[misc]
     assert cfg.replace(memory_fraction=0.9).memory_fraction == 0.9
+
+
+@pytest.mark.parametrize("timeouts", [{"read_timeout": "x"}, {"connect_timeout": 0},
+                                      {"read_timeout": float("inf")}, {"connect_timeout": True}])
+def test_remote_transfer_timeouts_must_be_positive_seconds(timeouts):
+    """Each remote call is bounded by config_kwargs' connect and read timeouts. A bad one
+    was accepted and failed inside the first transfer, or ended ``hybrid-ray cleanup`` in a
+    traceback, with a bare "could not convert string to float" (found by a review)."""
+    name = next(iter(timeouts))
+    with pytest.raises(ConfigError, match=rf"storage_options\['config_kwargs'\]\['{name}'\] "
+                                          "must be a positive number of seconds"):
+        ShuffleConfig(remote_path="s3://bucket/p", storage_options={"config_kwargs": timeouts})
+    with pytest.raises(ConfigError, match="config_kwargs'\\] must be a mapping"):
+        ShuffleConfig(storage_options={"config_kwargs": ["read_timeout", 5]})
+    ok = ShuffleConfig(storage_options={"config_kwargs": {"read_timeout": 2.5}})
+    assert ok.storage_options["config_kwargs"] == {"read_timeout": 2.5}
