@@ -503,6 +503,14 @@ class RangePartitioner(Partitioner):
             boundaries = boundaries[~np.isnat(boundaries)]
         if not isinstance(key, str) or not key:
             raise ConfigError(f"RangePartitioner's key must be a column name, got {key!r}")
+        # Bools only: a truthy string ("no") compared unequal to True below and put the
+        # nulls in the end partition opposite to where ``finalize`` sorts them.
+        if not isinstance(descending, bool):
+            raise ConfigError(f"RangePartitioner's descending must be True or False, got "
+                              f"{descending!r}")
+        if nulls_first is not None and not isinstance(nulls_first, bool):
+            raise ConfigError(f"RangePartitioner's nulls_first must be True, False or None, "
+                              f"got {nulls_first!r}")
         if boundaries.ndim != 1:
             raise ConfigError(f"RangePartitioner's boundaries must be a flat sequence of key "
                               f"values, got an array of shape {boundaries.shape}")

@@ -371,3 +371,16 @@ def test_list_view_and_extension_keys_hash_as_their_values_and_unions_are_refuse
                                               "is a union"):
             HashPartitioner(["k"]).check_schema(pa.schema([("k", t)]))
     HashPartitioner(["k"]).check_schema(pa.schema([("k", pa.list_view(pa.int64()))]))
+
+
+def test_range_partitioner_takes_only_bools_for_its_order_flags():
+    """A truthy non-bool ``descending`` or ``nulls_first`` ("yes", 1) was kept as is and
+    compared unequal to True: nulls went to the end partition opposite to where the
+    partition's sort put them (found by a review)."""
+    from hybrid_ray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="descending must be True or False, got 'yes'"):
+        RangePartitioner("k", [1, 2], descending="yes")
+    with pytest.raises(ConfigError, match="nulls_first must be True, False or None, got 1"):
+        RangePartitioner("k", [1, 2], nulls_first=1)
+    assert RangePartitioner("k", [1, 2], descending=True).nulls_first is True
