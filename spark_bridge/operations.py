@@ -56,12 +56,17 @@ def _check_partitions(num_partitions: int | None) -> None:
         check_num_partitions(num_partitions)
 
 
+def _case_sensitive(df: Any) -> bool:
+    """Whether ``df``'s session tells column names apart by case (spark.sql.caseSensitive)."""
+    return str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")
+               ).strip().lower() == "true"
+
+
 def _check_columns(df: Any, cols: Sequence[Any], what: str) -> list[str]:
     """The DataFrame's names of columns ``cols``: as Spark resolves them, ignoring case
     unless ``spark.sql.caseSensitive`` is on (``repartition(df, 4, "id")`` of a column
     "ID" was refused, which Spark's own operator takes)."""
-    case_sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")
-                         ).strip().lower() == "true"
+    case_sensitive = _case_sensitive(df)
     names, missing = [], []
     for col in cols:
         if not isinstance(col, str):
@@ -232,8 +237,14 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
     keys = _check_columns(df, keys, "aggregate keys")
     if not isinstance(aggs, Mapping) or not aggs:
         raise ConfigError("aggs must be a non-empty dict {output: (column, function)}")
+    # Output names as Spark resolves them: "Country" beside a key "country" gave a result
+    # whose columns no later reference could tell apart (AMBIGUOUS_REFERENCE).
+    fold = (lambda name: name) if _case_sensitive(df) else (lambda name: name.lower())
+    taken = {fold(k): k for k in keys}
     columns = []
     for alias, spec in aggs.items():
+        if not isinstance(alias, str) or not alias:
+            raise ConfigError(f"aggs outputs must be column names (str), got {alias!r}")
         if not isinstance(spec, (tuple, list)) or len(spec) != 2:
             raise ConfigError(f"aggs[{alias!r}] must be (column, function), got {spec!r}")
         col, fn = spec
@@ -245,8 +256,12 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
                 raise ConfigError(f"aggs[{alias!r}]: '*' works only with count")
         else:
             _check_columns(df, [col], f"aggs[{alias!r}]")
-        if alias in keys:
-            raise ConfigError(f"aggs output {alias!r} collides with a key column")
+        if fold(alias) in taken:
+            raise ConfigError(f"aggs output {alias!r} collides with "
+                              f"{'key column' if taken[fold(alias)] in keys else 'output'} "
+                              f"{taken[fold(alias)]!r} (Spark resolves names ignoring case "
+                              "unless spark.sql.caseSensitive is on); rename it")
+        taken[fold(alias)] = alias
         columns.append(_agg_column(col, fn).alias(alias))
     _check_partitions(num_partitions)
     _through_manager(df, config, "aggregate")

@@ -265,6 +265,12 @@ def test_column_names_resolve_as_spark_resolves_them_and_ascending_takes_ints(sp
     twins = spark.createDataFrame([(1, 2)], "a long, A long")
     with pytest.raises(ConfigError, match=r"column 'a' is ambiguous: .*\['a', 'A'\]"):
         spark_bridge.repartition(twins, 2, "a")
+    # An aggregate's output named as a key but for case (or as another output) was taken,
+    # and the result's columns could not be told apart (found by a review).
+    with pytest.raises(ConfigError, match="aggs output 'id' collides with key column 'ID'"):
+        spark_bridge.aggregate(df, "ID", {"id": ("Name", "count")})
+    with pytest.raises(ConfigError, match="aggs output 'N' collides with output 'n'"):
+        spark_bridge.aggregate(df, "ID", {"n": ("Name", "count"), "N": ("ID", "sum")})
 
 
 def test_bad_input_is_explained(spark, orders, tmp_path):
