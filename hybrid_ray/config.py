@@ -7,7 +7,6 @@ clients take explicit arguments derived from it, so they stay testable on their 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tempfile
 import uuid
@@ -134,6 +133,19 @@ def _require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: b
     return float(value)
 
 
+def require_seconds(name: str, value: Any) -> float:
+    """``value`` as a positive, finite number of seconds, at most ``MAX_DURATION_S``; else
+    a ConfigError naming ``name``. Compared, never converted first: ``math.isfinite`` of
+    an int beyond a float's range raised OverflowError instead."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not value > 0 or value == float("inf"):  # NaN fails the comparison too
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    if value > MAX_DURATION_S:
+        raise ConfigError(f"{name} must be at most {MAX_DURATION_S:g} s, got {value!r}: Ray's "
+                          "timeouts overflow beyond it")
+    return float(value)
+
+
 def _require_at_most(name: str, value: float, limit: float, why: str) -> None:
     """A number ``_require_number`` took, refused above ``limit``."""
     if value > limit:
@@ -165,13 +177,9 @@ def _check_transfer_timeouts(storage_options: Mapping[str, Any]) -> None:
         raise ConfigError("storage_options['config_kwargs'] must be a mapping of botocore "
                           f"Config options, got {type(config_kwargs).__name__}")
     for name in ("connect_timeout", "read_timeout"):
-        value = config_kwargs.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"storage_options['config_kwargs'][{name!r}] must be a positive "
-                              f"number of seconds, got {value!r}")
+        if config_kwargs.get(name) is not None:
+            require_seconds(f"storage_options['config_kwargs'][{name!r}]",
+                            config_kwargs[name])
 
 
 @dataclasses.dataclass(frozen=True)

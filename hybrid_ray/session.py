@@ -12,13 +12,12 @@ where the caller chooses (say, while it loads its data) and the first shuffle ru
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import ray
 
 from hybrid_ray.actors import START_TIMEOUT_S, ShuffleActors, reader_count, start_actors
-from hybrid_ray.config import MAX_DURATION_S, Compression, ShuffleConfig
+from hybrid_ray.config import Compression, ShuffleConfig, require_seconds
 from hybrid_ray.errors import ConfigError
 
 # The most memory init has each writer and reader allocate ahead (one map chunk's worth,
@@ -67,15 +66,9 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
                           f"None for the defaults), got {type(config).__name__}")
     if not isinstance(wait, bool):
         raise ConfigError(f"hybrid_ray.init(wait=...) must be True or False, got {wait!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not math.isfinite(timeout_s) or timeout_s <= 0:
-        raise ConfigError(f"hybrid_ray.init(timeout_s=...) must be a positive number of "
-                          f"seconds, got {timeout_s!r}")
-    if timeout_s > MAX_DURATION_S:
-        # Checked before any actor starts: Ray's millisecond timeouts overflow beyond it.
-        raise ConfigError(f"hybrid_ray.init(timeout_s=...) must be at most "
-                          f"{MAX_DURATION_S:g} s, got {timeout_s!r}: Ray's timeouts overflow "
-                          "beyond it")
+    # Checked before any actor starts: Ray's millisecond timeouts overflow beyond
+    # MAX_DURATION_S.
+    require_seconds("hybrid_ray.init(timeout_s=...)", timeout_s)
     if warm_object_store_bytes is not None and (
             isinstance(warm_object_store_bytes, bool)
             or not isinstance(warm_object_store_bytes, int) or warm_object_store_bytes < 0):

@@ -166,6 +166,7 @@ def test_a_first_shuffle_without_init_starts_the_same_actors(ray_local, tmp_path
     # Accepted before, and failed inside ray.wait (OverflowError) after every actor had
     # been started (found by a review).
     ({"timeout_s": 1e300}, "timeout_s=...) must be at most 1e.09 s, got 1e.300"),
+    ({"timeout_s": 10 ** 400}, "timeout_s=...) must be at most 1e.09 s, got 1000"),
     ({"timeout_s": "30"}, "timeout_s=...) must be a positive number"),
     ({"warm_object_store_bytes": -1}, "warm_object_store_bytes=...) must be a number of bytes"),
     ({"warm_object_store_bytes": 1.5}, "warm_object_store_bytes=...) must be a number of bytes"),
