@@ -336,13 +336,26 @@ public final class HybridRayContext {
     return spillDirs;
   }
 
+  /**
+   * The shuffle master actor could not be found: a fault of the control plane, which says
+   * nothing about where map outputs are (readers fail their task rather than blame an
+   * executor with a {@code FetchFailedException}).
+   */
+  static final class MasterNotRunningException extends IOException {
+    private static final long serialVersionUID = 1L;
+
+    MasterNotRunningException(String message) {
+      super(message);
+    }
+  }
+
   PyActorHandle master() throws IOException {
     // Read once: another task's call may drop the cached handle (forgetActorHandles)
     // between a check and a second read, which then returned null.
     PyActorHandle handle = master;
     if (handle == null) {
       Optional<PyActorHandle> found = Ray.getActor(MASTER_NAME, namespace);
-      master = handle = found.orElseThrow(() -> new IOException(
+      master = handle = found.orElseThrow(() -> new MasterNotRunningException(
           "hybrid_ray's shuffle master (actor '" + MASTER_NAME + "' in Ray namespace '"
               + namespace + "') is not running: start Spark with spark_bridge.init_spark(), "
               + "or call hybrid_ray.actors.get_master('" + namespace + "') on the Ray "

@@ -628,7 +628,10 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
    * map outputs, so it must not blame an executor with a FetchFailedException.
    */
   static boolean isControlPlaneFault(Throwable e) {
-    return HybridRayContext.causedBy(e, RayTimeoutException.class, RayActorException.class);
+    // A master that could not even be found is one too: blamed on the first block's
+    // executor, Spark recomputed that executor's outputs for nothing.
+    return HybridRayContext.causedBy(e, RayTimeoutException.class, RayActorException.class,
+        HybridRayContext.MasterNotRunningException.class);
   }
 
   @SuppressWarnings("unchecked")

@@ -52,6 +52,10 @@ class HybridRayShuffleReaderTest {
     assertFalse(HybridRayShuffleReader.isControlPlaneFault(new IOException(
         "hybrid_ray call spark_locate failed", new RayTaskException("ShuffleNotFoundError"))));
     assertFalse(HybridRayShuffleReader.isControlPlaneFault(new IOException("bad JSON")));
+    // A master that is not running at all (its lookup found no actor) blames no executor
+    // either: Spark recomputed the first block's executor's outputs for nothing.
+    assertTrue(HybridRayShuffleReader.isControlPlaneFault(
+        new HybridRayContext.MasterNotRunningException("no actor 'hybrid_ray_master'")));
   }
 
   @Test
