@@ -8,6 +8,8 @@ the ones it evicts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hybrid_ray.actors import get_tier_manager
 from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.tiers.cache import LruCache
@@ -15,24 +17,36 @@ from hybrid_ray.tiers.remote import remote_tier_key
 
 
 def io_tiers_for(config: ShuffleConfig, node_id: str,
-                 own_memory_segments: bool = False) -> dict:
+                 own_memory_segments: bool = False, owner: Any = None) -> dict:
     """This process's I/O tiers for ``config`` on ``node_id``, opened once and kept in a
     bounded cache (``IO_CACHE``).
 
     ``own_memory_segments``: memory-tier objects are owned by this process (a writer
-    actor that outlives the shuffle); otherwise by the node's tier manager."""
+    actor that outlives the shuffle); otherwise by the node's tier manager: ``owner``, its
+    handle as the caller just got it (looked up by name if None). The cached memory tier
+    is given that handle on every call: a tier manager started again after the last one
+    died is another actor, and a tier set kept with the dead one's handle failed every
+    later map of the process (a reused Spark Python worker) putting its segments."""
     # ShuffleConfig holds dicts (unhashable): cache on its repr, which is deterministic,
     # plus the remote tier's real settings. The repr masks credentials, so on its own two
     # configs differing only in them (refreshed STS tokens, or another job under the same
     # job id) shared one remote tier: the old credentials, or another job's.
     key = (repr(config), remote_tier_key(config), node_id, own_memory_segments)
 
+    if own_memory_segments:
+        owner = None  # this process puts and owns its objects itself
+    elif owner is None:
+        owner = get_tier_manager(node_id, config.namespace)
+
     def open_tiers() -> dict:
         from hybrid_ray.tier_manager import build_io_tiers
 
-        owner = None if own_memory_segments else get_tier_manager(node_id, config.namespace)
         return build_io_tiers(config, owner=owner, check_remote=False, node_id=node_id)
-    return IO_CACHE.get_or_create(key, open_tiers)
+    tiers = IO_CACHE.get_or_create(key, open_tiers)
+    memory = tiers.get(TierName.MEMORY)
+    if memory is not None and owner is not None:
+        memory.owner = owner
+    return tiers
 
 
 def _close_io_tiers(tiers: dict) -> None:

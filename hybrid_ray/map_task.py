@@ -107,7 +107,7 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
     rows_seen = 0
     client = WriteClient(shuffle_id, map_index, num_partitions, config,
                          ActorNodeStorage(tm, control, register=config),
-                         io_tiers_for(config, node_id, own_memory_segments),
+                         io_tiers_for(config, node_id, own_memory_segments, owner=tm),
                          attempt=attempt, node_id=node_id, on_commit=commit)
     try:
         # Commit chunk by chunk: hybrid readers see data while the partition is being

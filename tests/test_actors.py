@@ -320,6 +320,38 @@ def test_a_release_reaches_the_files_of_a_tier_manager_that_died(ray_local, tmp_
     assert files_under(str(tmp_path / "spill")) == []
 
 
+def test_a_reused_writer_puts_through_a_tier_manager_started_again(ray_local, tmp_path):
+    """A process that writes memory-tier segments owned by its node's tier manager (a
+    reused Spark Python worker) keeps its tiers per config (``io_tiers_for``). The cached
+    memory tier kept the handle of the tier manager it was opened with: once that one died
+    and another started on the node, every later map of the process failed putting its
+    segments through the dead actor (until 8 other configs evicted the tier set)."""
+    from hybrid_ray.map_task import write_map_partition
+
+    namespace = f"tmreuse-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace)
+    node = ray.get_runtime_context().get_node_id()
+    master = get_master(namespace)
+    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
+
+    def one_map() -> list:
+        shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+        ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+        write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+        segments = ray.get(master.segments.remote(shuffle_id))
+        ray.get(master.release.remote(shuffle_id))
+        return segments
+
+    assert {m.tier for m in one_map()} == {TierName.MEMORY}
+    ray.kill(get_tier_manager(node, namespace), no_restart=True)
+    deadline = time.monotonic() + 30
+    while existing_tier_manager(node, namespace) is not None:  # gone from the name table
+        assert time.monotonic() < deadline, "the killed tier manager stayed registered"
+        time.sleep(0.2)
+    assert {m.tier for m in one_map()} == {TierName.MEMORY}
+
+
 def test_a_map_whose_finish_is_refused_reports_itself_skipped(ray_local, tmp_path):
     """An attempt superseded after its last chunk (a newer attempt of the map began
     meanwhile) is refused at finish_map; it still returned its statistics, which the
