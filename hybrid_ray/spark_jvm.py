@@ -432,17 +432,27 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
     shuffle_id = _registered_here(tm, request, sessions)
     settle(tm, shuffle_id, request.get("settle"))
     out = []
-    for placement in tm.reserve(shuffle_id, [int(n) for n in request["sizes"]], tracked=False):
-        if placement.grant is None:
-            out.append({"tier": None, "target": "", "refusals": list(placement.refusals)})
-            continue
-        grant = placement.grant
-        if grant.tier == TierName.DISK:
-            tm.mark_disk_target(shuffle_id, grant.target)
-        out.append({"tier": grant.tier.value, "target": grant.target,
-                    "settle_if_written": tm.settle_changes_books(shuffle_id, grant,
-                                                                 grant.nbytes),
-                    "refusals": []})
+    placements = tm.reserve(shuffle_id, [int(n) for n in request["sizes"]], tracked=False)
+    try:
+        for placement in placements:
+            if placement.grant is None:
+                out.append({"tier": None, "target": "",
+                            "refusals": list(placement.refusals)})
+                continue
+            grant = placement.grant
+            if grant.tier == TierName.DISK:
+                tm.mark_disk_target(shuffle_id, grant.target)
+            out.append({"tier": grant.tier.value, "target": grant.target,
+                        "settle_if_written": tm.settle_changes_books(shuffle_id, grant,
+                                                                     grant.nbytes),
+                        "refusals": []})
+    except BaseException:
+        # The call fails, so the JVM never hears of these grants and never settles them:
+        # given back now (as TierManager.reserve does for a tier failing part-way). Kept,
+        # a disk grant whose directory could not be marked (EDQUOT, which statvfs does not
+        # show) stayed in flight, refusing room on that filesystem until the release.
+        tm.settle(shuffle_id, [(p.grant, None) for p in placements if p.grant is not None])
+        raise
     return {"placements": out, "remote": tm.remote_tier(shuffle_id) is not None}
 
 

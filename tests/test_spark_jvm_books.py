@@ -390,3 +390,32 @@ def test_a_session_the_master_forgot_is_said_in_the_report_not_silently_left_off
     register_as_the_jvm("spark-app-1-3", ShuffleConfig(spill_dirs=[str(tmp_path)],
                                                        progress=False))
     assert summary(registry, "spark-app-1-3")["notes"] == []
+
+
+def test_a_jvm_reservation_that_fails_marking_its_disk_target_gives_its_grants_back(
+        tmp_path, monkeypatch) -> None:
+    """A JVM reservation marks each disk grant's shuffle directory as hybrid_ray's. When
+    that failed (a user quota: EDQUOT, which statvfs does not show), the call raised with
+    its grants counted, in flight on the disk, though the JVM never heard of them: room
+    refused to every shuffle on that filesystem until this one's release."""
+    import errno
+
+    import pytest
+
+    from hybrid_ray import ShuffleConfig, TierName
+    from hybrid_ray.spark_jvm import reserve
+    from hybrid_ray.tier_manager import TierManager
+    from hybrid_ray.tiers.disk import DiskTier
+
+    tm = TierManager("n1", object_store_bytes=1000)
+    config = ShuffleConfig(memory_fraction=0.3, spill_dirs=[str(tmp_path / "spill")])
+
+    def quota_exceeded(self, shuffle_id, spill_dir):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    monkeypatch.setattr(DiskTier, "mark_shuffle", quota_exceeded)
+    with pytest.raises(OSError, match="quota"):
+        reserve(tm, {"shuffle": SHUFFLE, "sizes": [200, 150, 50]}, lambda t: config)
+    disk = tm._tier(SHUFFLE, TierName.DISK)
+    assert disk._in_flight == {} and disk.used_by(SHUFFLE) == 0
+    assert tm.memory.used_by(SHUFFLE) == 0
+    tm.release_shuffle(SHUFFLE)
