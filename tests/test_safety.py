@@ -250,6 +250,21 @@ def test_spill_dir_symlink_of_another_user_is_refused(tmp_path):
     assert not (tmp_path / "real" / "hybrid_ray").exists()
 
 
+def test_a_disk_tier_refuses_a_single_path_or_relative_spill_dirs(tmp_path, monkeypatch):
+    """ShuffleConfig checks spill_dirs, but a DiskTier built directly did not: a single
+    path (a string) became one spill dir per character ("/" among them, so a root process
+    created /hybrid_ray), and a relative dir was created below the working directory,
+    where every deletion of its segments was then refused (they are not absolute paths)."""
+    from hybrid_ray.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="a single path 'spill'.*spill_dirs=\\['spill'\\]"):
+        DiskTier(MiB, "spill")
+    with pytest.raises(ConfigError, match="'rel/spill' is relative"):
+        DiskTier(MiB, [str(tmp_path / "abs"), "rel/spill"])
+    assert os.listdir(tmp_path) == []  # nothing created, in the working directory or else
+
+
 def test_own_symlink_to_a_spill_dir_and_a_sticky_shared_dir_are_fine(tmp_path):
     (tmp_path / "nvme").mkdir()
     os.symlink(tmp_path / "nvme", tmp_path / "spill")

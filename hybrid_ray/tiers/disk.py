@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from hybrid_ray.config import TierName
 from hybrid_ray.errors import (
-    OutOfSpaceError, SegmentNotFoundError, SpillDirError, UnsafePathError,
+    ConfigError, OutOfSpaceError, SegmentNotFoundError, SpillDirError, UnsafePathError,
 )
 from hybrid_ray.ids import check_id, require_inside
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
@@ -316,8 +316,19 @@ class DiskTier(Tier):
                  in_flight: dict[tuple[str, str], int] | None = None,
                  node_used: Callable[[], int] | None = None) -> None:
         super().__init__(segment_bytes)
+        # ShuffleConfig checks its spill_dirs; a tier built directly is checked here: a
+        # single path was taken as one spill dir per character ("/" among them), and a
+        # relative dir created below the working directory (its segments' locations are
+        # then never accepted for deletion: ``require_segment_file`` wants them absolute).
+        if isinstance(spill_dirs, (str, bytes, os.PathLike)):
+            raise ConfigError(f"spill_dirs must be a list of directories, got a single path "
+                              f"{spill_dirs!r}: write spill_dirs=[{spill_dirs!r}]")
         if not spill_dirs:
             raise ValueError("spill_dirs must name at least one directory")
+        relative = [d for d in spill_dirs if not os.path.isabs(d)]
+        if relative:
+            raise ConfigError(f"spill dir {relative[0]!r} is relative: give absolute paths "
+                              "(os.path.abspath(...))")
         self.spill_dirs = tuple(spill_dirs)
         self.min_reserve_fraction = min_reserve_fraction
         self._capacity = capacity_bytes
