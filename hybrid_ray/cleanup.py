@@ -28,6 +28,7 @@ import fsspec
 
 from hybrid_ray import ids
 from hybrid_ray.config import validate_remote_path
+from hybrid_ray.errors import ConfigError
 from hybrid_ray.ids import require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
@@ -94,7 +95,13 @@ def _is_id(name: str) -> bool:
 # ---- spill dirs ------------------------------------------------------------------------------
 def expand_spill_dirs(patterns: Iterable[str]) -> list[str]:
     """Spill dirs to sweep: each pattern as is, and for a pattern with ``{node_id}`` every
-    existing directory it matches, dead nodes' included (no live tier manager sees those)."""
+    existing directory it matches, dead nodes' included (no live tier manager sees those).
+    ``ConfigError`` for a single path instead of a list: taken one character at a time,
+    "spill" swept "s", "p", "i", "l" below the working directory (and "/x" swept "/"),
+    removing what was found there, and never the dir it named."""
+    if isinstance(patterns, (str, bytes, os.PathLike)):
+        raise ConfigError(f"spill_dirs must be a list of directories, got a single path "
+                          f"{patterns!r}: write [{patterns!r}]")
     out: list[str] = []
     for pattern in patterns:
         if "{node_id}" in pattern:

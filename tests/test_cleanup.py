@@ -100,6 +100,26 @@ def test_spill_sweep_keeps_recent_and_listed_shuffles(tmp_path):
     assert [os.path.basename(p) for p in result.kept_live] == [a]
 
 
+def test_a_single_path_given_as_spill_dirs_is_refused_not_swept_per_character(
+        tmp_path, monkeypatch):
+    """sweep_spill_dirs("spill", ...) took the string as one spill dir per character:
+    it swept "s", "p", "i", "l" below the working directory (and "/" for an absolute
+    path), removing what it found there, and never looked at the dir it was given."""
+    from hybrid_ray.cleanup import find_orphans, sweep_spill_dirs
+    from hybrid_ray.errors import ConfigError
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    other = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(str(work / "s"), other)  # a spill dir nobody asked to sweep
+    with pytest.raises(ConfigError, match="a single path 'spill'"):
+        sweep_spill_dirs("spill", older_than_s=0)
+    with pytest.raises(ConfigError, match="a single path 'spill'"):
+        find_orphans(spill_dirs="spill")
+    assert os.listdir(work / "s" / "hybrid_ray") == [other]
+
+
 def test_node_id_spill_dirs_of_dead_nodes_are_swept(tmp_path):
     """Was: ``{node_id}`` was taken literally, so no node's spill files were ever found,
     and a removed node's files stayed forever (item 12)."""
