@@ -621,6 +621,16 @@ def test_a_remote_path_that_reads_could_never_resolve_is_refused_up_front():
     assert ShuffleConfig(remote_path="s3://bucket/shuffle/").remote_path == "s3://bucket/shuffle"
 
 
+def test_a_remote_tier_built_directly_refuses_a_path_it_could_never_read_back(tmp_path):
+    """ShuffleConfig refuses such a remote_path, but a RemoteTier built directly (as the
+    tests and tools do) took "file:///data//hr": its probe and its segments were written,
+    and every read of them was then refused for the empty component."""
+    for bad in (f"file://{tmp_path}//remote", f"file://{tmp_path}/./remote"):
+        with pytest.raises(ConfigError, match=r"empty, '\.' or '\.\.' component"):
+            RemoteTier(MiB, bad, "job-1")
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_untrusted_local_remote_root_gets_no_directory_and_its_own_reason(tmp_path):
     """The probe created the job directory inside a root another user could write before
     refusing it, and the refusal read as an unreachable store."""

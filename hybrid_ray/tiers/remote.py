@@ -37,7 +37,8 @@ from hybrid_ray.errors import (
     UnsafePathError,
 )
 from hybrid_ray.ids import (
-    check_id, glob_characters_in, require_inside_remote, require_normal_remote_path,
+    check_id, glob_characters_in, has_abnormal_component, require_inside_remote,
+    require_normal_remote_path,
 )
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
@@ -111,6 +112,13 @@ class RemoteTier(Tier):
         except Exception as exc:  # fsspec raises many types for bad options
             self._fail(RemoteTierError, f"cannot open remote_path {self.display_path!r}: "
                        f"{exc}; check the URL and storage_options", exc)
+        if has_abnormal_component(self.root):
+            # ShuffleConfig refuses such a remote_path; a tier built directly took it, wrote
+            # its segments, and then refused every read and delete of them (their paths
+            # fail ``require_normal_remote_path``).
+            raise ConfigError(f"remote_path {self.display_path!r} has an empty, '.' or '..' "
+                              "component ('//', '/./' or '/../'); write the path in its "
+                              "normal form, e.g. s3://bucket/prefix")
         self._deadline_s = call_deadline_s(self.fs, self._config_kwargs)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._atomic_put = bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
