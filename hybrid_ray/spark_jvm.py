@@ -26,7 +26,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import ConfigError, ShuffleNotFoundError, ShuffleStalledError
+from hybrid_ray.errors import (
+    ConfigError, ShuffleNotFoundError, ShuffleReleasedError, ShuffleStalledError,
+)
 from hybrid_ray.ids import check_id
 from hybrid_ray.master import ShuffleRegistry, ShuffleState
 from hybrid_ray.segment import SegmentId, SegmentMeta
@@ -477,6 +479,11 @@ def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> d
     shuffle's remote tier, at the path a Python segment of the same identity would get
     (the map attempt's Spark task attempt id as its attempt); returns its ``location``."""
     shuffle_id = request["shuffle"]
+    if shuffle_id not in tm.shuffle_ids() and tm.was_released(shuffle_id):
+        # Not a config without remote_path (the message below sent users to fix one that
+        # was right): the shuffle is gone here, and a late map's segment with it.
+        raise ShuffleReleasedError(f"Spark shuffle {shuffle_id!r} was released on node "
+                                   f"{tm.node_id}; a map of it cannot store segments")
     tier = tm.remote_tier(shuffle_id) if shuffle_id in tm.shuffle_ids() else None
     if tier is None:
         raise ConfigError(f"Spark shuffle {shuffle_id!r} has no remote tier on node "

@@ -419,3 +419,21 @@ def test_a_jvm_reservation_that_fails_marking_its_disk_target_gives_its_grants_b
     assert disk._in_flight == {} and disk.used_by(SHUFFLE) == 0
     assert tm.memory.used_by(SHUFFLE) == 0
     tm.release_shuffle(SHUFFLE)
+
+
+def test_a_jvm_remote_write_for_a_released_shuffle_says_so(tmp_path) -> None:
+    """A JVM map storing a remote segment after its shuffle was released on the node was
+    told that its Spark session's ShuffleConfig has no remote_path (start Spark with one),
+    though it has one: the user was sent to fix a config that was right."""
+    import pytest
+
+    from hybrid_ray.errors import ShuffleReleasedError
+    from hybrid_ray.spark_jvm import write_remote
+
+    tm, tier, _ = _tier_manager_with_a_remote_tier(tmp_path)
+    tm.release_shuffle(SHUFFLE)
+    request = {"shuffle": SHUFFLE, "map_index": 0, "partition": 0, "index": 0, "map_id": 7}
+    with pytest.raises(ShuffleReleasedError, match=f"{SHUFFLE}' was released on node n1") \
+            as info:
+        write_remote(tm, request, b"x" * 100)
+    assert "remote_path" not in str(info.value)
