@@ -23,10 +23,11 @@ def io_tiers_for(config: ShuffleConfig, node_id: str,
 
     ``own_memory_segments``: memory-tier objects are owned by this process (a writer
     actor that outlives the shuffle); otherwise by the node's tier manager: ``owner``, its
-    handle as the caller just got it (looked up by name if None). The cached memory tier
-    is given that handle on every call: a tier manager started again after the last one
-    died is another actor, and a tier set kept with the dead one's handle failed every
-    later map of the process (a reused Spark Python worker) putting its segments."""
+    handle as the caller just got it (looked up by name if None, when the tiers are
+    opened). The cached memory tier is given a handle passed on every call: a tier manager
+    started again after the last one died is another actor, and a tier set kept with the
+    dead one's handle failed every later map of the process (a reused Spark Python
+    worker) putting its segments. Writers pass it; readers never put."""
     # ShuffleConfig holds dicts (unhashable): cache on its repr, which is deterministic,
     # plus the remote tier's real settings. The repr masks credentials, so on its own two
     # configs differing only in them (refreshed STS tokens, or another job under the same
@@ -35,13 +36,15 @@ def io_tiers_for(config: ShuffleConfig, node_id: str,
 
     if own_memory_segments:
         owner = None  # this process puts and owns its objects itself
-    elif owner is None:
-        owner = get_tier_manager(node_id, config.namespace)
 
     def open_tiers() -> dict:
         from hybrid_ray.tier_manager import build_io_tiers
 
-        return build_io_tiers(config, owner=owner, check_remote=False, node_id=node_id)
+        # Looked up only here when not given: a reader (which never puts) would otherwise
+        # pay a lookup by name at the GCS on every reduce call.
+        return build_io_tiers(config, check_remote=False, node_id=node_id,
+                              owner=None if own_memory_segments else
+                              owner or get_tier_manager(node_id, config.namespace))
     tiers = IO_CACHE.get_or_create(key, open_tiers)
     memory = tiers.get(TierName.MEMORY)
     if memory is not None and owner is not None:
