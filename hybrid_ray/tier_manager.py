@@ -212,10 +212,13 @@ class TierManager:
         with no cap, or a larger one, elsewhere must not use up a capped shuffle's room (a
         review of the first version, which summed every disk tier of the node). The dirs
         are compared as sets of resolved paths: the same dirs listed in another order, or
-        through a symlink, were counted apart and each config got the whole cap."""
+        through a symlink, were counted apart and each config got the whole cap. A tier
+        sharing some of the dirs counts whole (tiers keep no bytes per dir): counted only
+        where the sets were equal, configs over [X] and [X, Y] each got the whole cap on X
+        (found by a review). Counting it whole refuses early rather than over the cap."""
         dirs = self._disk_dirs[disk_key]
         return sum(disk.used_bytes for key, disk in self._disks.items()
-                   if self._disk_dirs[key] == dirs)
+                   if self._disk_dirs[key] & dirs)
 
     def _remote_key(self, config: ShuffleConfig) -> tuple | None:
         """Key of ``config``'s remote tier in ``_remotes`` (opened on first use), or None."""

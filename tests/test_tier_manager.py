@@ -733,3 +733,22 @@ def _busy_segment_file_of_shf_1(spill: str, monkeypatch) -> tuple[str, object]:
 
     monkeypatch.setattr(os, "unlink", busy_segments)
     return path, real_unlink
+
+
+def test_the_disk_byte_cap_counts_tiers_sharing_some_of_its_spill_dirs(tmp_path):
+    """Configs over [X] and [X, Y] with a 10 MiB cap were counted apart (the dir sets
+    differ), so X took 16 MiB under the cap (found by a review). A tier that shares a dir
+    counts; one over other dirs still does not."""
+    tm = TierManager("n1", object_store_bytes=0)
+    x, y, z = (str(tmp_path / d) for d in "xyz")
+    a = ShuffleConfig(memory_fraction=0, spill_dirs=[x], disk_capacity_bytes=10 * MiB,
+                      progress=False)
+    tm.register_shuffle("a", a)
+    tm.register_shuffle("b", a.replace(spill_dirs=[x, y]))
+    tm.register_shuffle("c", a.replace(spill_dirs=[z]))
+    assert tm.reserve("a", [8 * MiB])[0].grant.tier == TierName.DISK
+    assert tm.reserve("b", [8 * MiB])[0].grant is None
+    assert tm.reserve("b", [2 * MiB])[0].grant.tier == TierName.DISK  # what is left
+    assert tm.reserve("c", [8 * MiB])[0].grant.tier == TierName.DISK  # other dirs
+    for shuffle in ("a", "b", "c"):
+        tm.release_shuffle(shuffle)
