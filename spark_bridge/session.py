@@ -324,9 +324,13 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                                    configs=spark_configs(num_executors, executor_cores,
                                                          configs, cluster_cpus,
                                                          ray_logs_dir()))
-    except Exception as exc:  # RayDP raises bare Exceptions and Py4J errors
+    except BaseException as exc:  # RayDP raises bare Exceptions and Py4J errors
+        # Also on a Ctrl-C (or SystemExit) during Spark's ~40 s start: nothing else would
+        # ever close the session, whose config (credentials included) the master holds.
         if hybrid_shuffle:
             _close_master_session(shuffle_config.namespace, session_token)
+        if not isinstance(exc, Exception):
+            raise
         text = str(exc)
         if "has inited" in text:
             raise SparkSetupError("a Spark session is already running on this Ray cluster; "

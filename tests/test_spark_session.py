@@ -265,3 +265,33 @@ def test_stop_spark_raises_raydp_s_error_when_the_session_release_fails_too(monk
     assert any("releasing the session's Spark shuffles failed too" in note
                and "did not answer" in note for note in raised.value.__notes__)
     assert session._session_shuffles is None
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_init_spark_interrupted_while_spark_starts_closes_its_master_session(
+        ray_local, tmp_path, monkeypatch, interrupt):
+    """Spark takes ~40 s to start, long enough for a Ctrl-C. Only ``Exception`` closed the
+    session init_spark had opened at the shuffle master, so an interrupt (or a SystemExit)
+    left the session's whole config, remote-tier credentials included, held there under a
+    token nothing would ever close (found by a review). It is closed, and the interrupt
+    itself is raised unchanged."""
+    import uuid
+
+    import raydp
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.actors import get_master
+    from spark_bridge.session import init_spark
+
+    token = uuid.UUID(int=0x5678)
+    monkeypatch.setattr(uuid, "uuid4", lambda: token)
+
+    def interrupted(*args, **kwargs):
+        raise interrupt()
+    monkeypatch.setattr(raydp, "init_spark", interrupted)
+    config = ShuffleConfig(namespace="hr_interrupted_init", spill_dirs=[str(tmp_path)],
+                           progress=False)
+    with pytest.raises(interrupt):
+        init_spark(executor_memory="512MB", shuffle_config=config)
+    master = get_master("hr_interrupted_init")
+    assert ray_local.get(master.spark_session_config.remote(f"s{token.hex}")) is None
