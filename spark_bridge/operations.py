@@ -62,6 +62,18 @@ def _case_sensitive(df: Any) -> bool:
                ).strip().lower() == "true"
 
 
+def _names(value: Any, what: str) -> list[Any]:
+    """``value`` (one column name, or a sequence of them) as a list. Anything else failed
+    with a bare TypeError naming no fix (None: "'NoneType' object is not iterable", a
+    Column: "Column is not iterable"), and bytes were taken as their byte values."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        return list(value)
+    raise ConfigError(f"{what} must be a column name or a list of column names, got "
+                      f"{value!r}")
+
+
 def _check_columns(df: Any, cols: Sequence[Any], what: str) -> list[str]:
     """The DataFrame's names of columns ``cols``: as Spark resolves them, ignoring case
     unless ``spark.sql.caseSensitive`` is on (``repartition(df, 4, "id")`` of a column
@@ -230,7 +242,7 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
     by the keys into that many partitions (Spark then aggregates after that exchange only).
     """
     _check_dataframe(df)
-    keys = [by] if isinstance(by, str) else list(by)
+    keys = _names(by, "aggregate's by")
     if not keys:
         raise ConfigError("aggregate needs at least one key column; for a global aggregate "
                           "use df.agg(...)")
@@ -292,7 +304,7 @@ def join(left: Any, right: Any, on: str | Sequence[str], how: str = "inner",
     """
     _check_dataframe(left)
     _check_dataframe(right)
-    keys = [on] if isinstance(on, str) else list(on)
+    keys = _names(on, "join's on")
     if not keys:
         raise ConfigError("join needs at least one key column in `on`")
     keys = _check_columns(left, keys, "join keys (left side)")

@@ -660,3 +660,23 @@ def test_direct_scan_reducers_consume_while_maps_still_write(spark, tmp_path):
     assert shuffle.report.hybrid_overlap, shuffle.report.table()
     spark_bridge.release(out)
     assert_no_leftovers(cfg, ray)
+
+
+def test_keys_that_are_no_column_names_are_explained(spark):
+    """``aggregate``'s ``by`` and ``join``'s ``on`` take a name or a list of names.
+    Anything else failed with a bare TypeError naming no fix (None or a number: "'NoneType'
+    object is not iterable"; a Column: "Column is not iterable"), and bytes were taken as
+    their byte values ("got 105"; found by a review)."""
+    from pyspark.sql import functions as F
+
+    df = spark.range(10).selectExpr("id", "id % 3 as k")
+    for bad in (None, 5, F.col("k"), b"k"):
+        with pytest.raises(ConfigError, match=r"aggregate's by must be a column name or a "
+                                              r"list of column names, got"):
+            spark_bridge.aggregate(df, bad, {"n": ("*", "count")})
+        with pytest.raises(ConfigError, match=r"join's on must be a column name or a list "
+                                              r"of column names, got"):
+            spark_bridge.join(df, df, bad)
+    # Names, as one string or any sequence of them, still work.
+    assert spark_bridge.aggregate(df, ("k",), {"n": ("*", "count")}).count() == 3
+    assert spark_bridge.join(df, df, ["id", "k"]).count() == 10
