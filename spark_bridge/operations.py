@@ -148,7 +148,8 @@ def repartition(df: Any, num_partitions: int, *cols: str,
 
     If ``df`` is a plain scan of local parquet files (and ``direct_scan``), hybrid_ray's
     writers read the files instead of Spark's executors handing the rows over, with
-    ``config`` (same rows, less CPU; see ``spark_bridge.parquet_scan``); its report is
+    ``config`` (same rows, less CPU; see ``spark_bridge.parquet_scan``), and this returns
+    once they have (so the result may overwrite its own input path); its report is
     ``spark_bridge.last_report()``. Otherwise this is ``df.repartition`` through the
     session's shuffle manager (its report in ``spark_shuffle_reports()``).
     """
@@ -173,6 +174,12 @@ def repartition(df: Any, num_partitions: int, *cols: str,
         else:
             shuffle = exchange.run_map_stage(df, num_partitions, HashPartitioner(keys),
                                              checked, "repartition", scan=scan)
+            # Returned only once the writers have read every file (raising if they
+            # failed): Spark does not refuse an overwrite of a path the result is read
+            # from, and ``out.write.mode("overwrite").parquet(path)`` deleted the files
+            # under maps still reading them: every input row was lost (found by a
+            # review). Spark's own plan holds no such reader running behind its back.
+            shuffle.report  # noqa: B018 - waits for the map stage
 
             def passthrough(inputs: list[list[pa.Table]], _sub: int) -> Iterator[pa.Table]:
                 for table in inputs[0]:

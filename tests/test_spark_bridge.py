@@ -680,3 +680,33 @@ def test_keys_that_are_no_column_names_are_explained(spark):
     # Names, as one string or any sequence of them, still work.
     assert spark_bridge.aggregate(df, ("k",), {"n": ("*", "count")}).count() == 3
     assert spark_bridge.join(df, df, ["id", "k"]).count() == 10
+
+
+def test_the_direct_path_s_result_may_overwrite_its_own_input(spark, tmp_path, monkeypatch):
+    """``out = repartition(spark.read.parquet(p), ...)`` then
+    ``out.write.mode("overwrite").parquet(p)``: Spark does not refuse an overwrite of a
+    path the result is read from (its own repartition keeps every row), and it deletes the
+    files before its tasks run. The direct path returned while its maps still read them:
+    the maps failed with FileNotFoundError, the write failed and every input row was gone
+    (found by a review). It returns once the writers have read every file."""
+    from spark_bridge import operations
+
+    class Slow(HashPartitioner):  # local: pickled by value to the writers
+        def assign(self, table, map_index, num_partitions):
+            time.sleep(1.0)
+            return super().assign(table, map_index, num_partitions)
+
+    monkeypatch.setattr(operations, "HashPartitioner", Slow)
+    path = str(tmp_path / "data")
+    # Twelve files, one map each, on two writers: most maps start reading their file
+    # seconds after the call.
+    spark.range(6000).selectExpr("id", "id % 13 as k").repartition(12).write.parquet(path)
+    df = spark.read.parquet(path)
+    want = sorted(df.collect())
+    cfg = base_config(tmp_path, map_chunk_bytes=16 * 1024)
+    out = spark_bridge.repartition(df, 4, "k", config=cfg)
+    out.write.mode("overwrite").parquet(path)  # (last_report() first would wait for maps)
+    assert spark_bridge.last_report().map_input == "parquet files"
+    assert sorted(spark.read.parquet(path).collect()) == want
+    spark_bridge.release(out)
+    assert_no_leftovers(cfg, ray)
