@@ -130,7 +130,9 @@ def _require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: b
     if not ok:
         bracket = "]" if hi_inclusive else ")"
         raise ConfigError(f"{name} must be in [{lo}, {hi}{bracket}, got {value!r}")
-    return float(value)
+    # Not float(value): an int beyond a float's range raised OverflowError here, before
+    # the caller's _require_at_most could name the field.
+    return value
 
 
 def require_seconds(name: str, value: Any) -> float:

@@ -72,6 +72,11 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("orphan_ttl_s", float("inf"), "orphan_ttl_s must be at most 1e+09"),
     ("stall_timeout_s", 1e17, "stall_timeout_s must be at most 1e+09"),
     ("memory_weight", 1e308, "memory_weight must be at most 1e+09"),
+    # Ints beyond a float's range: OverflowError from the range check before (found by a
+    # review of the README's "every bad value raises ConfigError").
+    ("stall_timeout_s", 10 ** 400, "stall_timeout_s must be at most 1e+09"),
+    ("orphan_ttl_s", 10 ** 400, "orphan_ttl_s must be at most 1e+09"),
+    ("memory_weight", 10 ** 400, "memory_weight must be at most 1e+09"),
     ("spill_dirs", ["~/spill"], "starts with '~', which is not expanded"),
     ("spill_dirs", ["spill"], "'spill' is relative"),
     ("spill_dirs", ["/d/{node_id}/.."], "loses its {node_id}"),
