@@ -164,6 +164,10 @@ class ShuffleReport:
             f"shuffle {self.shuffle_id} ({self.operation}, mode={self.mode}, "
             f"spilling={self.spilling}): {self.num_maps} maps -> {self.num_partitions} partitions"
             + (f", maps read {self.map_input}" if self.map_input else ""),
+            # A Spark exchange's rows, input and wall time are Spark's (they read 0 here:
+            # spark_bridge.hybrid_shuffle._report); printed as 0 they read as facts.
+            "  rows, input and wall time: in Spark's UI (not known to hybrid_ray)"
+            if self.operation == "spark exchange" else
             f"  rows {self.rows:,}  input {self.input_bytes / 1e6:,.1f} MB  "
             f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
             f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "

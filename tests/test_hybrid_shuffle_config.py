@@ -154,3 +154,8 @@ def test_a_spark_exchange_report_gives_what_was_stored_and_no_made_up_throughput
     assert report.bytes_per_tier() == {"memory": 1000, "disk": 500, "remote": 250}
     assert (report.input_bytes, report.wall_time_s, report.throughput_mb_s) == (0, 0.0, 0.0)
     assert report.map_input == "spark executors (JVM shuffle manager)"
+    # Printed, those zeros read as facts: "rows 0  input 0.0 MB  wall 0.00 s  throughput
+    # 0.0 MB/s" for an exchange of 20,000 rows (found by a review of the README's Spark part).
+    table = report.table()
+    assert "rows 0" not in table and "throughput" not in table, table
+    assert "Spark's UI" in table
