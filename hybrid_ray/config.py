@@ -342,8 +342,8 @@ class ShuffleConfig:
         for tier, size in self.segment_bytes.items():
             # Bounded both ways: a few bytes (someone meaning MiB) cut one segment per row,
             # millions of files; above 1 GiB the JVM's int sizes wrapped (4 GiB became 0).
-            sizes[TierName.parse(tier)] = _require_bytes(f"segment_bytes[{tier!r}]", size,
-                                                         MIN_SEGMENT_BYTES)
+            name = TierName.parse(tier)  # before the size: a misspelt tier is named as such
+            sizes[name] = _require_bytes(f"segment_bytes[{tier!r}]", size, MIN_SEGMENT_BYTES)
             if size > MAX_SEGMENT_BYTES:
                 raise ConfigError(f"segment_bytes[{tier!r}] must be at most 1 GiB, got "
                                   f"{size!r}: segments of a few MiB (e.g. 8 * MiB) serve best")

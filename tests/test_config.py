@@ -68,6 +68,8 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("segment_bytes", {"disk": 8}, "segment_bytes['disk'] must be an integer number of "
                                    "bytes >= 4096"),
     ("segment_bytes", {"memory": 4 * 1024**3}, "segment_bytes['memory'] must be at most 1 GiB"),
+    # The tier name first: a misspelt tier with a small value was told only its size.
+    ("segment_bytes", {"mem": 1}, "unknown tier 'mem'"),
     ("map_chunk_bytes", 32, "map_chunk_bytes must be an integer number of bytes >= 4096"),
     ("orphan_ttl_s", float("inf"), "orphan_ttl_s must be at most 1e+09"),
     ("stall_timeout_s", 1e17, "stall_timeout_s must be at most 1e+09"),
