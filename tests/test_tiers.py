@@ -444,9 +444,23 @@ class TestRemoteTierLocalFiles(TierConformance):
             d = os.path.dirname(d)
         tier.release_shuffle("priv")
 
-    def test_no_partial_file_visible(self, tier, tmp_path):
+    def test_no_partial_file_visible(self, tier, tmp_path, monkeypatch):
         _, payload = _payload(7)
+        final = tier.segment_path(SegmentId("vis", 0, 0, 0))
+        seen = []  # (path the bytes went to, whether the segment's path existed then)
+        pipe_file = tier.fs.pipe_file
+
+        def watched(path, value, **kwargs):
+            pipe_file(path, value, **kwargs)
+            if path.endswith(".seg") or ".seg." in path:
+                seen.append((path, os.path.exists(final)))
+
+        monkeypatch.setattr(tier.fs, "pipe_file", watched)
         meta = tier.write(SegmentId("vis", 0, 0, 0), payload)
+        # The bytes went to a temporary name, and the segment's path appeared only whole.
+        assert len(seen) == 1 and seen[0][0] != final, seen
+        assert seen[0][0].endswith(".inprogress") and seen[0][1] is False, seen
+        assert meta.location == final
         assert not [f for f in files_under(str(tmp_path)) if f.endswith(".inprogress")]
         assert os.path.getsize(meta.location) == len(payload)
 
