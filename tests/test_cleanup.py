@@ -93,11 +93,18 @@ def test_spill_sweep_keeps_recent_and_listed_shuffles(tmp_path):
     a, b = f"shf-{uuid.uuid4().hex[:12]}", f"shf-{uuid.uuid4().hex[:12]}"
     _write_disk(spill, a)
     _write_disk(spill, b)
+    before = _snapshot_local(spill)
     recent = sweep_spill_dirs([spill], older_than_s=3600)
     assert recent.removed == [] and len(recent.kept_recent) == 2
+    assert _snapshot_local(spill) == before  # kept: every byte still there
     result = sweep_spill_dirs([spill], older_than_s=0, keep={a})
     assert [os.path.basename(p) for p in result.removed] == [b]
     assert [os.path.basename(p) for p in result.kept_live] == [a]
+    # The live one's files all stay, the other's directory is gone.
+    assert _snapshot_local(spill) == {k: v for k, v in before.items()
+                                      if not k.startswith(f"hybrid_ray/{b}/")}
+    assert any(k.startswith(f"hybrid_ray/{a}/sub-") for k in before)
+    assert not os.path.exists(os.path.join(spill, "hybrid_ray", b))
 
 
 def test_a_single_path_given_as_spill_dirs_is_refused_not_swept_per_character(
