@@ -73,9 +73,15 @@ def test_tier_manager_closes_remote_tiers_no_registered_shuffle_uses(tmp_path):
     tiers = {s: tm.remote_tier(s) for s in configs}
     assert len({id(t) for t in tiers.values()}) == len(configs)
     assert {t.job_id for t in tiers.values()} == {c.job_id for c in configs.values()}
+    pools = {s: t.io_pool() for s, t in tiers.items()}  # each with transfer threads
     for shuffle_id in configs:
         tm.release_shuffle(shuffle_id)
-    assert len(tm._remotes) <= REMOTE_TIERS_KEPT
+    # The newest REMOTE_TIERS_KEPT stay open; the older ones were closed: their transfer
+    # threads stopped, and they are no longer held.
+    kept = list(configs)[-REMOTE_TIERS_KEPT:]
+    assert sorted(id(t) for t in tm._remotes.values()) == sorted(id(tiers[s]) for s in kept)
+    for shuffle_id, pool in pools.items():
+        assert pool._shutdown == (shuffle_id not in kept), shuffle_id
 
 
 
