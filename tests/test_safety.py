@@ -194,9 +194,14 @@ def test_remote_delete_of_another_shuffle_s_object_or_a_non_segment_is_refused(t
             tier.delete(forged)
     assert_intact(other_shuffle)
     assert_intact(beside)
-    # A segment of the shuffle itself still goes.
+    # A segment of the shuffle itself still goes (and only it).
     segment = SegmentId("shf-1", 0, 0, 0)
+    kept = tier.write(SegmentId("shf-1", 0, 0, 1), PAYLOAD)
+    meta = tier.write(segment, PAYLOAD)
+    assert meta.location == tier.segment_path(segment) and os.path.exists(meta.location)
     tier.delete(SegmentMeta(segment, TierName.REMOTE, 9, 1, "", tier.segment_path(segment)))
+    assert not os.path.exists(meta.location) and not tier.has(segment)
+    assert os.path.exists(kept.location)
 
 
 # ---- unsafe spill dirs (item 3) ---------------------------------------------------------------
