@@ -27,8 +27,7 @@ from typing import Any
 import fsspec
 
 from hybrid_ray import ids
-from hybrid_ray.config import validate_remote_path
-from hybrid_ray.errors import ConfigError
+from hybrid_ray.config import refuse_single_spill_dir, validate_remote_path
 from hybrid_ray.ids import require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
@@ -99,9 +98,7 @@ def expand_spill_dirs(patterns: Iterable[str]) -> list[str]:
     ``ConfigError`` for a single path instead of a list: taken one character at a time,
     "spill" swept "s", "p", "i", "l" below the working directory (and "/x" swept "/"),
     removing what was found there, and never the dir it named."""
-    if isinstance(patterns, (str, bytes, os.PathLike)):
-        raise ConfigError(f"spill_dirs must be a list of directories, got a single path "
-                          f"{patterns!r}: write [{patterns!r}]")
+    refuse_single_spill_dir(patterns)
     out: list[str] = []
     for pattern in patterns:
         if "{node_id}" in pattern:

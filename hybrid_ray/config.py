@@ -169,6 +169,15 @@ def _require_count(name: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
+def refuse_single_spill_dir(spill_dirs: Any) -> None:
+    """ConfigError for one path given where a list of spill dirs belongs: iterated, it is
+    one directory per character ("/" among them). Every place that takes spill dirs from a
+    caller checks this (``ShuffleConfig``, ``DiskTier``, the cleanup sweeps)."""
+    if isinstance(spill_dirs, (str, bytes, os.PathLike)):
+        raise ConfigError(f"spill_dirs must be a list of directories, got a single path "
+                          f"{spill_dirs!r}: write spill_dirs=[{spill_dirs!r}]")
+
+
 def _check_transfer_timeouts(storage_options: Mapping[str, Any]) -> None:
     """The remote tier bounds each call by ``config_kwargs``' connect and read timeouts
     (``tiers.remote.call_deadline_s``): each must be a positive number of seconds, or a
@@ -311,11 +320,7 @@ class ShuffleConfig:
         if self.max_concurrent_reducers is not None:
             _require_count("max_concurrent_reducers", self.max_concurrent_reducers)
 
-        if isinstance(self.spill_dirs, (str, bytes, os.PathLike)):
-            raise ConfigError(
-                "spill_dirs must be a list of directories, e.g. spill_dirs=['/mnt/nvme0'], "
-                f"got the single string {self.spill_dirs!r}"
-            )
+        refuse_single_spill_dir(self.spill_dirs)
         try:
             dirs = tuple(self.spill_dirs)
         except TypeError:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybrid_ray.config import TierName
+from hybrid_ray.config import TierName, refuse_single_spill_dir
 from hybrid_ray.errors import (
     ConfigError, OutOfSpaceError, SegmentNotFoundError, SpillDirError, UnsafePathError,
 )
@@ -320,9 +320,7 @@ class DiskTier(Tier):
         # single path was taken as one spill dir per character ("/" among them), and a
         # relative dir created below the working directory (its segments' locations are
         # then never accepted for deletion: ``require_segment_file`` wants them absolute).
-        if isinstance(spill_dirs, (str, bytes, os.PathLike)):
-            raise ConfigError(f"spill_dirs must be a list of directories, got a single path "
-                              f"{spill_dirs!r}: write spill_dirs=[{spill_dirs!r}]")
+        refuse_single_spill_dir(spill_dirs)
         if not spill_dirs:
             raise ValueError("spill_dirs must name at least one directory")
         relative = [d for d in spill_dirs if not os.path.isabs(d)]
