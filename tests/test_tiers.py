@@ -787,3 +787,48 @@ def test_a_job_directory_removed_while_a_writer_creates_its_shuffle_directory(tm
     monkeypatch.setattr(disk_module.os, "mkdir", mkdir)
     meta = writer.write(b, _payload(9, b)[1])
     assert fired and bytes(writer.read(meta)) == _payload(9, b)[1]
+
+
+def test_private_file_written_by_two_threads_at_once_both_succeed(tmp_path, monkeypatch):
+    """Two threads of one process writing the same file (a shuffle's marker, written by
+    whichever writer comes first) each write under a temporary name of their own. They
+    shared one per process: the second truncated the first's temporary file, renamed it
+    into place, and the first's rename then failed (FileNotFoundError) and failed its map.
+    """
+    import threading
+
+    from hybrid_ray.tiers import disk
+
+    target = str(tmp_path / "marker")
+    first_in_replace = threading.Event()
+    second_done = threading.Event()
+    real_replace = os.replace
+    calls = []
+
+    def replace_waiting_for_the_other(src, dst):
+        calls.append(src)
+        if len(calls) == 1:  # the first writer pauses just before its rename
+            first_in_replace.set()
+            assert second_done.wait(10)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_waiting_for_the_other)
+    errors: list[BaseException] = []
+
+    def write(payload: bytes) -> None:
+        try:
+            disk.write_private_file(target, payload)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    first = threading.Thread(target=write, args=(b"A" * 1000,))
+    first.start()
+    assert first_in_replace.wait(10)
+    write(b"B" * 1000)
+    second_done.set()
+    first.join(10)
+    assert errors == []
+    assert len(set(calls)) == 2  # two temporary names
+    with open(target, "rb") as f:
+        assert f.read() == b"A" * 1000  # the last rename wins, whole
+    assert sorted(os.listdir(tmp_path)) == ["marker"]

@@ -24,6 +24,7 @@ import re
 import shutil
 import stat
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -573,8 +574,12 @@ def map_segment_file(meta: SegmentMeta) -> pa.Buffer:
 
 def write_private_file(path: str, payload: bytes | memoryview) -> None:
     """Write ``payload`` to ``path`` as a 0600 file, under a temporary name renamed into
-    place when complete (a reader never sees half a file). Raises ``OSError``."""
-    tmp = f"{path}.{os.getpid()}.inprogress"
+    place when complete (a reader never sees half a file). Raises ``OSError``.
+
+    The temporary name is the writing thread's own: two threads of one process writing
+    the same file (a shuffle's marker) shared one per process, and the second truncated
+    the first's half-written file, renamed it into place, and failed the first's rename."""
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
