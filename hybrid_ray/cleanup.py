@@ -27,7 +27,9 @@ from typing import Any
 import fsspec
 
 from hybrid_ray import ids
-from hybrid_ray.config import refuse_single_spill_dir, validate_remote_path
+from hybrid_ray.config import (
+    refuse_single_spill_dir, validate_remote_path, validate_storage_options,
+)
 from hybrid_ray.ids import require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
@@ -216,11 +218,14 @@ def find_remote_orphans(remote_path: str, storage_options: Mapping[str, Any] | N
     """Marked shuffle directories ``remote_path/<job>/<shuffle>``. Only two levels of
     names are listed, and only marked directories are read further.
 
-    ``remote_path`` is checked as a remote tier's is (``ConfigError`` for a bad one, a
-    glob character included); the filesystem gets the remote tier's bounded timeouts and
-    every single-request call a deadline; credentials never appear in the plan's paths or
-    errors."""
+    ``remote_path`` and ``storage_options`` are checked as a remote tier's are
+    (``ConfigError`` for a bad one, a glob character or a bad timeout included); the
+    filesystem gets the remote tier's bounded timeouts and every single-request call a
+    deadline; credentials never appear in the plan's paths or errors."""
     remote_path = validate_remote_path(remote_path)
+    # Checked as a ShuffleConfig's are: a bad config_kwargs failed below with a bare
+    # TypeError or ValueError, outside every handler (a traceback from the CLI).
+    storage_options = validate_storage_options(storage_options or {})
     redactor = Redactor(remote_path, storage_options)
     plan = plan or Plan()
     options = filesystem_options(remote_path, storage_options)

@@ -178,6 +178,26 @@ def refuse_single_spill_dir(spill_dirs: Any) -> None:
                           f"{spill_dirs!r}: write spill_dirs=[{spill_dirs!r}]")
 
 
+def validate_storage_options(storage_options: Any) -> dict[str, Any]:
+    """``storage_options`` as a dict, or ``ConfigError`` naming what is wrong and the fix.
+    The one check of every public entry point taking them (``ShuffleConfig``, the cleanup
+    sweeps and ``hybrid-ray cleanup --storage-options``): unchecked, a non-mapping
+    ``config_kwargs`` or ``client_kwargs`` or a timeout that is no number failed with a
+    bare TypeError or ValueError (a traceback from the CLI) before anything was examined.
+    The message never quotes a value: the options hold credentials."""
+    if not isinstance(storage_options, Mapping) \
+            or not all(isinstance(k, str) for k in storage_options):
+        raise ConfigError("storage_options must be a mapping of fsspec options with "
+                          "string keys, e.g. {'key': ..., 'secret': ...}")
+    client_kwargs = storage_options.get("client_kwargs")
+    if client_kwargs is not None and not isinstance(client_kwargs, Mapping):
+        raise ConfigError("storage_options['client_kwargs'] must be a mapping of the "
+                          "storage client's options (e.g. {'endpoint_url': ...}), got "
+                          f"{type(client_kwargs).__name__}")
+    _check_transfer_timeouts(storage_options)
+    return dict(storage_options)
+
+
 def _check_transfer_timeouts(storage_options: Mapping[str, Any]) -> None:
     """The remote tier bounds each call by ``config_kwargs``' connect and read timeouts
     (``tiers.remote.call_deadline_s``): each must be a positive number of seconds, or a
@@ -354,12 +374,7 @@ class ShuffleConfig:
                                   f"{size!r}: segments of a few MiB (e.g. 8 * MiB) serve best")
         set_("segment_bytes", sizes)
 
-        if not isinstance(self.storage_options, Mapping) \
-                or not all(isinstance(k, str) for k in self.storage_options):
-            raise ConfigError("storage_options must be a mapping of fsspec options with "
-                              "string keys, e.g. {'key': ..., 'secret': ...}")
-        set_("storage_options", dict(self.storage_options))
-        _check_transfer_timeouts(self.storage_options)
+        set_("storage_options", validate_storage_options(self.storage_options))
         if self.remote_path is not None:
             set_("remote_path", validate_remote_path(self.remote_path))
             if self.remote_path.split("://", 1)[0] == "memory":

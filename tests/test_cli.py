@@ -262,6 +262,28 @@ def test_cleanup_reads_storage_options_from_a_file_or_the_environment(tmp_path, 
         _storage_options(None)
 
 
+
+@pytest.mark.parametrize("options", [{"config_kwargs": {"read_timeout": "x"}},
+                                     {"config_kwargs": 5}, {"client_kwargs": 5}])
+def test_cleanup_refuses_bad_storage_options_with_a_message_not_a_traceback(tmp_path,
+                                                                            options):
+    """``cleanup --remote-path`` took --storage-options unchecked: a config_kwargs that is
+    no mapping, or a timeout that is no number, ended it in a TypeError or ValueError
+    traceback (a client_kwargs that is none in an error per path) (found by a review).
+    Refused as a ShuffleConfig refuses them: exit code 2, the option named, no value
+    quoted, nothing examined."""
+    import json
+
+    opts = tmp_path / "opts.json"
+    opts.write_text(json.dumps({**options, "secret": "s3cr3t-value"}))
+    proc, _ = _cli("cleanup", "--no-cluster", "--spill-dir", str(tmp_path),
+                   "--remote-path", "s3://bucket/prefix", "--storage-options", f"@{opts}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    name = next(iter(options))
+    assert f"hybrid-ray cleanup: storage_options['{name}']" in proc.stderr
+    assert "s3cr3t" not in proc.stdout + proc.stderr
+
 _STOPPED_GCS_PARENT = r'''
 import os, signal, subprocess, sys, tempfile, time
 import ray

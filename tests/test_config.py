@@ -148,3 +148,18 @@ def test_remote_transfer_timeouts_must_be_positive_seconds(timeouts):
         ShuffleConfig(storage_options={"config_kwargs": ["read_timeout", 5]})
     ok = ShuffleConfig(storage_options={"config_kwargs": {"read_timeout": 2.5}})
     assert ok.storage_options["config_kwargs"] == {"read_timeout": 2.5}
+
+
+def test_storage_options_client_kwargs_must_be_a_mapping():
+    """A client_kwargs that is no mapping passed ShuffleConfig and failed opening the
+    remote tier with a bare "TypeError: 'int' object is not iterable" (found by a
+    review); the error names the option and the fix, never the values."""
+    from hybrid_ray.tiers.remote import open_remote_tier
+
+    with pytest.raises(ConfigError, match=r"storage_options\['client_kwargs'\] must be a "
+                                          "mapping .* got int"):
+        config = ShuffleConfig(remote_path="s3://bucket/p",
+                               storage_options={"client_kwargs": 5, "secret": "s3cr3t-value"})
+        open_remote_tier(config)  # where it failed before
+    ok = ShuffleConfig(storage_options={"client_kwargs": {"region_name": "eu-west-1"}})
+    assert ok.storage_options["client_kwargs"] == {"region_name": "eu-west-1"}
