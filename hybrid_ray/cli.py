@@ -33,6 +33,22 @@ def _parse_timeout(text: str) -> float:
     return value
 
 
+def _parse_namespace(text: str) -> str:
+    """A Ray namespace a shuffle master can live in (``ShuffleConfig`` refuses any other,
+    ``hybrid_ray.ids``): asked about one that cannot hold a master, a typo ("hybrid ray")
+    or a shell-mangled value, ``status`` answered "no shuffle has run on this cluster
+    yet" with exit code 0, as if the cluster were idle."""
+    from hybrid_ray.errors import InvalidIdError
+    from hybrid_ray.ids import check_id
+
+    try:
+        return check_id("namespace", text)
+    except InvalidIdError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; give the namespace of the ShuffleConfig "
+                                         "the shuffles ran with (default hybrid_ray)"
+                                         ) from None
+
+
 def _parse_duration(text: str) -> float:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     try:
@@ -390,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     status = sub.add_parser("status", help="shuffles and tier usage of a running cluster")
     status.add_argument("--address", default=None)
-    status.add_argument("--namespace", default="hybrid_ray")
+    status.add_argument("--namespace", type=_parse_namespace, default="hybrid_ray",
+                        help="the ShuffleConfig's namespace (default hybrid_ray)")
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout", type=_parse_timeout, default=DEFAULT_TIMEOUT_S,
                         help="bound on connecting and on each call (default 15s)")

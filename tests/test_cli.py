@@ -68,6 +68,20 @@ def test_bad_timeouts_and_demo_arguments_are_refused_before_anything_runs():
         assert "Traceback" not in proc.stderr and elapsed < 30
 
 
+def test_status_refuses_a_namespace_no_shuffle_master_can_have():
+    """``status --namespace 'hybrid ray'`` (or any name ShuffleConfig refuses) asked the
+    cluster for a master that cannot exist and answered "no shuffle has run on this
+    cluster yet" with exit code 0 (found by a review): refused before connecting, naming
+    the option and the rule. (A dead address: the connection is never tried.)"""
+    address = f"127.0.0.1:{_closed_port()}"
+    for namespace in ("hybrid ray", "../etc", ""):
+        proc, _ = _cli("status", "--address", address, "--namespace", namespace, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert "argument --namespace: namespace" in proc.stderr, proc.stderr
+        assert "no Ray cluster reachable" not in proc.stderr
+    proc, _ = _cli("status", "--address", address, "--namespace", "etl.daily-2", timeout=60)
+    assert "no Ray cluster reachable" in proc.stderr, proc.stderr  # a valid one is asked
+
 def test_status_of_a_dead_address_fails_fast_naming_it():
     """Was: no answer after 150 s (ray.init retrying the dead GCS)."""
     address = f"127.0.0.1:{_closed_port()}"
