@@ -270,6 +270,24 @@ def test_a_disk_tier_refuses_a_single_path_or_relative_spill_dirs(tmp_path, monk
     assert os.listdir(tmp_path) == []  # nothing created, in the working directory or else
 
 
+@pytest.mark.parametrize("spelling", ["{d}//spill", "{d}/spill/../spill", "{d}/./spill/"])
+def test_a_disk_tier_over_a_non_normal_spill_dir_deletes_what_it_wrote(tmp_path, spelling):
+    """A DiskTier built directly over an absolute but non-normal spill dir ('/mnt//spill',
+    '/mnt/x/../spill') wrote segments at locations spelt that way, and every deletion of
+    them was then refused as "not a hybrid_ray segment file" (deletions take normal
+    locations only): the files stayed until the shuffle's release (found by a review)."""
+    from hybrid_ray.segment import encode_segment
+
+    tier = DiskTier(MiB, [spelling.format(d=tmp_path)])
+    segment = SegmentId("shf-1", 0, 0, 0)
+    meta = tier.write(segment, bytes(encode_segment(pa.table({"x": [1]}), segment)))
+    assert meta.location == os.path.join(str(tmp_path), "spill", "hybrid_ray", "shf-1",
+                                         "sub-00000", segment.file_name)
+    tier.delete(meta)  # refused before
+    assert not os.path.exists(meta.location)
+    tier.remove_shuffle_data("shf-1")
+    assert os.listdir(tmp_path / "spill" / "hybrid_ray") == []
+
 def test_own_symlink_to_a_spill_dir_and_a_sticky_shared_dir_are_fine(tmp_path):
     (tmp_path / "nvme").mkdir()
     os.symlink(tmp_path / "nvme", tmp_path / "spill")

@@ -328,7 +328,12 @@ class DiskTier(Tier):
         if relative:
             raise ConfigError(f"spill dir {relative[0]!r} is relative: give absolute paths "
                               "(os.path.abspath(...))")
-        self.spill_dirs = tuple(spill_dirs)
+        # Normalised (not resolved: a symlinked spill dir stays as given, as ShuffleConfig
+        # keeps it): a segment's location is this path joined with its name, and
+        # deletions accept only normal locations (``require_segment_file``), so a tier over
+        # '/mnt//spill' or '/mnt/x/../spill' wrote segments whose every deletion was refused.
+        # (ShuffleConfig normalises its spill_dirs; a tier built directly did not.)
+        self.spill_dirs = tuple(dict.fromkeys(os.path.normpath(d) for d in spill_dirs))
         self.min_reserve_fraction = min_reserve_fraction
         self._capacity = capacity_bytes
         # Bytes granted but not yet written, per (directory, shuffle): statvfs cannot see
