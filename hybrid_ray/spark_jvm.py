@@ -513,9 +513,12 @@ def _drop_late_write(tm: TierManager, tier: Any, shuffle_id: str, write: Any) ->
         tier.fs.rm_file(write.result())
         if tm.was_released(shuffle_id):
             tier.remove_shuffle_data(shuffle_id)
-    except Exception:  # noqa: BLE001 - a leftover for `hybrid-ray cleanup` at worst
-        _LOG.warning("removing a late JVM remote write of shuffle %s failed", shuffle_id,
-                     exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - a leftover for `hybrid-ray cleanup` at worst
+        # Scrubbed, and without the traceback: s3fs/botocore quote the endpoint URL, user
+        # and password included ('Could not connect to the endpoint URL: "http://user:
+        # pass@host/..."'), and the tier manager's log is readable by whoever reads Ray's.
+        _LOG.warning("removing a late JVM remote write of shuffle %s failed: %s", shuffle_id,
+                     tier.scrub(f"{type(exc).__name__}: {exc}"))
 
 
 def read_remote(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) -> bytes:

@@ -446,6 +446,36 @@ def test_remote_errors_on_io_hide_credentials(tmp_path, monkeypatch):
     assert_no_secret("".join(traceback.format_exception(info.value)))
 
 
+def test_a_late_jvm_write_s_failed_removal_logs_no_credentials(tmp_path, monkeypatch, caplog):
+    """A JVM remote write that landed after ``write_remote`` gave up is removed in the
+    background; its failure was logged with the raw library exception and its traceback
+    (``exc_info``), and s3fs/botocore quote the endpoint URL whole ('Could not connect to
+    the endpoint URL: "http://user:pass@host/..."') (found by a review)."""
+    import concurrent.futures
+    import logging
+
+    from hybrid_ray.spark_jvm import _drop_late_write
+
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1",
+                      {"auto_mkdir": True, "password": OPT_SECRET}, check_reachable=False)
+
+    def leaky(path, *a, **kw):
+        raise OSError(f"backend said: bad signature for password {OPT_SECRET}")
+
+    monkeypatch.setattr(tier.fs, "rm_file", leaky)
+    landed: concurrent.futures.Future[str] = concurrent.futures.Future()
+    landed.set_result(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg")
+
+    class Released:
+        @staticmethod
+        def was_released(shuffle_id: str) -> bool:
+            return True
+
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray.spark_jvm"):
+        _drop_late_write(Released(), tier, "shf-1", landed)
+    assert "backend said" in caplog.text  # the failure is still said
+    assert_no_secret(caplog.text)
+
 def test_bad_remote_path_message_hides_credentials():
     with pytest.raises(ConfigError, match="knows no protocol") as info:
         ShuffleConfig(remote_path=f"nosuch://bucket/x?sig={URL_SECRET}")

@@ -138,6 +138,11 @@ class RemoteTier(Tier):
             raise error from exc
         raise error from None
 
+    def scrub(self, text: Any) -> str:
+        """``str(text)`` with this tier's credentials (of its remote_path and
+        storage_options) hidden: for a library's error a caller reports itself."""
+        return self._redactor.scrub(text)
+
     def check_reachable(self) -> None:
         """Fail now, with the fix, if the remote path cannot be written."""
         # Unique per call: every shuffle of a driver probes the same tier, and with one
