@@ -233,6 +233,25 @@ def test_remote_sweep_on_a_shared_s3_prefix_removes_only_ours(s3_bucket):
     _check_remote_sweep(remote_path, options)
 
 
+def test_remote_sweep_keeps_an_object_named_like_the_shuffle_s_directory(s3_bucket):
+    """On S3 an object may have the key of a shuffle's directory (``job/shf-x``) beside
+    the tree below it; it is not hybrid_ray's, and removing the orphaned tree deleted it
+    too (a recursive rm of the prefix takes the prefix's own key) (found by a review)."""
+    import fsspec
+
+    from hybrid_ray.cleanup import sweep_remote
+
+    remote_path, options = s3_bucket
+    fs, root = fsspec.core.url_to_fs(remote_path, **options)
+    ours = _remote_setup(remote_path, options, fs, root)
+    users = f"{root}/job-cafe/{ours}"
+    fs.pipe_file(users, b"a user's object")
+    result = sweep_remote(remote_path, older_than_s=0, storage_options=options)
+    assert result.errors == [] and len(result.removed) == 1
+    fs.invalidate_cache()
+    assert fs.cat_file(users) == b"a user's object"
+    assert [f for f in fs.find(users) if f != users] == []  # ours all gone
+
 # ---- live shuffles ------------------------------------------------------------------------
 def test_a_live_shuffle_survives_cleanup_with_older_than_0(ray_local, tmp_path, s3_bucket):
     """Was: ``--older-than 0s`` deleted a running shuffle's data. The masters of every

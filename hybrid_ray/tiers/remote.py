@@ -503,11 +503,9 @@ def remove_remote_tree(fs: Any, path: str) -> None:
     calls get no per-call deadline (``call_deadline_s`` is sized for one request; a tree
     of many objects takes longer to list and delete, and a cut-off delete left data
     behind); each request inside them is bounded by the filesystem's own timeouts.
-    ``path`` must be literal (no glob characters: see ``require_inside_remote``)."""
-    try:
-        files = fs.find(path)
-    except FileNotFoundError:
-        return
+    ``path`` must be literal (no glob characters: see ``require_inside_remote``). Only
+    what lies strictly below ``path`` is removed (``_tree_below``)."""
+    files = _tree_below(fs, path)
     data = [f for f in files if posixpath.basename(f) != SHUFFLE_MARKER_NAME]
     if data:
         try:
@@ -518,30 +516,51 @@ def remove_remote_tree(fs: Any, path: str) -> None:
         # the data is looked for again before the marker goes, or the recursive removal
         # below took the marker beside keys that failed, and cleanup never saw them again.
         fs.invalidate_cache(path)
-        try:
-            still = [f for f in fs.find(path)
-                     if f and posixpath.basename(f) != SHUFFLE_MARKER_NAME]
-        except FileNotFoundError:
-            still = []
+        still = [f for f in _tree_below(fs, path)
+                 if posixpath.basename(f) != SHUFFLE_MARKER_NAME]
         if still:
             raise OSError(errno.ENOTEMPTY, f"{len(still)} object(s) still under the "
                           f"shuffle's remote directory after deleting them, first "
                           f"{still[0]}; its marker stays")
     try:
-        fs.rm(path, recursive=True)
+        if _is_object_store(fs):
+            # The keys left below the prefix (the marker), by name: a recursive rm of the
+            # prefix also deletes an object whose key is the prefix itself (fsspec's
+            # expand_path adds the path), someone else's object hybrid_ray never wrote.
+            left_keys = _tree_below(fs, path)
+            if left_keys:
+                fs.rm(left_keys)
+        elif fs.isdir(path):  # a file by that name is not our directory: left alone
+            fs.rm(path, recursive=True)
     except FileNotFoundError:
         pass
     # Whatever each call said: a local rm stops at the first file that vanished, and S3's
     # DeleteObjects answers 200 with per-key errors, which s3fs does not raise. A tree
     # not gone raises, so the caller retries (and the master keeps the deletion queued).
     fs.invalidate_cache(path)
-    try:
-        left = [f for f in fs.find(path) if f]
-    except FileNotFoundError:
-        return
+    left = _tree_below(fs, path)
     if left:
         raise OSError(errno.ENOTEMPTY, f"{len(left)} object(s) still under the shuffle's "
                       "remote directory after its removal")
+
+
+def _tree_below(fs: Any, path: str) -> list[str]:
+    """The files strictly below directory ``path`` ([] if there are none). Never ``path``
+    itself: on an object store, ``find`` of a prefix with nothing below it answers the
+    object whose key is the prefix, if one exists, and such an object (``job/shf-1``
+    beside the tree ``job/shf-1/...``) is not hybrid_ray's: it never writes one there."""
+    below = fs._strip_protocol(path).rstrip("/") + "/"
+    try:
+        return [f for f in fs.find(path) if f and f.startswith(below)]
+    except FileNotFoundError:
+        return []
+
+
+def _is_object_store(fs: Any) -> bool:
+    """Whether ``fs`` stores flat keys (S3, GCS, Azure: the protocols whose single PUT is
+    atomic, ``_ATOMIC_PUT_PROTOCOLS``), with no directories to remove."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
 
 
 def filesystem_options(remote_path: str, storage_options: Mapping[str, Any] | None
