@@ -20,6 +20,9 @@ public final class HybridRayMapOutputWriter implements ShuffleMapOutputWriter {
   private final long flushBytes;
   private boolean committed;
   private boolean aborted;
+  // Why the attempt was aborted: the cause of every later refusal, so a commit or flush
+  // refused after an abort names the failure that caused it, not only "aborted".
+  private Throwable abortCause;
 
   public HybridRayMapOutputWriter(PartitionSegmenter segmenter, SegmentSink sink,
       long flushBytes) {
@@ -36,7 +39,7 @@ public final class HybridRayMapOutputWriter implements ShuffleMapOutputWriter {
   @Override
   public MapOutputCommitMessage commitAllPartitions(long[] checksums) throws IOException {
     if (aborted) {
-      throw new IOException("map output was aborted; it cannot be committed");
+      throw new IOException("map output was aborted; it cannot be committed", abortCause);
     }
     store(true);
     committed = true;
@@ -49,6 +52,7 @@ public final class HybridRayMapOutputWriter implements ShuffleMapOutputWriter {
       return;
     }
     aborted = true;
+    abortCause = error;
     sink.abort(error);
   }
 
@@ -61,7 +65,8 @@ public final class HybridRayMapOutputWriter implements ShuffleMapOutputWriter {
     if (aborted) {
       // Spark still closes the partition's stream after a failed store, which can flush
       // again: the aborted attempt must not write (and commit) more segments.
-      throw new IOException("map output was aborted; nothing more is stored for it");
+      throw new IOException("map output was aborted; nothing more is stored for it",
+          abortCause);
     }
     try {
       sink.store(segmenter.takePending(), last);

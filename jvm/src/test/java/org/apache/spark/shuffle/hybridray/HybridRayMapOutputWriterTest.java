@@ -174,6 +174,24 @@ class HybridRayMapOutputWriterTest {
   }
 
   @Test
+  void aRefusalAfterAnAbortNamesTheAbortsCause() throws IOException {
+    // Spark's task failure listener aborts with the task's error; a commit or a close
+    // refused afterwards said only "aborted", hiding the failure that caused it.
+    FakeSink sink = new FakeSink();
+    HybridRayMapOutputWriter w = new HybridRayMapOutputWriter(
+        new PartitionSegmenter(KEY, 9L, 2, 64), sink, 1);
+    OutputStream out = w.getPartitionWriter(0).openStream();
+    RuntimeException cause = new RuntimeException("executor lost its upstream input");
+    w.abort(cause);
+    IOException refusedWrite = assertThrows(IOException.class,
+        () -> out.write(bytes(100, 1), 0, 100));
+    assertSame(cause, refusedWrite.getCause());
+    IOException refusedCommit = assertThrows(IOException.class,
+        () -> w.commitAllPartitions(new long[0]));
+    assertSame(cause, refusedCommit.getCause());
+  }
+
+  @Test
   void abortAfterCommitKeepsTheOutput() throws IOException {
     FakeSink sink = new FakeSink();
     HybridRayMapOutputWriter w = new HybridRayMapOutputWriter(
