@@ -44,6 +44,9 @@ final class RaySegmentSink implements SegmentSink {
   static final String DATA_DIR_NAME = "hybrid_ray";
   /** How long an aborting attempt waits for its lease's answer to give the lease back. */
   static final long ABORT_LEASE_WAIT_MS = 1000;
+  /** What a shuffle key may be (hybrid_ray's ids, {@code ids.ID_PATTERN}). */
+  private static final java.util.regex.Pattern SHUFFLE_KEY =
+      java.util.regex.Pattern.compile("[A-Za-z0-9][A-Za-z0-9_.-]{0,127}");
 
   private final HybridRayContext ctx;
   private final int shuffleId;
@@ -429,9 +432,36 @@ final class RaySegmentSink implements SegmentSink {
 
   static Path segmentPath(String spillDir, String shuffleKey, int mapIndex, long mapId,
       int partition, int index) {
+    // The directory is a tier manager's grant and the key comes with the task's handle,
+    // both from other processes: as the reader confines what it opens
+    // (LocalSegmentFiles), the writer confines what it creates. A relative target was
+    // written below the executor's working directory, a key with a separator or ".."
+    // outside the shuffle's directory (where no release removes it), and a negative
+    // number named another segment's file.
+    Path dir;
+    try {
+      dir = Paths.get(spillDir);
+    } catch (java.nio.file.InvalidPathException e) {
+      throw new IllegalArgumentException("hybrid_ray: a disk grant's target '" + spillDir
+          + "' is not a valid path", e);
+    }
+    if (!dir.isAbsolute() || !dir.equals(dir.normalize())) {
+      throw new IllegalArgumentException("hybrid_ray: a disk grant's target '" + spillDir
+          + "' is not an absolute path without '..'; a segment file is only written below "
+          + "a spill dir");
+    }
+    if (shuffleKey == null || !SHUFFLE_KEY.matcher(shuffleKey).matches()) {
+      throw new IllegalArgumentException("hybrid_ray: shuffle key '" + shuffleKey + "' is "
+          + "not an id ([A-Za-z0-9][A-Za-z0-9_.-]{0,127}); it cannot name a directory");
+    }
+    if (mapIndex < 0 || mapId < 0 || partition < 0 || index < 0) {
+      throw new IllegalArgumentException("hybrid_ray: negative map index, attempt, "
+          + "partition or segment index (" + mapIndex + ", " + mapId + ", " + partition
+          + ", " + index + ") in a segment file name");
+    }
     // Locale.ROOT: ASCII digits whatever the executor's locale (see segmentPath's test).
-    return Paths.get(spillDir, DATA_DIR_NAME, shuffleKey,
-        String.format(Locale.ROOT, "sub-%05d", partition),
+    return dir.resolve(DATA_DIR_NAME).resolve(shuffleKey).resolve(
+        String.format(Locale.ROOT, "sub-%05d", partition)).resolve(
         String.format(Locale.ROOT, "m%06d-a%03d-s%06d.seg", mapIndex, mapId, index));
   }
 

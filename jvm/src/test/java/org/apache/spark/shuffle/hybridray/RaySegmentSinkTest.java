@@ -2,6 +2,7 @@ package org.apache.spark.shuffle.hybridray;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertFalse;
+import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.ray.api.exception.RayTimeoutException;
@@ -40,5 +41,27 @@ class RaySegmentSinkTest {
     } finally {
       Locale.setDefault(before);
     }
+  }
+
+  @Test
+  void aSegmentFileIsOnlyNamedBelowAnAbsoluteSpillDirAndItsShufflesDirectory() {
+    // The grant's target comes from a tier manager, the key with the task's handle: a
+    // relative target was written below the executor's working directory, a key with a
+    // separator or '..' outside the shuffle's directory, where no release removes it.
+    String key = "spark-app-1-0";
+    for (String target : new String[] {"", "spill", "relative/spill", "/spill/../etc"}) {
+      assertThrows(IllegalArgumentException.class,
+          () -> RaySegmentSink.segmentPath(target, key, 3, 12345L, 12, 7), target);
+    }
+    for (String bad : new String[] {"..", "../../etc", "a/b", "/abs", ".hidden", ""}) {
+      assertThrows(IllegalArgumentException.class,
+          () -> RaySegmentSink.segmentPath("/spill", bad, 3, 12345L, 12, 7), bad);
+    }
+    assertThrows(IllegalArgumentException.class,
+        () -> RaySegmentSink.segmentPath("/spill", key, 3, 12345L, -1, 7));
+    assertThrows(IllegalArgumentException.class,
+        () -> RaySegmentSink.segmentPath("/spill", key, 3, -5L, 1, 7));
+    assertEquals(Paths.get("/spill/hybrid_ray/spark-app-1-0/sub-00012/m000003-a12345-s000007.seg"),
+        RaySegmentSink.segmentPath("/spill", key, 3, 12345L, 12, 7));
   }
 }
