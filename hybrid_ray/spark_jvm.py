@@ -489,8 +489,9 @@ def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> d
         raise ConfigError(f"Spark shuffle {shuffle_id!r} has no remote tier on node "
                           f"{tm.node_id} (start Spark with a ShuffleConfig that has "
                           "remote_path, through spark_bridge.init_spark)")
-    segment = SegmentId(shuffle_id, int(request["map_index"]), int(request["partition"]),
-                        int(request["index"]), int(request["map_id"]), tier.job_id)
+    segment = SegmentId(shuffle_id, *(_segment_number(request, field) for field in
+                                      ("map_index", "partition", "index", "map_id")),
+                        tier.job_id)
     # On the tier's transfer threads, waited for within its bound (``RemoteTier.outcome``):
     # this runs in the tier manager, one call at a time, and a sync filesystem (NFS through
     # file://) has no per-call deadline: a hung one held the tier manager for good.
@@ -503,6 +504,17 @@ def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> d
         # that tree after the tier managers' release, and this write may land after it).
         write.add_done_callback(functools.partial(_drop_late_write, tm, tier, shuffle_id))
         raise
+
+
+def _segment_number(request: Mapping[str, Any], field: str) -> int:
+    """A JVM request's ``field`` that names a segment's object: a whole number >= 0. A
+    negative partition was stored as ``sub--0001``, a name no deletion accepts (they
+    require ``sub-<digits>``), and the object stayed until the shuffle's whole tree went."""
+    value = request.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"a JVM segment request's {field} must be a whole number >= 0, "
+                          f"got {value!r}")
+    return value
 
 
 def _drop_late_write(tm: TierManager, tier: Any, shuffle_id: str, write: Any) -> None:

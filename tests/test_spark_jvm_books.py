@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from hybrid_ray.master import ShuffleRegistry
 from hybrid_ray.spark_jvm import abort, commit, locate, register
 
@@ -437,3 +439,24 @@ def test_a_jvm_remote_write_for_a_released_shuffle_says_so(tmp_path) -> None:
             as info:
         write_remote(tm, request, b"x" * 100)
     assert "remote_path" not in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["map_index", "partition", "index", "map_id"])
+def test_a_jvm_remote_write_with_a_negative_number_is_refused_before_writing(
+        tmp_path, field) -> None:
+    """A JVM request's numbers name the segment's remote object. A negative partition was
+    stored as ``sub--0001``, a name ``RemoteTier.delete`` refuses (it requires
+    ``sub-<digits>``): the object stayed until the whole tree went at the release."""
+    import os
+
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.spark_jvm import write_remote
+
+    tm, tier, _ = _tier_manager_with_a_remote_tier(tmp_path)
+    request = {"shuffle": SHUFFLE, "map_index": 0, "partition": 0, "index": 0, "map_id": 7}
+    request[field] = -1
+    with pytest.raises(ConfigError, match=f"{field} must be a whole number >= 0, got -1"):
+        write_remote(tm, request, b"x" * 100)
+    written = [f for _, _, files in os.walk(tmp_path / "remote") for f in files
+               if not f.startswith(".")]
+    assert written == []
