@@ -77,6 +77,9 @@ public final class HybridRayContext {
   /** How often the sender looks at the answers of the commits it sent. */
   static final long SENT_COMMITS_CHECK_MS = 1000;
 
+  /** The largest segment (hybrid_ray's ``config.MAX_SEGMENT_BYTES``, 1 GiB). */
+  static final long MAX_SEGMENT_BYTES = 1L << 30;
+
   private static HybridRayContext instance;
   // The last session file the driver read and its token (guarded by the class): the file
   // is gone once Spark has started, and the driver's context is made later than that.
@@ -133,13 +136,15 @@ public final class HybridRayContext {
   HybridRayContext(SparkConf conf) {
     this.namespace = conf.get(CONF_NAMESPACE, "hybrid_ray");
     this.configJson = conf.get(CONF_CONFIG, "{}");
-    this.segmentBytes = (int) conf.getSizeAsBytes(CONF_SEGMENT_BYTES, "4m");
-    this.flushBytes = conf.getSizeAsBytes(CONF_FLUSH_BYTES, "32m");
-    this.packBytes = conf.getSizeAsBytes(CONF_PACK_BYTES, "512k");
-    this.leaseBytes = conf.getSizeAsBytes(CONF_LEASE_BYTES, "4m");
-    this.fetchTimeoutMs = conf.getTimeAsMs(CONF_FETCH_TIMEOUT_MS, "10min");
-    this.callTimeoutMs = conf.getTimeAsMs(CONF_CALL_TIMEOUT_MS, "2min");
-    this.commitWaitMs = conf.getTimeAsMs(CONF_COMMIT_WAIT_MS, "30s");
+    // Checked here, each naming its setting: a segment size cast to int from "4g" was 0,
+    // from "2g" negative, and failed later with an error that named no setting.
+    this.segmentBytes = (int) sizeSetting(conf, CONF_SEGMENT_BYTES, "4m", 1, MAX_SEGMENT_BYTES);
+    this.flushBytes = sizeSetting(conf, CONF_FLUSH_BYTES, "32m", 1, Long.MAX_VALUE);
+    this.packBytes = sizeSetting(conf, CONF_PACK_BYTES, "512k", 0, MAX_SEGMENT_BYTES);
+    this.leaseBytes = sizeSetting(conf, CONF_LEASE_BYTES, "4m", 0, Long.MAX_VALUE);
+    this.fetchTimeoutMs = timeSetting(conf, CONF_FETCH_TIMEOUT_MS, "10min", 1);
+    this.callTimeoutMs = timeSetting(conf, CONF_CALL_TIMEOUT_MS, "2min", 1);
+    this.commitWaitMs = timeSetting(conf, CONF_COMMIT_WAIT_MS, "30s", 0);
     // Parsed once here: the session tag needs it, and requests embed it (configNode()).
     JsonNode config;
     try {
@@ -159,6 +164,52 @@ public final class HybridRayContext {
         LOG.warn("hybrid_ray: checking sent calls failed: {}", e.toString());
       }
     }, SENT_COMMITS_CHECK_MS, SENT_COMMITS_CHECK_MS, TimeUnit.MILLISECONDS);
+  }
+
+  /**
+   * Size setting {@code key} in bytes (Spark's notation: {@code 4m}, {@code 512k}), or an
+   * IllegalArgumentException naming the setting, its value and the range it must be in.
+   */
+  static long sizeSetting(SparkConf conf, String key, String dflt, long min, long max) {
+    String raw = conf.get(key, dflt);
+    long value;
+    try {
+      value = conf.getSizeAsBytes(key, dflt);
+    } catch (RuntimeException e) {
+      throw new IllegalArgumentException("hybrid_ray: " + key + "=" + raw + " is not a size "
+          + "in bytes; give one such as 4m or 512k (default " + dflt + ")", e);
+    }
+    return inRange(key, raw, value, "bytes", dflt, min, max);
+  }
+
+  /**
+   * Time setting {@code key} in milliseconds (Spark's notation: {@code 30s}, {@code 2min}),
+   * at least {@code min}, or an IllegalArgumentException naming the setting and its value.
+   */
+  static long timeSetting(SparkConf conf, String key, String dflt, long min) {
+    String raw = conf.get(key, dflt);
+    long value;
+    try {
+      value = conf.getTimeAsMs(key, dflt);
+    } catch (RuntimeException e) {
+      throw new IllegalArgumentException("hybrid_ray: " + key + "=" + raw + " is not a "
+          + "duration; give one such as 30s or 2min (default " + dflt + ")", e);
+    }
+    return inRange(key, raw, value, "ms", dflt, min, Long.MAX_VALUE);
+  }
+
+  /**
+   * {@code value} (setting {@code key} given as {@code raw}) if it lies in [min, max], else
+   * an IllegalArgumentException naming the setting, its value and the range.
+   */
+  static long inRange(String key, String raw, long value, String unit, String dflt, long min,
+      long max) {
+    if (value < min || value > max) {
+      throw new IllegalArgumentException("hybrid_ray: " + key + "=" + raw + " is " + value
+          + " " + unit + "; it must be between " + min + " and " + max + " " + unit
+          + " (default " + dflt + ")");
+    }
+    return value;
   }
 
   static boolean isDriver(SparkConf conf) {
