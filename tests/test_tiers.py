@@ -446,6 +446,34 @@ def test_s3_release_keeps_an_object_named_like_the_shuffle_s_directory(s3_bucket
         if writes:
             assert not tier.fs.exists(meta.location)
 
+
+@pytest.mark.parametrize("protocol", ["abfss", "adl", "oss", "gcs"])
+def test_release_on_any_object_store_keeps_an_object_named_like_the_shuffle(protocol):
+    """As on S3 (above), on every flat-key store: only s3, gs, abfs and the like were told
+    apart, so on a store known by another protocol name (``abfss``: Azure over TLS) the
+    recursive rm of the shuffle's prefix deleted a user's object keyed by it."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from hybrid_ray.tiers.remote import remove_remote_tree
+
+    class FlatKeyStore(MemoryFileSystem):
+        """A flat-key store by ``protocol``: a key may be a prefix of other keys."""
+        store: dict = {}
+        pseudo_dirs = [""]
+        cachable = False
+
+    FlatKeyStore.protocol = (protocol,)
+    fs = FlatKeyStore()
+    fs.pipe_file("/job-1/shf-x/sub-00000/m000000-a000-s000000.seg", b"ours")
+    # Put as a flat store keeps it (the memory filesystem itself refuses a file where a
+    # directory's files are).
+    fs.pipe_file("/job-1/other", b"a user's object")
+    fs.store["/job-1/shf-x"] = fs.store.pop("/job-1/other")
+    remove_remote_tree(fs, "/job-1/shf-x")
+    assert fs.cat_file("/job-1/shf-x") == b"a user's object"
+    assert [f for f in fs.find("/job-1/shf-x") if f != "/job-1/shf-x"] == []
+
+
 class TestRemoteTierLocalFiles(TierConformance):
     @pytest.fixture
     def tier(self, tmp_path):

@@ -78,6 +78,12 @@ RESULT_WAIT_S = 600.0
 # Object stores whose single PUT is atomic: no temp-and-rename needed (and rename is a copy).
 _ATOMIC_PUT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"}
 _LOCAL_PROTOCOLS = {"file", "local"}
+# Stores of flat keys, where a key may also be the prefix of others (``job/shf-1`` beside
+# ``job/shf-1/...``): removing a shuffle's tree deletes keys below its prefix by name, never
+# the prefix (``remove_remote_tree``). Beyond the atomic-put ones: the same stores under
+# their other fsspec names, and other clouds' object stores.
+_FLAT_KEY_PROTOCOLS = _ATOMIC_PUT_PROTOCOLS | {
+    "abfss", "adl", "s3n", "gcsfs", "oss", "oci", "cos", "cosn", "obs", "tos", "r2", "b2"}
 
 
 class RemoteTier(Tier):
@@ -557,10 +563,10 @@ def _tree_below(fs: Any, path: str) -> list[str]:
 
 
 def _is_object_store(fs: Any) -> bool:
-    """Whether ``fs`` stores flat keys (S3, GCS, Azure: the protocols whose single PUT is
-    atomic, ``_ATOMIC_PUT_PROTOCOLS``), with no directories to remove."""
+    """Whether ``fs`` stores flat keys (S3, GCS, Azure and others: ``_FLAT_KEY_PROTOCOLS``),
+    with no directories to remove."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
+    return bool(set(protocols) & _FLAT_KEY_PROTOCOLS)
 
 
 def filesystem_options(remote_path: str, storage_options: Mapping[str, Any] | None
