@@ -429,11 +429,15 @@ def unify_schemas(schemas: Sequence[pa.Schema], what: Callable[[int], str]) -> p
             continue
         if other.names != first.names or not all(
                 compatible(a, b) for a, b in zip(other, fields)):
+            # The fix named must work for the differences refused here: pyarrow's
+            # default unify_schemas refuses int32 vs int64 itself, and a cast to a schema
+            # whose columns are in another order fails; hence permissive and select.
             raise ConfigError(
                 f"the blocks to shuffle have different schemas: {what(i)} differs from "
                 f"{what(0)} in {_schema_difference(other, first)}. Cast every block to one "
-                "schema first (e.g. ds.map_batches(lambda t: t.cast(schema), "
-                "batch_format='pyarrow'), with schema = pyarrow.unify_schemas([...]))")
+                "schema first (e.g. ds.map_batches(lambda t: t.select(schema.names)"
+                ".cast(schema), batch_format='pyarrow'), with schema = "
+                "pyarrow.unify_schemas([...], promote_options='permissive'))")
         for k, (a, b) in enumerate(zip(other, fields)):
             if not a.equals(b):
                 kind = _decoded(a) if pa.types.is_null(b.type) else _decoded(b)

@@ -230,6 +230,28 @@ def test_blocks_with_different_schemas_are_refused_before_the_shuffle(ray_local,
     assert_no_leftovers(cfg, ray_local)
 
 
+def test_the_fix_named_for_blocks_of_different_schemas_works(ray_local, tmp_path):
+    """The refusal of blocks whose schemas differ names a fix: following it must make the
+    dataset shuffle. It said ``pyarrow.unify_schemas([...])``, which refuses int32 vs int64
+    itself (ArrowTypeError), and ``t.cast(schema)``, which fails on another column order."""
+    cfg = base_config(tmp_path)
+    a = pa.table({"id": pa.array([1, 2], pa.int64()), "v": ["a", "b"]})
+    b = pa.table({"v": ["c"], "id": pa.array([3], pa.int32())})
+    ds = ray_local.data.from_arrow([a, b]).materialize()
+    with pytest.raises(ConfigError) as err:
+        hybrid_ray.repartition(ds, 2, keys=["v"], config=cfg)
+    message = str(err.value)
+    assert "promote_options='permissive'" in message
+    assert "t.select(schema.names).cast(schema)" in message
+    # The fix, as the message words it.
+    schema = pa.unify_schemas([a.schema, b.schema], promote_options="permissive")
+    fixed = ds.map_batches(lambda t: t.select(schema.names).cast(schema),
+                           batch_format="pyarrow")
+    out = outputs(ray_local, hybrid_ray.repartition(fixed, 2, keys=["v"], config=cfg))
+    assert row_fingerprint(out) == row_fingerprint([a, b.select(a.schema.names).cast(a.schema)])
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_sort_by_a_dictionary_encoded_or_float16_key(ray_local, tmp_path):
     """Arrow cannot sort dictionary-encoded or float16 columns: a dataset whose blocks all
     had such a key ran every map, then failed in every reducer (ArrowNotImplementedError)."""
