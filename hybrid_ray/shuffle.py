@@ -409,7 +409,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     task fails beyond its retries.
     """
     config = check_config(config)
-    check_num_partitions(num_partitions)
+    num_partitions = check_num_partitions(num_partitions)
     # Checked before any actor starts: tables, a generator or a partitioner class failed
     # only later, deep inside the dispatch or a map.
     if isinstance(blocks, (ray.ObjectRef, pa.Table)) or not isinstance(blocks, Sequence):
@@ -649,7 +649,17 @@ def check_config(config: Any) -> ShuffleConfig:
     return config
 
 
-def check_num_partitions(num_partitions: Any) -> None:
+def _as_int(value: Any) -> Any:
+    """A NumPy integer (``np.int64(8)``, e.g. from a computed partition count) as the
+    Python int it is, anything else as given: NumPy integers are not ``int``, and were
+    refused as "must be a positive integer, got np.int64(8)"."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
+def check_num_partitions(num_partitions: Any) -> int:
+    """``num_partitions`` as a Python int, or ``ConfigError`` if it is not a partition
+    count in ``[1, MAX_PARTITIONS]``."""
+    num_partitions = _as_int(num_partitions)
     if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
             or num_partitions <= 0:
         raise ConfigError(f"num_partitions must be a positive integer, got {num_partitions!r}")
@@ -659,6 +669,7 @@ def check_num_partitions(num_partitions: Any) -> None:
             f"{MAX_PARTITIONS}: every partition costs each map's writer memory and at least "
             "one segment. Use fewer partitions (a partition of even 1 TB at the limit is "
             "10 MB)")
+    return num_partitions
 
 
 @dataclasses.dataclass
@@ -772,9 +783,8 @@ def _empty_dataset(num_partitions: int, schema: pa.Schema | None, operation: str
     return ds
 
 
-def _check_optional_partitions(num_partitions: Any) -> None:
-    if num_partitions is not None:
-        check_num_partitions(num_partitions)
+def _check_optional_partitions(num_partitions: Any) -> int | None:
+    return None if num_partitions is None else check_num_partitions(num_partitions)
 
 
 def _to_dataset(result: ShuffleResult, input_bytes: int) -> ray.data.Dataset:
@@ -825,7 +835,7 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
     dataset with no rows gives ``num_partitions`` empty blocks. The shuffle's report is
     available from ``hybrid_ray.last_report()``.
     """
-    check_num_partitions(num_partitions)
+    num_partitions = check_num_partitions(num_partitions)
     config = check_config(config)
     if isinstance(keys, str):
         keys = [keys]
@@ -859,7 +869,7 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
     if not isinstance(descending, bool):
         raise ConfigError(f"descending must be True or False, got {descending!r}")
     config = check_config(config)
-    _check_optional_partitions(num_partitions)
+    num_partitions = _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
     _check_columns(blocks.schema, [key], "sort key")
     _check_sortable(blocks.schema, key)
@@ -899,12 +909,13 @@ def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
     """Randomly permute the rows of ``ds``; the same ``seed`` (an integer in
     ``[0, 2**63)``) gives the same result. ``num_partitions`` defaults to the number of
     maps (input blocks, small ones grouped)."""
+    seed = _as_int(seed)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not 0 <= seed < MAX_SEED):
         raise ConfigError(f"seed must be None or an integer with 0 <= seed < 2**63, got "
                           f"{seed!r}")
     config = check_config(config)
-    _check_optional_partitions(num_partitions)
+    num_partitions = _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
     if not blocks.refs:
         return _empty_dataset(num_partitions or 1, blocks.schema, "random_shuffle", config)

@@ -196,6 +196,30 @@ def test_bad_seeds_and_zero_partitions_are_refused_before_any_work(ray_local):
         hybrid_ray.sort(ds, "id", num_partitions=-2)
 
 
+def test_numpy_integer_partition_counts_and_seeds_are_taken(ray_local, tmp_path):
+    """A partition count or seed computed with NumPy (``np.int64``) is an integer: it was
+    refused as "num_partitions must be a positive integer, got np.int64(3)"."""
+    cfg = base_config(tmp_path)
+    table = pa.table({"k": np.arange(200) % 17, "v": np.arange(200)})
+    ds = ray_local.data.from_arrow(table).materialize()
+    for call in (lambda n: hybrid_ray.repartition(ds, n, ["k"], config=cfg),
+                 lambda n: hybrid_ray.sort(ds, "k", config=cfg, num_partitions=n),
+                 lambda n: hybrid_ray.random_shuffle(ds, seed=np.uint32(4), config=cfg,
+                                                     num_partitions=n)):
+        parts = outputs(ray_local, call(np.int64(3)))
+        assert len(parts) == 3 and row_fingerprint(parts) == row_fingerprint([table])
+        assert type(hybrid_ray.last_report().num_partitions) is int
+    same = outputs(ray_local, hybrid_ray.random_shuffle(ds, seed=4, config=cfg,
+                                                        num_partitions=3))
+    assert pa.concat_tables(parts).equals(pa.concat_tables(same))  # the seed's own result
+    for bad in (np.int64(0), np.bool_(True), np.float64(3.0)):
+        with pytest.raises(ConfigError, match="num_partitions must be a positive integer"):
+            hybrid_ray.sort(ds, "k", config=cfg, num_partitions=bad)
+    with pytest.raises(ConfigError, match="seed must be None or an integer"):
+        hybrid_ray.random_shuffle(ds, seed=np.int64(-1), config=cfg)
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_largest_seed_works(ray_local, tmp_path):
     table = pa.table({"v": np.arange(1000)})
     ds = ray_local.data.from_arrow(table)
