@@ -483,8 +483,9 @@ class RangePartitioner(Partitioner):
     Concatenating the output partitions in order gives a globally sorted table. Nulls and
     NaNs go to the first partition if ``nulls_first`` else to the last, and sort there
     (NaNs between the values and the nulls, as Arrow sorts them). ``nulls_first=None``
-    sorts nulls as Ray Data does, greater than every value: last ascending, first
-    descending. ``boundaries`` hold no nulls, NaNs or NaTs (any given are dropped).
+    sorts nulls as Ray Data's own sort does: last, ascending and descending (checked on
+    Ray 2.60: ``ds.sort("k", descending=True)`` gives ``[7, 3, nan, None]``). ``boundaries``
+    hold no nulls, NaNs or NaTs (any given are dropped).
     """
 
     def __init__(self, key: str, boundaries: Sequence, descending: bool = False,
@@ -527,7 +528,7 @@ class RangePartitioner(Partitioner):
                               "them, e.g. sorted(boundaries)")
         self.boundaries = boundaries
         self.descending = descending
-        self.nulls_first = descending if nulls_first is None else nulls_first
+        self.nulls_first = False if nulls_first is None else nulls_first
 
     def check_schema(self, schema: pa.Schema) -> None:
         """The key must be sortable, and the boundaries values of its type: int keys

@@ -860,8 +860,9 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
     """Globally sort ``ds`` by ``key``: range partitions from sampled boundaries, each
     sorted by its reducer, so the blocks in order form the sorted dataset.
 
-    Nulls (and NaNs) sort as Ray Data sorts them: greater than every value, so last when
-    ascending and first when descending, NaNs next to the nulls. ``num_partitions``
+    Nulls (and NaNs) sort as Ray Data's own ``Dataset.sort`` puts them: last, ascending
+    and descending, NaNs before the nulls (descending: ``[7, 3, nan, None]``; it put them
+    first when descending before, unlike Ray Data). ``num_partitions``
     defaults to the number of maps (input blocks, small ones grouped).
     """
     if not isinstance(key, str):

@@ -383,4 +383,4 @@ def test_range_partitioner_takes_only_bools_for_its_order_flags():
         RangePartitioner("k", [1, 2], descending="yes")
     with pytest.raises(ConfigError, match="nulls_first must be True, False or None, got 1"):
         RangePartitioner("k", [1, 2], nulls_first=1)
-    assert RangePartitioner("k", [1, 2], descending=True).nulls_first is True
+    assert RangePartitioner("k", [1, 2], descending=True).nulls_first is False
