@@ -118,8 +118,10 @@ _most_recent_call = forgets_last_report(lambda: _set_last_report(None))
 
 def report_of(ds: Any) -> ShuffleReport:
     """The report of the shuffle that produced ``ds`` (a Dataset returned by
-    ``repartition``, ``sort`` or ``random_shuffle``)."""
+    ``repartition``, ``sort`` or ``random_shuffle``, or ``.materialize()`` of one)."""
     report = getattr(ds, _REPORT_ATTR, None)
+    if report is None:
+        report = _report_by_blocks(ds)
     if report is None:
         raise ConfigError("this Dataset was not produced by a hybrid_ray shuffle (or was "
                           "transformed since): keep the Dataset hybrid_ray returned, or use "
@@ -128,6 +130,41 @@ def report_of(ds: Any) -> ShuffleReport:
 
 
 _REPORT_ATTR = "_hybrid_ray_report"
+# The reports of the latest results by their blocks' ids, for report_of of a result's
+# ``.materialize()``: in Ray 2.60 that is a new Dataset of the same blocks, without the
+# attribute. Ids only (bytes): an ObjectRef kept here would pin the blocks.
+_REPORTS_BY_BLOCKS: collections.OrderedDict[tuple[bytes, ...], ShuffleReport] = \
+    collections.OrderedDict()
+REPORTS_BY_BLOCKS_KEPT = 64
+_reports_by_blocks_lock = threading.Lock()
+
+
+def _block_ids(refs: Sequence[ray.ObjectRef]) -> tuple[bytes, ...]:
+    return tuple(ref.binary() for ref in refs)
+
+
+def _remember_report(refs: Sequence[ray.ObjectRef], report: ShuffleReport) -> None:
+    if not refs:  # no blocks: any empty dataset would match
+        return
+    with _reports_by_blocks_lock:
+        _REPORTS_BY_BLOCKS[_block_ids(refs)] = report
+        _REPORTS_BY_BLOCKS.move_to_end(_block_ids(refs))
+        while len(_REPORTS_BY_BLOCKS) > REPORTS_BY_BLOCKS_KEPT:
+            _REPORTS_BY_BLOCKS.popitem(last=False)
+
+
+def _report_by_blocks(ds: Any) -> ShuffleReport | None:
+    """The report of a shuffle result with exactly ``ds``'s blocks (a materialized Dataset
+    only: a lazy one is not run to find out), or None."""
+    from ray.data.dataset import MaterializedDataset
+
+    if not isinstance(ds, MaterializedDataset) or not _REPORTS_BY_BLOCKS:
+        return None
+    refs = [entry.ref for bundle in ds.iter_internal_ref_bundles() for entry in bundle.blocks]
+    if not refs:
+        return None
+    with _reports_by_blocks_lock:
+        return _REPORTS_BY_BLOCKS.get(_block_ids(refs))
 
 
 # No CPU asked: a sort must not wait for one (RayDP's executors, or a user's actors, may
@@ -795,6 +832,7 @@ def _to_dataset(result: ShuffleResult, input_bytes: int) -> ray.data.Dataset:
         _set_last_report(None)
         raise
     setattr(ds, _REPORT_ATTR, result.report)
+    _remember_report(result.refs, result.report)
     _set_last_report(result.report)
     return ds
 

@@ -50,6 +50,20 @@ def test_report_of_a_dataset_that_no_shuffle_made_is_explained(ray_local):
         hybrid_ray.report_of(ray_local.data.range(3))
 
 
+def test_report_of_survives_materialize_but_not_a_transformation(ray_local, tmp_path):
+    """``.materialize()`` of the result (a habit: the result is materialized already) is a
+    new Dataset of the same blocks in Ray 2.60, and report_of refused it as "not produced
+    by a hybrid_ray shuffle" (found by a review). A transformed one is still refused."""
+    ds = ray_local.data.from_arrow(pa.table({"key": np.arange(500) % 7, "v": np.arange(500)}))
+    out = hybrid_ray.repartition(ds, 3, keys=["key"], config=base_config(tmp_path))
+    again = out.materialize()
+    assert again is not out
+    assert hybrid_ray.report_of(again) is hybrid_ray.report_of(out)
+    assert hybrid_ray.report_of(again.materialize()).rows == 500
+    with pytest.raises(hybrid_ray.ConfigError, match="not produced by a hybrid_ray shuffle"):
+        hybrid_ray.report_of(again.map_batches(lambda b: b).materialize())
+
+
 
 def test_a_refused_call_leaves_no_report_of_the_shuffle_before_it(ray_local, tmp_path):
     """A call refused before it starts (an unknown column, a bad partitioner) is the most
