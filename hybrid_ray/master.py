@@ -507,7 +507,10 @@ class ShuffleRegistry:
             if attempt < 0:
                 complete = False
                 continue
-            segs = m.segments[attempt].get(subpartition, [])
+            # (An open shuffle's current attempt may have been dropped, drop_attempt: it
+            # has no segments, and the poll raised KeyError. Its number is not reused, so
+            # a late commit of it stays refused; seal resets readers to the chosen one.)
+            segs = m.segments.get(attempt, {}).get(subpartition, [])
             seen_attempt, next_index = cursors.get(map_index, (attempt, 0))
             reset = seen_attempt != attempt
             start = 0 if reset else next_index

@@ -620,3 +620,22 @@ def test_an_expired_shuffle_s_late_calls_say_it_expired(registry):
         registry.heartbeat("s")
     with pytest.raises(ShuffleReleasedError, match="expired"):
         registry.poll("s", 0, {})
+
+
+def test_poll_after_open_shuffle_current_attempt_dropped(registry):
+    """A Spark attempt that failed after committing is dropped (``drop_attempt``); if it was
+    the map's newest attempt, a reader's poll raised KeyError instead of waiting for seal."""
+    registry.register("open", num_maps=None, num_subpartitions=1, config=ShuffleConfig())
+    a0 = registry.begin_map("open", 0, "n1")
+    registry.commit("open", 0, a0, [meta("open", 0, 0, 0, a0)])
+    registry.finish_map("open", 0, a0)
+    a1 = registry.begin_map("open", 0, "n1")
+    registry.commit("open", 0, a1, [meta("open", 0, 0, 0, a1)])
+    registry.drop_attempt("open", 0, a1)
+    res = registry.poll("open", 0, {0: (a1, 1)})
+    assert not res.done and all(not u.segments for u in res.updates)
+    assert not registry.commit("open", 0, a1, [meta("open", 0, 0, 1, a1)])  # still refused
+    registry.seal("open", 1)
+    res = registry.poll("open", 0, {0: (a1, 1)})
+    assert res.done and [(u.attempt, u.reset, len(u.segments)) for u in res.updates] == \
+        [(a0, True, 1)]
