@@ -550,6 +550,8 @@ class ShuffleRegistry:
         state = self._shuffles.get(shuffle_id)
         if state is None:
             return 0
+        for sub in subpartitions:  # all checked before any is freed
+            self._check_subpartition(state, sub)
         fresh = set(subpartitions) - state.freed
         if not fresh:
             return 0

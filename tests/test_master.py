@@ -607,6 +607,11 @@ def test_indices_outside_the_shuffle_are_refused_not_taken_for_others(registry):
     registry.register("open", num_maps=None, num_subpartitions=1, config=ShuffleConfig())
     with pytest.raises(ShuffleStateError, match="at -1 maps"):
         registry.seal("open", -1)
+    # A free of a subpartition the shuffle does not have was taken into its freed set
+    # (found by a review): refused, and nothing is freed with it.
+    with pytest.raises(ShuffleStateError, match="subpartition 99 is outside"):
+        registry.free_subpartitions("t", [0, 99])
+    assert registry.state("t").freed == set()
 
 
 def test_an_expired_shuffle_s_late_calls_say_it_expired(registry):
