@@ -115,6 +115,14 @@ def _through_manager(df: Any, config: Any, what: str) -> None:
 
     manager = df.sparkSession.conf.get("spark.shuffle.manager", "sort")
     session_config = session_shuffle_config()
+    if manager == MANAGER_CLASS and session_config is None:
+        # The manager is on, but its session is not init_spark's, running: a stopped
+        # session's DataFrame still reads it (told to turn the manager on, it had it).
+        raise ConfigError(
+            f"spark_bridge.{what}: this DataFrame's session has hybrid_ray's shuffle "
+            "manager, but no Spark session started by spark_bridge.init_spark is running "
+            "(stopped with stop_spark, or started without init_spark): start one with "
+            "spark_bridge.init_spark and build the DataFrame from it")
     if manager != MANAGER_CLASS or session_config is None:
         raise ConfigError(
             f"spark_bridge.{what} runs Spark's operator with hybrid_ray's shuffle manager, but "

@@ -295,3 +295,27 @@ def test_init_spark_interrupted_while_spark_starts_closes_its_master_session(
         init_spark(executor_memory="512MB", shuffle_config=config)
     master = get_master("hr_interrupted_init")
     assert ray_local.get(master.spark_session_config.remote(f"s{token.hex}")) is None
+
+
+def test_an_operation_on_a_stopped_session_says_so_not_to_turn_the_manager_on(monkeypatch):
+    """A DataFrame of a session stopped with stop_spark still reads hybrid_ray's manager in
+    its conf: the operations told the user to start the session with hybrid_shuffle=True,
+    which it had (found by a review). They now say no session of init_spark runs."""
+    import types
+
+    from hybrid_ray.errors import ConfigError
+    from spark_bridge import operations
+    from spark_bridge import session as session_module
+    from spark_bridge.hybrid_shuffle import MANAGER_CLASS
+
+    conf = types.SimpleNamespace(get=lambda key, default=None: MANAGER_CLASS)
+    df = types.SimpleNamespace(sparkSession=types.SimpleNamespace(conf=conf))
+    monkeypatch.setattr(session_module, "_session_config", None)
+    with pytest.raises(ConfigError) as info:
+        operations._through_manager(df, None, "sort")
+    assert "no Spark session started by spark_bridge.init_spark is running" in str(info.value)
+    assert "hybrid_shuffle=True" not in str(info.value)
+    # A session with Spark's own manager is still told to turn hybrid_ray's on.
+    conf.get = lambda key, default=None: "sort"
+    with pytest.raises(ConfigError, match=r"spark.shuffle.manager=sort: start it with "):
+        operations._through_manager(df, None, "sort")
