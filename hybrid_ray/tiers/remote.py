@@ -126,9 +126,9 @@ class RemoteTier(Tier):
                               "component ('//', '/./' or '/../'); write the path in its "
                               "normal form, e.g. s3://bucket/prefix")
         self._deadline_s = call_deadline_s(self.fs, self._config_kwargs)
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self._atomic_put = bool(set(protocols) & _ATOMIC_PUT_PROTOCOLS)
-        self._local = bool(set(protocols) & _LOCAL_PROTOCOLS)
+        protocols = _protocols(self.fs)
+        self._atomic_put = bool(protocols & _ATOMIC_PUT_PROTOCOLS)
+        self._local = bool(protocols & _LOCAL_PROTOCOLS)
         # Everything this tier writes or removes lies below this directory.
         self.job_root = posixpath.join(self.root, self.job_id)
         if check_reachable:
@@ -562,11 +562,15 @@ def _tree_below(fs: Any, path: str) -> list[str]:
         return []
 
 
+def _protocols(fs: Any) -> set[str]:
+    """The names of ``fs``'s protocol (fsspec gives one name or a tuple of them)."""
+    return set(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else {fs.protocol}
+
+
 def _is_object_store(fs: Any) -> bool:
     """Whether ``fs`` stores flat keys (S3, GCS, Azure and others: ``_FLAT_KEY_PROTOCOLS``),
     with no directories to remove."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return bool(set(protocols) & _FLAT_KEY_PROTOCOLS)
+    return bool(_protocols(fs) & _FLAT_KEY_PROTOCOLS)
 
 
 def filesystem_options(remote_path: str, storage_options: Mapping[str, Any] | None
