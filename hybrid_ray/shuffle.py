@@ -146,9 +146,10 @@ def _block_ids(refs: Sequence[ray.ObjectRef]) -> tuple[bytes, ...]:
 def _remember_report(refs: Sequence[ray.ObjectRef], report: ShuffleReport) -> None:
     if not refs:  # no blocks: any empty dataset would match
         return
+    key = _block_ids(refs)
     with _reports_by_blocks_lock:
-        _REPORTS_BY_BLOCKS[_block_ids(refs)] = report
-        _REPORTS_BY_BLOCKS.move_to_end(_block_ids(refs))
+        _REPORTS_BY_BLOCKS[key] = report
+        _REPORTS_BY_BLOCKS.move_to_end(key)
         while len(_REPORTS_BY_BLOCKS) > REPORTS_BY_BLOCKS_KEPT:
             _REPORTS_BY_BLOCKS.popitem(last=False)
 
