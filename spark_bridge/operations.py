@@ -123,7 +123,7 @@ def _through_manager(df: Any, config: Any, what: str) -> None:
             "manager, but no Spark session started by spark_bridge.init_spark is running "
             "(stopped with stop_spark, or started without init_spark): start one with "
             "spark_bridge.init_spark and build the DataFrame from it")
-    if manager != MANAGER_CLASS or session_config is None:
+    if manager != MANAGER_CLASS:
         raise ConfigError(
             f"spark_bridge.{what} runs Spark's operator with hybrid_ray's shuffle manager, but "
             f"this session uses spark.shuffle.manager={manager}: start it with "
