@@ -27,6 +27,7 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from hybrid_ray.config import ShuffleConfig
@@ -216,11 +217,13 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
     keys = _check_columns(df, cols, "sort")
     # A bool or 0/1 for every column, or one per column, as PySpark's orderBy takes them
     # (ascending=0 failed with a raw TypeError: 'int' object is not iterable).
+    # NumPy's bools and ints count as bools and ints (np.bool_ is no int: a flag read from
+    # an array was refused).
     given = ascending
-    if isinstance(ascending, int):
+    if isinstance(ascending, (int, np.bool_, np.integer)):
         ascending = [ascending] * len(keys)
     if not isinstance(ascending, (list, tuple)) or len(ascending) != len(keys) or not all(
-            isinstance(a, int) and a in (0, 1) for a in ascending):
+            isinstance(a, (int, np.bool_, np.integer)) and a in (0, 1) for a in ascending):
         raise ConfigError(f"ascending must be a bool or one bool per sort column "
                           f"({len(keys)}), got {given!r}")
     ascending = [bool(a) for a in ascending]
@@ -262,6 +265,12 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
         raise ConfigError("aggregate needs at least one key column; for a global aggregate "
                           "use df.agg(...)")
     keys = _check_columns(df, keys, "aggregate keys")
+    # A key named twice made a result with two columns of that name, which no later
+    # reference could tell apart (AMBIGUOUS_REFERENCE).
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"aggregate keys name column(s) {twice} more than once; give each "
+                          "key once")
     if not isinstance(aggs, Mapping) or not aggs:
         raise ConfigError("aggs must be a non-empty dict {output: (column, function)}")
     # Output names as Spark resolves them: "Country" beside a key "country" gave a result

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import ray
@@ -270,6 +271,15 @@ def test_column_names_resolve_as_spark_resolves_them_and_ascending_takes_ints(sp
         spark_bridge.aggregate(df, "ID", {"id": ("Name", "count")})
     with pytest.raises(ConfigError, match="aggs output 'N' collides with output 'n'"):
         spark_bridge.aggregate(df, "ID", {"n": ("Name", "count"), "N": ("ID", "sum")})
+    # A key named twice (here but for case) gave two columns of one name; NumPy's bools
+    # were refused as sort directions.
+    with pytest.raises(ConfigError, match=r"aggregate keys name column\(s\) \['ID'\] more "
+                       "than once"):
+        spark_bridge.aggregate(df, ["ID", "id"], {"n": ("Name", "count")})
+    ordered = spark_bridge.sort(df, "id", ascending=np.bool_(False))
+    assert [r.ID for r in ordered.collect()] == list(range(19, -1, -1))
+    ordered = spark_bridge.sort(df, "name", "ID", ascending=[np.True_, np.int64(0)])
+    assert [r.Name for r in ordered.collect()] == sorted(f"v{i}" for i in range(20))
 
 
 def test_bad_input_is_explained(spark, orders, tmp_path):
