@@ -252,6 +252,14 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise ConfigError(f"hybrid_shuffle must be True or False, got {hybrid_shuffle!r}")
     from hybrid_ray.config import ShuffleConfig
 
+    if shuffle_config is not None and not hybrid_shuffle:
+        # Nothing of such a session reads it: its exchanges are Spark's own, and
+        # spark_bridge.repartition's direct parquet path took the defaults (spilling to
+        # /tmp, no remote tier) while the caller believed their config was in force.
+        raise ConfigError(
+            "shuffle_config applies only to hybrid_ray's shuffle manager, which "
+            "hybrid_shuffle=False turns off: drop one of them (spark_bridge.repartition's "
+            "direct parquet path takes its own config=)")
     if shuffle_config is None:
         shuffle_config = ShuffleConfig()
     elif not isinstance(shuffle_config, ShuffleConfig):
