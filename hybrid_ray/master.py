@@ -759,7 +759,10 @@ class ShuffleRegistry:
         for meta in counted:
             nbytes, count = per_node_tier[meta.node_id].get(meta.tier.value, (0, 0))
             per_node_tier[meta.node_id][meta.tier.value] = (nbytes + meta.nbytes, count + 1)
-        finishes = [m.finished for m in state.maps if m.finished] if state.sealed else []
+        # Maps whose finished attempt counts: a lost one (``report_lost``) keeps the time
+        # its lost attempt finished, and gave a last finish while its re-run still ran.
+        finishes = [m.finished for m in state.maps if m.finished_attempt is not None] \
+            if state.sealed else []
         deliveries = [r.first_delivery for r in state.readers.values() if r.first_delivery]
         return ShuffleSummary(
             shuffle_id=shuffle_id,

@@ -226,6 +226,10 @@ def test_lost_finished_map_is_rerun_and_readers_reset(registry):
     # timed out) must not lose the re-run; the driver drops a map it runs already.
     assert registry.take_lost("r") == [0] and registry.take_lost("r") == [0]
     assert not registry.poll("r", 0, cursors).done  # readers wait for the re-run
+    # Not every map is finished now: the report has no last finish (the lost attempt's
+    # time was given, as if the map stage had ended).
+    assert registry.summary("r").last_map_finish is None
+    assert registry.summary("r").maps_finished == 1
     a1 = registry.begin_map("r", 0, "n1")
     assert a1 == a0 + 1 and registry.take_lost("r") == []
     # Only the lost attempt's unfreed segment is deleted: subpartition 1's was freed.
@@ -239,6 +243,7 @@ def test_lost_finished_map_is_rerun_and_readers_reset(registry):
     (m, attempt, reset, metas), = [u for u in res.updates if u[0] == 0]
     assert (attempt, reset, [x.id.attempt for x in metas]) == (a1, True, [a1]) and res.done
     assert registry.summary("r").lost_maps_rerun == 1
+    assert registry.summary("r").last_map_finish == registry.state("r").maps[0].finished
     # A late report about the old attempt changes nothing.
     assert registry.report_lost("r", 0, a0) is True and registry.take_lost("r") == []
 
