@@ -809,8 +809,8 @@ def _empty_dataset(num_partitions: int, schema: pa.Schema | None, operation: str
     if schema is None:
         ds = _materialized_dataset([], [])
     else:
-        ref = ray.put(schema.empty_table())
-        ds = _materialized_dataset([ref] * num_partitions, [(0, 0, schema)] * num_partitions)
+        refs = [ray.put(schema.empty_table())] * num_partitions
+        ds = _materialized_dataset(refs, [(0, 0, schema)] * num_partitions)
     report = ShuffleReport(
         shuffle_id="", operation=operation, mode=config.mode.value,
         spilling=config.spilling.value, num_maps=0, num_partitions=num_partitions, rows=0,
@@ -818,6 +818,8 @@ def _empty_dataset(num_partitions: int, schema: pa.Schema | None, operation: str
         superseded_attempts=0, hybrid_overlap=False)
     _set_last_report(report)
     setattr(ds, _REPORT_ATTR, report)
+    if schema is not None:  # report_of(ds.materialize()) finds it, as for a shuffle's result
+        _remember_report(refs, report)
     return ds
 
 

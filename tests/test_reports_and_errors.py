@@ -64,6 +64,17 @@ def test_report_of_survives_materialize_but_not_a_transformation(ray_local, tmp_
         hybrid_ray.report_of(again.map_batches(lambda b: b).materialize())
 
 
+def test_report_of_an_empty_result_survives_materialize(ray_local, tmp_path):
+    """The README promises report_of(result) also after ``result.materialize()``; for a
+    dataset with no rows (no shuffle ran, empty blocks of its schema) it raised "not
+    produced by a hybrid_ray shuffle" instead."""
+    ds = ray_local.data.from_arrow(pa.table({"key": pa.array([], pa.int64())}))
+    out = hybrid_ray.repartition(ds, 3, keys=["key"], config=base_config(tmp_path))
+    report = hybrid_ray.report_of(out.materialize())
+    assert report is hybrid_ray.report_of(out)
+    assert report.rows == 0 and report.num_partitions == 3
+
+
 
 def test_a_refused_call_leaves_no_report_of_the_shuffle_before_it(ray_local, tmp_path):
     """A call refused before it starts (an unknown column, a bad partitioner) is the most
