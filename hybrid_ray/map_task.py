@@ -336,12 +336,13 @@ def map_block(shuffle_id: str, map_index: int,
     (when given): a block that differs fails the map, before it writes anything, with
     both schemas' differing fields named. ``attempt``: see ``write_map_partition``.
     """
-    if isinstance(block, pa.Table):
-        tables = [block]
-    elif isinstance(block, BlockPiece):
-        tables = [block.rows_of(ray.get(block.block))]
-    else:
+    if isinstance(block, BlockPiece):
+        tables = [block.rows_of(_input_table(ray.get(block.block), 0, map_index))]
+    elif isinstance(block, (list, tuple)) and all(isinstance(b, ray.ObjectRef) for b in block):
         tables = ray.get(list(block))
+    else:  # one block, its value (Ray resolved the reference)
+        tables = [block]
+    tables = [_input_table(table, i, map_index) for i, table in enumerate(tables)]
     if schema is not None:
         schema = with_extension_types(schema)
         tables = [_conform(table, schema, f"input block {i} of map {map_index}")
@@ -357,6 +358,20 @@ def map_block(shuffle_id: str, map_index: int,
     stats = write_map_partition(shuffle_id, map_index, chunks, num_partitions, partitioner,
                                 config, master, own_memory_segments=True, attempt=attempt)
     return {"rows": stats.rows if stats else 0, "skipped": stats is None}
+
+
+def _input_table(value: Any, index: int, map_index: int) -> pa.Table:
+    """``value`` if it is an Arrow table, else a ConfigError naming what it is and the fix:
+    a reference to a pandas DataFrame or a list (``run_shuffle``'s blocks are only
+    checked to be references) failed the map with Ray's "Attempting to call `get` on the
+    value 'key', which is not an ray.ObjectRef", or an AttributeError."""
+    if isinstance(value, pa.Table):
+        return value
+    raise ConfigError(f"input block {index} of map {map_index} is a "
+                      f"{type(value).__module__}.{type(value).__qualname__}, not a "
+                      "pyarrow.Table: run_shuffle's blocks must be references of Arrow "
+                      "tables, e.g. ray.put(pa.Table.from_pandas(df)) or a Dataset's "
+                      "to_arrow_refs()")
 
 
 def _describe_field(field: pa.Field | None, name: str) -> str:

@@ -416,6 +416,24 @@ def test_run_shuffle_and_sort_refuse_inputs_that_failed_only_inside_the_maps(ray
             hybrid_ray.sort(ds, "k")
 
 
+def test_run_shuffle_names_a_block_that_is_not_an_arrow_table(ray_local, tmp_path):
+    """A reference to a pandas DataFrame (ray.put(df), a common slip) or to a list failed
+    the map with Ray's "Attempting to call `get` on the value 'a', which is not an
+    ray.ObjectRef": the map took the resolved value for a group of block references."""
+    from hybrid_ray import HashPartitioner
+
+    table = pa.table({"a": [1, 2, 3]})
+    config = base_config(tmp_path)
+    for value in (table.to_pandas(), [1, 2, 3]):
+        with pytest.raises(ConfigError, match=r"input block 0 of map 0 is a .*, not a "
+                           r"pyarrow.Table.*ray.put\(pa.Table.from_pandas"):
+            hybrid_ray.run_shuffle([ray_local.put(value)], 2, HashPartitioner(["a"]),
+                                   table.schema, config)
+    out = hybrid_ray.run_shuffle([ray_local.put(table)] * 2, 2, HashPartitioner(["a"]),
+                                 table.schema, config)
+    assert sum(t.num_rows for t in ray_local.get(out.refs)) == 6
+
+
 def test_a_tensor_column_shuffles_on_fresh_workers(ray_local, tmp_path):
     """A dataset with a Ray Data tensor column failed its first shuffle on fresh worker
     processes ("different schemas ... ArrowTensorTypeV2 vs large_list"): the schema
