@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from hybrid_ray.config import Compression, ShuffleConfig, TierName
-from hybrid_ray.errors import OutOfSpaceError, ShuffleStalledError
+from hybrid_ray.errors import ConfigError, OutOfSpaceError, ShuffleStalledError
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import (
     ScratchArena, SegmentId, SegmentMeta, decode_segment, encode_segment,
@@ -88,6 +89,14 @@ class WriteStats:
         self.control_plane_s += other.control_plane_s
 
 
+def _count(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (NumPy integers taken), else a ConfigError."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) \
+            and value >= minimum:
+        return int(value)
+    raise ConfigError(f"WriteClient's {name} must be an integer >= {minimum}, got {value!r}")
+
+
 class WriteClient:
     """Writes one map partition's subpartitions as segments through the tiers.
 
@@ -104,8 +113,14 @@ class WriteClient:
                  config: ShuffleConfig, storage: NodeStorage, io_tiers: dict[TierName, Tier],
                  *, attempt: int = 0, node_id: str = "",
                  on_commit: Callable[[list[SegmentMeta]], None] | None = None) -> None:
-        if num_subpartitions <= 0:
-            raise ValueError(f"num_subpartitions must be >= 1, got {num_subpartitions}")
+        # Checked here: a dict config, a float or str count failed with a bare
+        # AttributeError or TypeError, and a negative map index was taken.
+        if not isinstance(config, ShuffleConfig):
+            raise ConfigError(f"WriteClient's config must be a hybrid_ray.ShuffleConfig, got "
+                              f"{type(config).__name__}: build one with ShuffleConfig(...)")
+        num_subpartitions = _count("num_subpartitions", num_subpartitions, 1)
+        map_partition = _count("map_partition", map_partition, 0)
+        attempt = _count("attempt", attempt, 0)
         self.shuffle_id = check_id("shuffle_id", shuffle_id)  # it names directories
         self.map_partition = map_partition
         self.num_subpartitions = num_subpartitions
@@ -153,12 +168,25 @@ class WriteClient:
         self._check_open()
         ready = []
         for subpartition, data in parts:
-            if not 0 <= subpartition < self.num_subpartitions:
+            if isinstance(subpartition, bool) or not isinstance(subpartition, numbers.Integral) \
+                    or not 0 <= subpartition < self.num_subpartitions:
                 raise ValueError(f"subpartition must be in [0, {self.num_subpartitions}), "
-                                 f"got {subpartition}")
+                                 f"got {subpartition!r}")
             table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+            if not isinstance(table, pa.Table):
+                raise ConfigError(f"WriteClient writes pyarrow Tables or RecordBatches, got a "
+                                  f"{type(data).__name__} for subpartition {subpartition}: "
+                                  "convert it first, e.g. pa.Table.from_pandas(df)")
             if table.num_rows == 0:
                 continue
+            buffered = self._buffers[subpartition]
+            if buffered and not table.schema.equals(buffered[0].schema, check_metadata=False):
+                # Found when the segment was cut, as Arrow's bare "Schema at index 1 was
+                # different", after the writes before it.
+                raise ConfigError(f"subpartition {subpartition} of map {self.map_partition} "
+                                  f"got rows of another schema ({table.schema}) than its "
+                                  f"earlier rows ({buffered[0].schema}): cast every table "
+                                  "to one schema first (table.cast(schema))")
             self._buffers[subpartition].append(table)
             self._buffered_bytes[subpartition] += table.nbytes
             if self._buffered_bytes[subpartition] >= self._segment_bytes(subpartition):

@@ -955,3 +955,36 @@ def test_other_nodes_disk_segments_are_fetched_ahead_in_order(tmp_path):
     started.clear()
     local = ReadClient({}, "node-a", start_node_fetch=start_node_fetch)
     assert len(list(local.read_in_order(metas[:5], ahead=3))) == 5 and started == []
+
+
+def test_write_client_refuses_bad_arguments_with_the_fix(tmp_path):
+    """WriteClient is public (README: "write and read segments of your own producers"):
+    a dict config or a float count failed with a bare AttributeError or TypeError, a
+    negative map index was taken, a DataFrame written failed with "'DataFrame' object
+    has no attribute 'num_rows'", and a table of another schema with Arrow's bare
+    "Schema at index 1 was different" once its segment was cut."""
+    from hybrid_ray import ConfigError
+
+    cfg = ShuffleConfig(memory_fraction=0, spill_dirs=[str(tmp_path / "spill")])
+    tm = TierManager("node-a", 0)
+    io = build_io_tiers(cfg)
+    shuffle = f"bad-{uuid.uuid4().hex[:6]}"
+    tm.register_shuffle(shuffle, cfg)
+    for args, match in [((0, 2, {}), "config must be a hybrid_ray.ShuffleConfig"),
+                        ((0, 2.5, cfg), "num_subpartitions must be an integer >= 1"),
+                        ((0, "4", cfg), "num_subpartitions must be an integer >= 1"),
+                        ((-1, 2, cfg), "map_partition must be an integer >= 0")]:
+        with pytest.raises(ConfigError, match=match):
+            WriteClient(shuffle, *args, tm, io)
+    client = WriteClient(shuffle, np.int64(0), 2, cfg, tm, io)
+    table = pa.table({"a": [1, 2]})
+    with pytest.raises(ConfigError, match="pyarrow Tables or RecordBatches, got a DataFrame"):
+        client.write(0, table.to_pandas())
+    client.write(0, table)
+    with pytest.raises(ConfigError, match="subpartition 0 of map 0 got rows of another "
+                                          r"schema.*table.cast\(schema\)"):
+        client.write(0, pa.table({"b": ["x"]}))
+    client.write(np.int64(1), table)
+    metas = client.close()
+    assert sum(ReadClient(io).read(m).num_rows for m in metas) == 4
+    tm.release_shuffle(shuffle)
