@@ -68,9 +68,19 @@ class NodeUsage:
     last_refused_deletion: str = ""
 
 
+def require_config(what: str, config: Any) -> ShuffleConfig:
+    """``config`` if it is a ``ShuffleConfig``, else a ConfigError naming ``what`` and the
+    fix (a dict failed with "'dict' object has no attribute 'segment_bytes'")."""
+    if not isinstance(config, ShuffleConfig):
+        raise ConfigError(f"{what} takes a hybrid_ray.ShuffleConfig, got "
+                          f"{type(config).__name__}: build one with ShuffleConfig(...)")
+    return config
+
+
 def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,
                    check_remote: bool = True, node_id: str = "") -> dict[TierName, Tier]:
     """Instantiate the tiers ``config`` enables, for I/O in this process on ``node_id``."""
+    require_config("build_io_tiers", config)
     tiers: dict[TierName, Tier] = {}
     seg = config.segment_bytes
     if TierName.MEMORY in config.enabled_tiers:
@@ -100,6 +110,12 @@ class TierManager:
 
     def __init__(self, node_id: str, object_store_bytes: int, owner: Any = None) -> None:
         self.node_id = check_id("node_id", node_id)
+        # A negative or non-number size made every memory budget negative or a TypeError.
+        if isinstance(object_store_bytes, bool) \
+                or not isinstance(object_store_bytes, numbers.Real) \
+                or not 0 <= object_store_bytes < float("inf"):
+            raise ConfigError(f"TierManager's object_store_bytes must be the node's object "
+                              f"store size in bytes (>= 0), got {object_store_bytes!r}")
         self.object_store_bytes = object_store_bytes
         self.owner = owner
         self.memory = MemoryTier(0, 0, owner)
@@ -147,6 +163,7 @@ class TierManager:
         Raises ``ShuffleNotFoundError`` for a shuffle already released here, and
         ``InvalidIdError`` for an id that is not a safe directory name."""
         check_id("shuffle_id", shuffle_id)
+        require_config("TierManager.register_shuffle", config)
         if shuffle_id in self._shuffles:
             return self.memory.quota(shuffle_id)
         if shuffle_id in self._released:

@@ -758,3 +758,23 @@ def test_the_disk_byte_cap_counts_tiers_sharing_some_of_its_spill_dirs(tmp_path)
     assert tm.reserve("c", [8 * MiB])[0].grant.tier == TierName.DISK  # other dirs
     for shuffle in ("a", "b", "c"):
         tm.release_shuffle(shuffle)
+
+
+def test_public_tier_entry_points_refuse_what_is_not_a_config_or_a_size(tmp_path):
+    """build_io_tiers and TierManager are exported for your own producers (README, "Lower
+    level"): a dict config failed with "'dict' object has no attribute ...", and a
+    negative object store size was taken (every memory budget negative)."""
+    from hybrid_ray import ConfigError, build_io_tiers
+
+    with pytest.raises(ConfigError, match="build_io_tiers takes a hybrid_ray.ShuffleConfig"):
+        build_io_tiers({"spill_dirs": [str(tmp_path)]})
+    for size in (-5, "1GiB", float("nan")):
+        with pytest.raises(ConfigError, match="object_store_bytes must be"):
+            TierManager("node-a", size)
+    tm = TierManager("node-a", 1 << 20)
+    with pytest.raises(ConfigError, match="register_shuffle takes a hybrid_ray.ShuffleConfig"):
+        tm.register_shuffle("shf-1", {})
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")])
+    assert tm.register_shuffle("shf-1", config) >= 0
+    assert set(build_io_tiers(config, memory_budget=0)) >= {TierName.DISK}
+    tm.release_shuffle("shf-1")
