@@ -35,6 +35,7 @@ committed by the writer, names the job too.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import struct
 import threading
 from typing import Any, NamedTuple
@@ -44,7 +45,7 @@ import pyarrow as pa
 import xxhash
 
 from hybrid_ray.config import Compression, TierName
-from hybrid_ray.errors import CorruptSegmentError
+from hybrid_ray.errors import ConfigError, CorruptSegmentError
 
 # magic, format version, codec, reserved, identity digest, checksum of body (seeded with
 # the identity digest), body length, number of rows: 40 bytes, a multiple of 8, so the IPC
@@ -108,6 +109,11 @@ def identity_digest(segment: SegmentId) -> int:
     if not isinstance(segment, SegmentId):
         raise TypeError(f"a segment's identity must be a SegmentId, got "
                         f"{type(segment).__name__} {segment!r}")
+    for name in ("map_partition", "attempt", "subpartition", "index"):
+        value = getattr(segment, name)
+        # int() below took "x" with a bare "invalid literal for int()", and -1 as it is.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ConfigError(f"{segment!s}: {name} must be an integer >= 0, got {value!r}")
     job, shuffle = str(segment.job_id), str(segment.shuffle_id)
     text = (f"{_IDENTITY_DOMAIN}/{len(job)}:{job}/{len(shuffle)}:{shuffle}/"
             f"{int(segment.map_partition)}/{int(segment.attempt)}/"
@@ -256,8 +262,17 @@ def encode_segment(table: pa.Table, segment: SegmentId,
             f"encode_segment(table, segment, compression, arena) needs the SegmentId the "
             f"segment will be stored under (it is bound into the segment and checked on "
             f"read), got {type(segment).__name__} {segment!r}")
+    if not isinstance(table, pa.Table):  # an AttributeError ('... has no attribute schema')
+        raise TypeError(f"encode_segment encodes a pyarrow.Table, got "
+                        f"{type(table).__name__}: convert it first, e.g. "
+                        "pa.Table.from_pandas(df)")
     digest = identity_digest(segment)
-    compression = Compression(compression)
+    try:
+        compression = Compression(compression)
+    except ValueError:
+        raise ConfigError(f"encode_segment's compression must be one of "
+                          f"{', '.join(c.value for c in Compression)}, got {compression!r}"
+                          ) from None
     options = pa.ipc.IpcWriteOptions(compression=_IPC_COMPRESSION[compression])
     if arena is not None and compression == Compression.NONE:
         sizer = pa.MockOutputStream()

@@ -1,3 +1,4 @@
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -97,3 +98,23 @@ def test_segment_meta_pickles_as_flat_fields_and_round_trips():
         assert pickle.loads(pickle.dumps(meta.id)) == meta.id
         assert meta.without_object_ref().object_ref is None
         assert meta.without_object_ref().id == meta.id
+
+
+def test_encode_segment_names_a_bad_table_compression_or_identity():
+    """encode_segment is public: a DataFrame failed with "'DataFrame' object has no
+    attribute 'schema'", a SegmentId field "x" with a bare "invalid literal for int()",
+    and a negative map index was bound into the segment as it was."""
+    from hybrid_ray import ConfigError
+
+    table = pa.table({"a": [1, 2]})
+    sid = SegmentId("shf-1", 0, 0, 0)
+    with pytest.raises(TypeError, match="encodes a pyarrow.Table, got DataFrame"):
+        encode_segment(table.to_pandas(), sid)
+    with pytest.raises(ConfigError, match="compression must be one of none, lz4, zstd"):
+        encode_segment(table, sid, "gzip")
+    for bad, name in [(SegmentId("shf-1", -1, 0, 0), "map_partition"),
+                      (SegmentId("shf-1", 0, "x", 0), "subpartition")]:
+        with pytest.raises(ConfigError, match=f"{name} must be an integer >= 0"):
+            encode_segment(table, bad)
+    ok = SegmentId("shf-1", np.int64(3), 1, 2)
+    assert decode_segment(encode_segment(table, ok), ok, TierName.DISK).equals(table)
