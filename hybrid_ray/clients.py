@@ -20,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import numbers
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -641,6 +641,15 @@ def pinned_bytes(meta: SegmentMeta) -> int:
     return meta.pack.pack_bytes or meta.nbytes * meta.pack.members
 
 
+def _require_metas(metas: Sequence[Any]) -> None:
+    """TypeError naming what is not a ``SegmentMeta`` among ``metas`` (it failed with an
+    AttributeError, "'str' object has no attribute 'tier'")."""
+    wrong = next((m for m in metas if not isinstance(m, SegmentMeta)), None)
+    if wrong is not None:
+        raise TypeError(f"ReadClient reads SegmentMetas (what WriteClient.close and flush "
+                        f"return), got a {type(wrong).__name__}")
+
+
 class ReadClient:
     """Reads segments from whichever tier holds each, verifying every checksum and that
     each segment's bytes are the segment its metadata names (identity and row count): a
@@ -662,6 +671,12 @@ class ReadClient:
                  fetch_from_node: Callable[[SegmentMeta], Any] | None = None,
                  start_node_fetch: Callable[[SegmentMeta], Callable[[], Any]] | None = None
                  ) -> None:
+        # A ShuffleConfig given here (ReadClient(config)) failed at the first read with
+        # "'ShuffleConfig' object has no attribute 'get'".
+        if not isinstance(io_tiers, Mapping):
+            raise ConfigError(f"ReadClient takes the tiers build_io_tiers(config) returns, "
+                              f"got {type(io_tiers).__name__}: ReadClient(build_io_tiers("
+                              "config))")
         self.io_tiers = io_tiers
         self.node_id = check_id("node_id", node_id) if node_id else node_id
         self.fetch_from_node = fetch_from_node
@@ -672,6 +687,7 @@ class ReadClient:
         return bool(meta.node_id) and meta.node_id != self.node_id
 
     def read_bytes(self, meta: SegmentMeta) -> Any:
+        _require_metas([meta])
         if meta.tier == TierName.DISK:
             if self._on_other_node(meta) and self.fetch_from_node:
                 return self.fetch_from_node(meta)
@@ -692,6 +708,8 @@ class ReadClient:
 
     def read_segments(self, metas: Iterable[SegmentMeta]) -> Iterator[pa.Table]:
         """Decode segments in the order of their ids (map partition, subpartition, index)."""
+        metas = list(metas)
+        _require_metas(metas)
         yield from self.read_in_order(sorted(metas, key=lambda m: m.id))
 
     def read_in_order(self, metas: Sequence[SegmentMeta], ahead: int = 4
@@ -701,6 +719,7 @@ class ReadClient:
         the memory-tier ones are got from the object store in batches (``MemoryBatches``).
         A segment that cannot be read raises when its turn comes, as ``read`` would;
         remote fetches not yet used are then cancelled."""
+        _require_metas(metas)
         memory = MemoryBatches(self.io_tiers.get(TierName.MEMORY), metas)
         fetches: dict[int, tuple[Callable[[], Any], Callable[[], Any]]] = {}  # wait, cancel
         started = 0  # metas[:started] have been considered for a background fetch

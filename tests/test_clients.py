@@ -988,3 +988,21 @@ def test_write_client_refuses_bad_arguments_with_the_fix(tmp_path):
     metas = client.close()
     assert sum(ReadClient(io).read(m).num_rows for m in metas) == 4
     tm.release_shuffle(shuffle)
+
+
+def test_read_client_refuses_what_is_not_its_tiers_or_a_segment(tmp_path):
+    """ReadClient(config) (the config instead of build_io_tiers(config)) failed at the first
+    read with "'ShuffleConfig' object has no attribute 'get'", and a segment id or a path
+    given for a SegmentMeta with "'str' object has no attribute 'tier'"."""
+    from hybrid_ray import ConfigError
+
+    cfg = ShuffleConfig(memory_fraction=0, spill_dirs=[str(tmp_path / "spill")])
+    with pytest.raises(ConfigError, match=r"ReadClient\(build_io_tiers\(config\)\)"):
+        ReadClient(cfg)
+    reader = ReadClient(build_io_tiers(cfg))
+    with pytest.raises(TypeError, match="reads SegmentMetas .* got a str"):
+        reader.read("m000000-a000-s000000.seg")
+    with pytest.raises(TypeError, match="reads SegmentMetas .* got a str"):
+        list(reader.read_segments(["x"]))
+    with pytest.raises(TypeError, match="reads SegmentMetas .* got a SegmentId"):
+        list(reader.read_in_order([SegmentId("s", 0, 0, 0)]))
