@@ -815,7 +815,8 @@ def _empty_dataset(num_partitions: int, schema: pa.Schema | None, operation: str
         shuffle_id="", operation=operation, mode=config.mode.value,
         spilling=config.spilling.value, num_maps=0, num_partitions=num_partitions, rows=0,
         input_bytes=0, wall_time_s=0.0, per_node_tier={}, tier_switches=0, spill_events=0,
-        superseded_attempts=0, hybrid_overlap=False)
+        superseded_attempts=0, hybrid_overlap=False,
+        notes=("the dataset has no rows: no shuffle ran and nothing was stored",))
     _set_last_report(report)
     setattr(ds, _REPORT_ATTR, report)
     if schema is not None:  # report_of(ds.materialize()) finds it, as for a shuffle's result

@@ -73,6 +73,8 @@ def test_report_of_an_empty_result_survives_materialize(ray_local, tmp_path):
     report = hybrid_ray.report_of(out.materialize())
     assert report is hybrid_ray.report_of(out)
     assert report.rows == 0 and report.num_partitions == 3
+    # What was printed began "shuffle  (repartition, ...)" with no id and no word of why.
+    assert "note: the dataset has no rows: no shuffle ran" in report.table()
 
 
 
