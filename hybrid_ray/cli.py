@@ -260,28 +260,45 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, default=_jsonable, indent=2))
         return 0
-    print(f"{len(status['shuffles'])} active shuffle(s)")
+    print("\n".join(status_lines(status)))
+    return 0
+
+
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """The lines ``hybrid-ray status`` prints for the shuffle master's ``status()``."""
+    out = [f"{len(status['shuffles'])} active shuffle(s)"]
     for s in status["shuffles"]:
-        print(f"  {s['shuffle_id']}: {s['maps_finished']}/{s['num_maps']} maps finished, "
-              f"{s['num_subpartitions']} partitions, age {s['age_s']:.0f} s, mode {s['mode']}")
+        out.append(f"  {s['shuffle_id']}: {s['maps_finished']}/{s['num_maps']} maps "
+                   f"finished, {s['num_subpartitions']} partitions, age {s['age_s']:.0f} s, "
+                   f"mode {s['mode']}")
     for node in status["nodes"]:
-        print(f"node {node.node_id}")
+        out.append(f"node {node.node_id}")
         for t in node.tiers:
             cap = "unbounded" if t.capacity_bytes is None else f"{t.capacity_bytes / 1e6:.1f} MB"
-            print(f"  {t.tier.value:<7} used {t.used_bytes / 1e6:10.1f} MB of {cap}")
+            out.append(f"  {t.tier.value:<7} used {t.used_bytes / 1e6:10.1f} MB of {cap}")
         if getattr(node, "sweep_errors", 0):
-            print(f"  orphan sweeps failed: {node.sweep_errors} (last: {node.last_sweep_error})")
+            out.append(f"  orphan sweeps failed: {node.sweep_errors} "
+                       f"(last: {node.last_sweep_error})")
         if getattr(node, "refused_deletions", 0):
-            print(f"  segment files refused for deletion (not provably hybrid_ray's): "
-                  f"{node.refused_deletions} (last: {node.last_refused_deletion})")
+            out.append(f"  segment files refused for deletion (not provably hybrid_ray's): "
+                       f"{node.refused_deletions} (last: {node.last_refused_deletion})")
     for node in status.get("unanswered_nodes", []):
-        print(f"node {node['node_id']}: its tier manager did not report ({node['error']})")
+        out.append(f"node {node['node_id']}: its tier manager did not report "
+                   f"({node['error']})")
     pending = status.get("pending_deletions", [])
     if pending:
-        print(f"{len(pending)} deletion(s) pending (retried until the data is gone):")
+        out.append(f"{len(pending)} deletion(s) pending (retried until the data is gone):")
         for d in pending:
-            print(f"  {d['what']}: {d['attempts']} failed attempt(s), last: {d['last_error']}")
-    return 0
+            out.append(f"  {d['what']}: {d['attempts']} failed attempt(s), "
+                       f"last: {d['last_error']}")
+    errors = status.get("background_errors") or {}
+    if errors.get("count"):
+        # Shown only by --json before: a master whose expiry/deletion loop kept failing
+        # (so orphans stayed and deletions never ran) looked healthy.
+        out.append(f"shuffle master's background loop failed {errors['count']} time(s) "
+                   f"(last: {errors.get('last', '')}): orphaned shuffles may not expire and "
+                   "deletions may not run; see the master's log")
+    return out
 
 
 # Where cleanup's fsspec options come from when --storage-options is not given: an

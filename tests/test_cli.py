@@ -365,3 +365,19 @@ def test_status_of_a_port_that_accepts_and_never_answers_ends_within_its_timeout
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "did not complete the handshake within 3 s" in proc.stderr
     assert elapsed < 60, f"took {elapsed:.1f} s"
+
+
+def test_status_shows_the_master_s_failing_background_loop():
+    """The master counts the failures of its expiry and deletion loop (kept for
+    ``status``), but only ``status --json`` showed them: a master whose loop kept failing,
+    so that orphans never expired and deletions never ran, looked healthy."""
+    from hybrid_ray.cli import status_lines
+
+    status = {"shuffles": [], "nodes": [], "unanswered_nodes": [], "pending_deletions": [],
+              "background_errors": {"count": 3, "last": "KeyError: 'shf-1'"}}
+    assert status_lines(status) == [
+        "0 active shuffle(s)",
+        "shuffle master's background loop failed 3 time(s) (last: KeyError: 'shf-1'): "
+        "orphaned shuffles may not expire and deletions may not run; see the master's log"]
+    status["background_errors"] = {"count": 0, "last": ""}
+    assert status_lines(status) == ["0 active shuffle(s)"]
