@@ -923,11 +923,15 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
         return _empty_dataset(num_partitions or 1, blocks.schema, "sort", config)
     n = num_partitions or _default_partitions(blocks.refs, config)
     groups = _plan_maps(_block_locations(blocks.refs)[1], config)
+    sampling = [_sample_task.remote(key, SAMPLES_PER_BLOCK, *[blocks.refs[i] for i in group])
+                for group in groups]
     try:
-        samples = ray.get([_sample_task.remote(key, SAMPLES_PER_BLOCK,
-                                               *[blocks.refs[i] for i in group])
-                           for group in groups], timeout=config.stall_timeout_s)
+        samples = ray.get(sampling, timeout=config.stall_timeout_s)
     except ray.exceptions.GetTimeoutError:
+        # Not left running (or queued for a CPU) after the sort has failed: they held CPUs
+        # the caller's next job waits for, and pinned the input blocks.
+        for task in sampling:
+            ray.cancel(task, force=True)
         raise ShuffleStalledError(
             f"sort: sampling the keys of {len(blocks.refs)} blocks took longer than "
             f"stall_timeout_s ({config.stall_timeout_s:g} s); check that the cluster's "

@@ -565,3 +565,32 @@ def test_the_master_s_remote_deletions_give_up_on_a_hung_sync_store_within_a_bou
     finally:
         hung.set()
         tier.close()
+
+
+def test_a_sort_whose_sampling_stalls_fails_and_leaves_no_sampling_task_running(
+        ray_local, tmp_path, monkeypatch):
+    """``sort`` raised ShuffleStalledError when sampling the keys outran stall_timeout_s,
+    but left its sampling tasks running (or queued for a CPU): they held CPUs the
+    caller's next job waited for. They are cancelled now."""
+    import ray
+
+    import hybrid_ray
+    from hybrid_ray import shuffle as shuffle_module
+
+    marker = str(tmp_path / "sampling-went-on")
+
+    @ray.remote(num_cpus=1, max_retries=0)
+    def slow_sample(key, k, *blocks):
+        time.sleep(6)
+        with open(marker, "a") as f:  # reached only if the task was left running
+            f.write("x")
+        return np.asarray([])
+
+    monkeypatch.setattr(shuffle_module, "_sample_task", slow_sample)
+    config = base_config(tmp_path, namespace=f"hr-sample-{uuid.uuid4().hex[:6]}",
+                         stall_timeout_s=2)
+    ds = ray.data.from_arrow([pa.table({"key": np.arange(1000) + i}) for i in range(2)])
+    with pytest.raises(hybrid_ray.ShuffleStalledError, match="sort: sampling the keys"):
+        hybrid_ray.sort(ds, "key", config=config)
+    time.sleep(8)
+    assert not os.path.exists(marker)
