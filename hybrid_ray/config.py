@@ -163,6 +163,10 @@ def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
     return value
 
 
+# Remote-tier transfers in flight per process, at most (``ShuffleConfig.remote_transfers``).
+MAX_REMOTE_TRANSFERS = 64
+
+
 def _require_count(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -327,6 +331,13 @@ class ShuffleConfig:
         # per row, a shuffle that ran for hours or stalled.
         _require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES)
         _require_count("remote_transfers", self.remote_transfers)
+        if self.remote_transfers > MAX_REMOTE_TRANSFERS:
+            # Each is a thread and (in a writer) a segment held in memory until uploaded:
+            # 10**9 was taken, and meant no bound on either.
+            raise ConfigError(
+                f"remote_transfers must be at most {MAX_REMOTE_TRANSFERS}, got "
+                f"{self.remote_transfers!r}: each is an upload thread holding a segment in "
+                "memory in every writer and reader process")
         if self.memory_pack_bytes is not None:
             _require_bytes("memory_pack_bytes", self.memory_pack_bytes)
             if self.memory_pack_bytes > GiB:

@@ -35,6 +35,8 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     ("memory_weight", 0, "memory_weight"),
     ("job_id", "a/b", "job_id"),
     ("remote_transfers", 0, "remote_transfers must be an integer >= 1"),
+    ("remote_transfers", 10**9, "remote_transfers must be at most 64, got 1000000000: "
+                                "each is an upload thread"),
     ("memory_pack_bytes", -1, "memory_pack_bytes must be an integer number of bytes >= 0"),
     ("memory_pack_bytes", 2.0, "memory_pack_bytes must be an integer number of bytes"),
     ("memory_pack_bytes", 2 << 30, "memory_pack_bytes must be at most 1 GiB (1073741824 "
