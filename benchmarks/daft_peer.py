@@ -23,6 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 DAFT_SPEC = "daft[ray]==0.7.26"
+# What the child imports besides Daft and its own dependencies (numpy, pyarrow):
+# ``benchmarks.workloads`` -> ``hybrid_ray.partitioning`` -> xxhash, pinned as
+# pyproject.toml pins it. The venv lacked it once partitioning began to use it, and every
+# Daft case failed with "No module named 'xxhash'".
+CHILD_REQUIREMENTS = ("xxhash==4.1.0",)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = os.path.join(ROOT, ".venv-daft")
 READY_MARKER = ".hr-bench-ready"
@@ -51,20 +56,22 @@ def _last_line(text: str | bytes | None) -> str:
 def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable,
                      spec: str = DAFT_SPEC, run: Runner = subprocess.run,
                      timeout: float = 1200) -> str:
-    """The python of a virtualenv with ``spec`` installed, made on first use; a ready
-    venv (its marker names ``spec``) is reused as is. Raises ``DaftUnavailable`` with the
+    """The python of a virtualenv with ``spec`` and ``CHILD_REQUIREMENTS`` installed, made
+    on first use; a ready venv (its marker names them) is reused as is. Raises ``DaftUnavailable`` with the
     failing step and its last line of output."""
     marker = os.path.join(venv, READY_MARKER)
     python = venv_python(venv)
+    requirements = [spec, *CHILD_REQUIREMENTS]
+    ready = " ".join(requirements)
     if os.path.exists(python) and os.path.exists(marker):
         with open(marker) as f:
-            if f.read().strip() == spec:
+            if f.read().strip() == ready:
                 return python
     shutil.rmtree(venv, ignore_errors=True)  # partial or for another spec: start over
     steps = [
         ("create the venv", [base_python, "-m", "venv", venv]),
-        (f"pip install {spec}", [python, "-m", "pip", "install", "--quiet",
-                                 "--disable-pip-version-check", spec]),
+        (f"pip install {ready}", [python, "-m", "pip", "install", "--quiet",
+                                  "--disable-pip-version-check", *requirements]),
         ("import daft", [python, "-c", "import daft, ray, pyarrow; print(daft.__version__, "
                                        "ray.__version__, pyarrow.__version__)"]),
     ]
@@ -77,7 +84,7 @@ def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable
             raise DaftUnavailable(f"cannot {what} (exit {proc.returncode}): "
                                   f"{_last_line(proc.stderr) or _last_line(proc.stdout)}")
     with open(marker, "w") as f:
-        f.write(spec + "\n")
+        f.write(ready + "\n")
     return python
 
 

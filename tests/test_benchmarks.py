@@ -304,8 +304,8 @@ def test_daft_venv_that_cannot_be_made_says_why(tmp_path):
             "daft[ray]==0.7.26\n") if failed else "")
 
     venv = str(tmp_path / "venv-daft")
-    with pytest.raises(DaftUnavailable, match=r"pip install daft\[ray\]==0.7.26 \(exit 1\):"
-                                              r" ERROR: No matching distribution"):
+    with pytest.raises(DaftUnavailable, match=r"pip install daft\[ray\]==0.7.26 "
+                       r"xxhash==4.1.0 \(exit 1\): ERROR: No matching distribution"):
         ensure_daft_venv(venv, run=no_network)
     assert len(calls) == 2 and not (tmp_path / "venv-daft" / ".hr-bench-ready").exists()
     # No python to make a venv with (the real subprocess.run).
@@ -314,12 +314,15 @@ def test_daft_venv_that_cannot_be_made_says_why(tmp_path):
 
 
 def test_a_ready_daft_venv_is_reused_and_one_for_another_spec_is_remade(tmp_path):
-    from benchmarks.daft_peer import DAFT_SPEC, READY_MARKER, ensure_daft_venv
+    from benchmarks.daft_peer import (
+        CHILD_REQUIREMENTS, DAFT_SPEC, READY_MARKER, ensure_daft_venv,
+    )
 
+    ready = " ".join([DAFT_SPEC, *CHILD_REQUIREMENTS])
     venv = tmp_path / "venv-daft"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    (venv / READY_MARKER).write_text(DAFT_SPEC + "\n")
+    (venv / READY_MARKER).write_text(ready + "\n")
 
     def must_not_run(cmd, **kwargs):
         raise AssertionError(f"ran {cmd}")
@@ -333,7 +336,43 @@ def test_a_ready_daft_venv_is_reused_and_one_for_another_spec_is_remade(tmp_path
             os.makedirs(cmd[3])
         return subprocess.CompletedProcess(cmd, 0, "", "")
     assert ensure_daft_venv(str(venv), run=ok).endswith("bin/python") and len(ran) == 3
-    assert (venv / READY_MARKER).read_text().strip() == DAFT_SPEC
+    assert ran[1][-2:] == [DAFT_SPEC, *CHILD_REQUIREMENTS]
+    assert (venv / READY_MARKER).read_text().strip() == ready
+    # A venv made for Daft alone (before the child needed xxhash) is made again.
+    (venv / READY_MARKER).write_text(DAFT_SPEC + "\n")
+    ran.clear()
+    assert ensure_daft_venv(str(venv), run=ok).endswith("bin/python") and len(ran) == 3
+
+
+def test_the_daft_venv_has_every_module_the_daft_child_imports():
+    """The Daft child loads ``benchmarks.workloads`` and through it
+    ``hybrid_ray.partitioning``; once that imported xxhash, which the Daft venv lacked,
+    every Daft case failed with ModuleNotFoundError. Every third-party module they import
+    must come with Daft or from ``CHILD_REQUIREMENTS``, pinned as pyproject.toml pins it."""
+    import ast
+    import tomllib
+
+    from benchmarks.daft_peer import CHILD_REQUIREMENTS, ROOT
+
+    with_daft = {"numpy", "pyarrow"}  # daft[ray] 0.7.26 depends on both
+    extra = {r.split("==")[0] for r in CHILD_REQUIREMENTS}
+    imported = set()
+    for module in ("benchmarks/workloads.py", "hybrid_ray/partitioning.py",
+                   "hybrid_ray/errors.py"):
+        with open(os.path.join(ROOT, module)) as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:  # imports made on loading (lazy ones, e.g. pandas for
+            # rare key types, the workloads never reach)
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names
+                   and m not in ("hybrid_ray", "benchmarks")}
+    assert third_party <= with_daft | extra, third_party - with_daft - extra
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        pins = set(tomllib.load(f)["project"]["dependencies"])
+    assert set(CHILD_REQUIREMENTS) <= pins
 
 
 def test_daft_cases_without_a_venv_are_recorded_as_skipped(monkeypatch, tmp_path):
