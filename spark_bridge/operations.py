@@ -171,9 +171,11 @@ def repartition(df: Any, num_partitions: int, *cols: str,
         # The session's config (its namespace, spill dirs, remote tier), not the defaults:
         # with those the direct path started a second set of actors, with their own
         # memory budget, in the default namespace and spilled to /tmp.
-        from spark_bridge.session import session_shuffle_config
+        # (The config init_spark was given also with hybrid_shuffle=False: this path is
+        # then its only use, and the defaults were taken instead.)
+        from spark_bridge.session import given_shuffle_config
 
-        config = session_shuffle_config()
+        config = given_shuffle_config()
     checked = check_config(config)
     if direct_scan:
         scan, why_not = parquet_scan.plan_scan(df, checked.map_chunk_bytes)

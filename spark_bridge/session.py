@@ -199,6 +199,9 @@ _session_shuffles: tuple[str, str, str] | None = None
 # The running session's ShuffleConfig, when its exchanges go through hybrid_ray's manager.
 _session_config: ShuffleConfig | None = None
 _last_session_shuffles: tuple[str, str, str] | None = None
+# The ShuffleConfig given to init_spark, whichever the shuffle: with hybrid_shuffle=False
+# the direct parquet path of spark_bridge.repartition is hybrid_ray's only use of it.
+_given_config: ShuffleConfig | None = None
 
 
 # Spark settings init_spark derives from shuffle_config (and the path of the file the
@@ -252,14 +255,6 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise ConfigError(f"hybrid_shuffle must be True or False, got {hybrid_shuffle!r}")
     from hybrid_ray.config import ShuffleConfig
 
-    if shuffle_config is not None and not hybrid_shuffle:
-        # Nothing of such a session reads it: its exchanges are Spark's own, and
-        # spark_bridge.repartition's direct parquet path took the defaults (spilling to
-        # /tmp, no remote tier) while the caller believed their config was in force.
-        raise ConfigError(
-            "shuffle_config applies only to hybrid_ray's shuffle manager, which "
-            "hybrid_shuffle=False turns off: drop one of them (spark_bridge.repartition's "
-            "direct parquet path takes its own config=)")
     if shuffle_config is None:
         shuffle_config = ShuffleConfig()
     elif not isinstance(shuffle_config, ShuffleConfig):
@@ -302,7 +297,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     import ray
     import raydp
 
-    global _session_shuffles, _session_config
+    global _session_shuffles, _session_config, _given_config
     if hybrid_shuffle:
         # A wrong endpoint or credentials surfaced only inside Spark tasks, once data
         # spilled to the remote tier, after Spark's retries: probe it now, as a Ray
@@ -359,6 +354,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         _session_config = shuffle_config
         threading.Thread(target=_heartbeat_spark_shuffles, args=(_session_shuffles,),
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
+    _given_config = shuffle_config
     return session
 
 
@@ -464,8 +460,8 @@ def _stop_raydp() -> None:
     fails)."""
     import raydp
 
-    global _session_config
-    _session_config = None
+    global _session_config, _given_config
+    _session_config = _given_config = None
     if _session_shuffles is not None:
         _quiesce_driver_shuffle_manager()
     try:
@@ -555,3 +551,10 @@ def session_shuffle_config() -> ShuffleConfig | None:
     """The ShuffleConfig of the running Spark session's shuffle manager (given to
     ``init_spark(shuffle_config=...)``), or None if no session runs hybrid_ray's manager."""
     return _session_config
+
+
+def given_shuffle_config() -> ShuffleConfig | None:
+    """The ShuffleConfig the running session was started with (``init_spark``'s
+    ``shuffle_config``, or its default), whether or not its shuffle manager is hybrid_ray's;
+    None if no session started by ``init_spark`` runs."""
+    return _given_config

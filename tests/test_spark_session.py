@@ -188,20 +188,6 @@ def test_init_spark_s_error_names_the_java_exception_behind_a_py4j_failure(
         init_spark(executor_memory="512MB", hybrid_shuffle=False)
 
 
-def test_init_spark_refuses_a_shuffle_config_nothing_would_read(tmp_path):
-    """With ``hybrid_shuffle=False`` a ``shuffle_config`` was silently dropped: the session's
-    exchanges are Spark's own, and ``repartition``'s direct path used the defaults (spill
-    dirs in /tmp, no remote tier). Refused before anything starts."""
-    from hybrid_ray import ShuffleConfig
-    from hybrid_ray.errors import ConfigError
-    from spark_bridge import init_spark
-
-    config = ShuffleConfig(spill_dirs=[str(tmp_path)])
-    with pytest.raises(ConfigError, match="shuffle_config applies only to hybrid_ray's "
-                       "shuffle manager, which hybrid_shuffle=False turns off"):
-        init_spark(shuffle_config=config, hybrid_shuffle=False)
-
-
 def test_init_spark_keeps_the_session_token_off_spark_s_conf_and_command_line(
         ray_local, tmp_path, monkeypatch):
     """PySpark's launch_gateway passes every Spark config as ``--conf`` on spark-submit's

@@ -93,6 +93,22 @@ def _collect(result):
     return [tuple(r) for r in rows] if rows and hasattr(rows[0], "__fields__") else rows
 
 
+def _direct_path_takes_the_given_config(spark, config: ShuffleConfig) -> dict:
+    """``repartition``'s direct parquet path in a session of Spark's own shuffle: it must
+    use the ``shuffle_config`` given to init_spark (here a 1 MiB memory tier, so the rows
+    reach the disk tier), not the defaults it took before (all in memory, spill to /tmp)."""
+    path = os.path.join(os.path.dirname(config.spill_dirs[0]), "direct-input")
+    spark.range(0, 200_000, numPartitions=4).selectExpr(
+        "id", "id % 97 as k", "repeat('x', 40) as pad").write.parquet(path)
+    out = spark_bridge.repartition(spark.read.parquet(path), 4, "k")
+    rows = sorted(tuple(r) for r in out.select("id", "k").collect())
+    report = spark_bridge.last_report()
+    tiers = {tier for node in report.per_node_tier.values()
+             for tier, (nbytes, _) in node.items() if nbytes}
+    spark_bridge.release(out)
+    return {"exact": rows == [(i, i % 97) for i in range(200_000)], "tiers": tiers}
+
+
 def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
     start_local_ray()
     spark = spark_bridge.init_spark("hybrid-shuffle-tests", num_executors=2, executor_cores=1,
@@ -124,6 +140,8 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
             out["tier_manager_restarted"] = _tier_manager_started_again_recovers(
                 spark, config)
             out["reports_live"] = spark_bridge.spark_shuffle_reports()
+        else:
+            out["direct"] = _direct_path_takes_the_given_config(spark, config)
     finally:
         spark_bridge.stop_spark()
     if hybrid:
@@ -322,6 +340,11 @@ def runs(tmp_path_factory):
 QUERY_NAMES = ["group_by_agg", "group_by_nullable_string", "inner_join_agg", "left_join",
                "window_rank", "distinct", "order_by", "skew_join", "rdd_reduce_by_key",
                "rdd_sort_by_key", "rdd_group_by_key", "retried_map_task"]
+
+
+def test_direct_path_of_a_session_of_spark_s_own_shuffle_takes_its_shuffle_config(runs):
+    _, own, _ = runs
+    assert own["direct"]["exact"] and "disk" in own["direct"]["tiers"], own["direct"]
 
 
 @pytest.mark.parametrize("name", QUERY_NAMES)
