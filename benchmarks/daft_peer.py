@@ -57,8 +57,8 @@ def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable
                      spec: str = DAFT_SPEC, run: Runner = subprocess.run,
                      timeout: float = 1200) -> str:
     """The python of a virtualenv with ``spec`` and ``CHILD_REQUIREMENTS`` installed, made
-    on first use; a ready venv (its marker names them) is reused as is. Raises ``DaftUnavailable`` with the
-    failing step and its last line of output."""
+    on first use; a ready venv (its marker names them) is reused as is. Raises
+    ``DaftUnavailable`` with the failing step and its last line of output."""
     marker = os.path.join(venv, READY_MARKER)
     python = venv_python(venv)
     requirements = [spec, *CHILD_REQUIREMENTS]

@@ -338,11 +338,13 @@ def map_block(shuffle_id: str, map_index: int,
     """
     if isinstance(block, BlockPiece):
         tables = [block.rows_of(_input_table(ray.get(block.block), 0, map_index))]
-    elif isinstance(block, (list, tuple)) and all(isinstance(b, ray.ObjectRef) for b in block):
-        tables = ray.get(list(block))
-    else:  # one block, its value (Ray resolved the reference)
-        tables = [block]
-    tables = [_input_table(table, i, map_index) for i, table in enumerate(tables)]
+    else:
+        if isinstance(block, (list, tuple)) and all(isinstance(b, ray.ObjectRef)
+                                                    for b in block):
+            values = ray.get(list(block))
+        else:  # one block, its value (Ray resolved the reference)
+            values = [block]
+        tables = [_input_table(value, i, map_index) for i, value in enumerate(values)]
     if schema is not None:
         schema = with_extension_types(schema)
         tables = [_conform(table, schema, f"input block {i} of map {map_index}")
