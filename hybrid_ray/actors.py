@@ -1019,10 +1019,32 @@ def _worker_nodes(nodes: list[dict]) -> list[str]:
     return [n["NodeID"] for n in nodes] or [ray.get_runtime_context().get_node_id()]
 
 
+# Writers a node with at least two CPUs gets beyond one per CPU. A writer blocks many times
+# a map: on the object store (creating and sealing each memory segment), its tier manager
+# (leases), the master (commits) and page-cache writes of disk segments. With exactly one
+# writer per CPU, a core idled whenever every writer of its node waited at once: 6.4-7.1% of
+# a 2-core node's time in a warm 1 GiB repartition, 4.1-4.5% with one spare writer, at the
+# same control-plane share and speed (``python -m benchmarks.cpu_by_process --size 1
+# --rounds 6``, A/B/A/B; README, "The control plane's cost"). A spare costs a process (its
+# imports and warm-up heap, see ``warm_up_worker``), no CPU reservation: workers ask for
+# none. A one-CPU node gets none: it would double the writers' processes and map memory on
+# what is usually a small node, and on the suite's simulated one-CPU nodes (4 on 2 cores)
+# rounds were 10-25% slower with it.
+SPARE_WRITERS_PER_NODE = 1
+
+
+def writers_per_node(cpus: int) -> int:
+    """Writers on a node with ``cpus`` CPUs: one per CPU, plus SPARE_WRITERS_PER_NODE
+    where there are at least two."""
+    cpus = max(1, int(cpus))
+    return cpus + (SPARE_WRITERS_PER_NODE if cpus >= 2 else 0)
+
+
 def _writer_slots(nodes: list[dict]) -> list[tuple[str, int]]:
-    """(node, k) of every writer: one per CPU of each node, node by node."""
-    cpus = {n["NodeID"]: max(1, int(n["Resources"]["CPU"])) for n in nodes}
-    return [(node, k) for node in _worker_nodes(nodes) for k in range(cpus.get(node, 1))]
+    """(node, k) of every writer: ``writers_per_node`` of each node, node by node."""
+    cpus = {n["NodeID"]: int(n["Resources"]["CPU"]) for n in nodes}
+    return [(node, k) for node in _worker_nodes(nodes)
+            for k in range(writers_per_node(cpus.get(node, 1)))]
 
 
 def _reader_slots(nodes: list[dict], count: int) -> list[tuple[str, int]]:
@@ -1044,8 +1066,9 @@ def get_reader_slots(namespace: str, count: int) -> list[tuple[str, Any]]:
 
 
 def get_writers(namespace: str) -> list[tuple[str, Any]]:
-    """One writer actor per CPU of every alive node, as (node id, actor): maps run on
-    the node that holds their input block, as many at once as the node has CPUs."""
+    """The writer actors of every alive node (``writers_per_node``: one per CPU and a
+    spare on nodes with two or more), as (node id, actor): maps run on the node that holds
+    their input block, as many at once as the node has writers."""
     return [(node, _worker(WRITER_PREFIX, node, k, namespace))
             for node, k in _writer_slots(_alive_cpu_nodes())]
 
@@ -1091,8 +1114,8 @@ class ActorSlot:
 @dataclasses.dataclass(frozen=True)
 class ShuffleActors:
     """Every actor the shuffles of ``namespace`` use (``start_actors``): the master on the
-    head node, a tier manager per node with CPUs, a writer per CPU of those nodes, and the
-    readers."""
+    head node, a tier manager per node with CPUs, the writers of those nodes (one per CPU
+    and a spare on nodes with two or more: ``writers_per_node``), and the readers."""
 
     namespace: str
     master: ActorSlot

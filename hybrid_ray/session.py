@@ -1,9 +1,10 @@
 """Start-up: ``hybrid_ray.init`` starts the actors shuffles need before the first shuffle.
 
 A shuffle runs in long-lived, detached actors (``hybrid_ray.actors``): the namespace's
-master, a tier manager per node, a writer per CPU and the readers. Each is a process that
-imports Ray, pyarrow and hybrid_ray, so a cluster's first shuffle used to pay for starting
-all of them (a 1,000-row shuffle took 13.7 s the first time and 0.33 s after).
+master, a tier manager per node, the writers (one per CPU of each node, and a spare on
+nodes with two or more) and the readers. Each is a process that imports Ray, pyarrow and
+hybrid_ray, so a cluster's first shuffle used to pay for starting all of them (a 1,000-row
+shuffle took 13.7 s the first time and 0.33 s after).
 ``init`` starts them side by side and waits until each has answered, so that cost is paid
 where the caller chooses (say, while it loads its data) and the first shuffle runs warm.
 ``run_shuffle`` starts whatever is missing the same way, so ``init`` is optional.
@@ -31,8 +32,9 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
          timeout_s: float = START_TIMEOUT_S,
          warm_object_store_bytes: int | None = None) -> ShuffleActors:
     """Start every actor the shuffles of ``config.namespace`` use, all at once: the master
-    on the head node, a tier manager and one writer per CPU on each alive node with CPUs,
-    and ``config.max_concurrent_reducers`` readers (default: one per CPU of the cluster).
+    on the head node, a tier manager and the writers (one per CPU, and a spare
+    with two or more: ``actors.writers_per_node``) on each alive node with CPUs, and
+    ``config.max_concurrent_reducers`` readers (default: one per CPU of the cluster).
 
     Call it after ``ray.init`` (it calls ``ray.init()`` itself if Ray is not running, as a
     shuffle would) and with the config your shuffles use: its namespace, reader count,

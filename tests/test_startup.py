@@ -13,7 +13,9 @@ import pytest
 import hybrid_ray
 from conftest import base_config, row_fingerprint, start_local_ray
 from hybrid_ray import ActorStartError, ConfigError, ShuffleConfig
-from hybrid_ray.actors import MASTER_NAME, READER_PREFIX, TIER_MANAGER_PREFIX, WRITER_PREFIX
+from hybrid_ray.actors import (
+    MASTER_NAME, READER_PREFIX, TIER_MANAGER_PREFIX, WRITER_PREFIX, writers_per_node,
+)
 
 
 def _actor_processes(namespace: str) -> dict[str, tuple[int, str, str]]:
@@ -37,12 +39,13 @@ def _actor_processes(namespace: str) -> dict[str, tuple[int, str, str]]:
 def _expected(head: str, cpus_per_node: dict[str, int], readers: int
               ) -> dict[str, str]:
     """Name -> node of the actors a namespace's shuffles use: the master on the head node,
-    a tier manager and one writer per CPU on each node with CPUs, readers spread evenly."""
+    a tier manager and one writer per CPU on each node with CPUs (and a spare on a node with
+    two or more), readers spread evenly."""
     nodes = sorted(cpus_per_node)
     expected = {MASTER_NAME: head}
     for node in nodes:
         expected[TIER_MANAGER_PREFIX + node] = node
-        for k in range(cpus_per_node[node]):
+        for k in range(writers_per_node(cpus_per_node[node])):
             expected[f"{WRITER_PREFIX}{node}_{k}"] = node
     for i in range(readers):
         node = nodes[i % len(nodes)]
@@ -86,7 +89,8 @@ def test_init_starts_exactly_the_actors_a_shuffle_needs_on_their_nodes(started):
     assert {s.name: s.node_id for s in actors.all()} == expected
     assert actors.master.name == MASTER_NAME
     assert [s.name for s in actors.tier_managers] == [TIER_MANAGER_PREFIX + node]
-    assert [s.name for s in actors.writers] == [f"{WRITER_PREFIX}{node}_{k}" for k in (0, 1)]
+    # Two CPUs: a writer per CPU and a spare (actors.SPARE_WRITERS_PER_NODE).
+    assert [s.name for s in actors.writers] == [f"{WRITER_PREFIX}{node}_{k}" for k in (0, 1, 2)]
     assert [s.name for s in actors.readers] == [f"{READER_PREFIX}{node}_{k}" for k in (0, 1)]
     # The writers and readers ran the warm-up: their answers are their own processes.
     pids = ray.get([s.handle.run.remote(os.getpid) for s in actors.writers + actors.readers])
@@ -256,3 +260,10 @@ def test_init_waits_for_the_object_store_warm_ups_within_its_bound_in_all(ray_lo
     assert time.monotonic() - started < 2.5
     for actor in silent:
         ray_local.kill(actor)
+
+
+def test_a_node_with_two_or_more_cpus_gets_a_spare_writer_and_a_one_cpu_node_none():
+    """One writer per CPU left a core idle whenever every writer of its node waited at
+    once (object store, tier manager, master); a spare fills those waits. A one-CPU node
+    (usually small) keeps one writer."""
+    assert [writers_per_node(cpus) for cpus in (0, 1, 2, 3, 16)] == [1, 1, 3, 4, 17]
