@@ -1025,7 +1025,7 @@ def _worker_nodes(nodes: list[dict]) -> list[str]:
 # writer per CPU, a core idled whenever every writer of its node waited at once: 6.4-7.1% of
 # a 2-core node's time in a warm 1 GiB repartition, 4.1-4.5% with one spare writer, at the
 # same control-plane share and speed (``python -m benchmarks.cpu_by_process --size 1
-# --rounds 6``, A/B/A/B; README, "The control plane's cost"). A spare costs a process (its
+# --rounds 6``, A/B/A/B; README, Architecture, "Since 37b02ad"). A spare costs a process (its
 # imports and warm-up heap, see ``warm_up_worker``), no CPU reservation: workers ask for
 # none. A one-CPU node gets none: it would double the writers' processes and map memory on
 # what is usually a small node, and on the suite's simulated one-CPU nodes (4 on 2 cores)
