@@ -1029,7 +1029,7 @@ def _worker_nodes(nodes: list[dict]) -> list[str]:
 # imports and warm-up heap, see ``warm_up_worker``), no CPU reservation: workers ask for
 # none. A one-CPU node gets none: it would double the writers' processes and map memory on
 # what is usually a small node, and on the suite's simulated one-CPU nodes (4 on 2 cores)
-# rounds were 10-25% slower with it.
+# rounds were 4-25% slower with it (four A/B pairs).
 SPARE_WRITERS_PER_NODE = 1
 
 
