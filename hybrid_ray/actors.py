@@ -620,8 +620,14 @@ class ShuffleMasterActor:
                         self.registry.expire()
                 self._run_deletions()
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
-                self.loop_errors += 1
-                self.last_loop_error = f"{type(exc).__name__}: {exc}"
+                self._loop_failed(exc)
+
+    def _loop_failed(self, exc: BaseException) -> None:
+        """Count a failed turn of the background loop and keep its error for ``status``,
+        without the credentials of any shuffle it may quote."""
+        with self._lock:
+            self.loop_errors += 1
+            self.last_loop_error = self.registry.scrub_secrets(f"{type(exc).__name__}: {exc}")
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:

@@ -23,6 +23,7 @@ from hybrid_ray.errors import (
     ConfigError, ShuffleNotFoundError, ShuffleReleasedError, ShuffleStateError,
 )
 from hybrid_ray.ids import check_id
+from hybrid_ray.redaction import Redactor
 from hybrid_ray.segment import SegmentMeta
 
 
@@ -714,7 +715,10 @@ class ShuffleRegistry:
                     not_before=self._clock() + self._late_sweep_s))
             return
         deletion.attempts += 1
-        deletion.last_error = f"{type(error).__name__}: {error}"
+        # Shown by status: a storage library's error may quote the credentials it was given.
+        config = deletion.state.config
+        deletion.last_error = Redactor(config.remote_path, config.storage_options).scrub(
+            f"{type(error).__name__}: {error}")
         deletion.not_before = self._clock() + min(
             DELETE_RETRY_MIN_S * 2 ** (deletion.attempts - 1), DELETE_RETRY_MAX_S)
         self.deletion_failures += 1
@@ -726,6 +730,17 @@ class ShuffleRegistry:
         failed is, queued again like any failed deletion."""
         return [{"shuffle_id": d.state.shuffle_id, "what": d.what, "attempts": d.attempts,
                  "last_error": d.last_error} for d in self.pending]
+
+    def scrub_secrets(self, text: Any) -> str:
+        """``str(text)`` without the credentials of any shuffle in the books or waiting for
+        its deletion: for errors whose shuffle is unknown (the background loop's)."""
+        states = list(self._shuffles.values()) + [d.state for d in self.pending]
+        out = str(text)
+        for remote_path, options in {(s.config.remote_path, repr(s.config.storage_options)):
+                                     (s.config.remote_path, s.config.storage_options)
+                                     for s in states}.values():
+            out = Redactor(remote_path, options).scrub(out)
+        return out
 
     # ---- introspection --------------------------------------------------------------------------
     def shuffle_ids(self) -> list[str]:

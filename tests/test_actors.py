@@ -984,3 +984,23 @@ def _spark_session_tok(prefix, tmp_path):
     tm = get_tier_manager(node, namespace)
     ray.get(master.spark_open_session.remote("tok", cfg))
     return node, cfg, master, tm
+
+
+def test_the_background_loop_s_error_in_status_never_shows_a_shuffle_s_credentials(
+        ray_local):
+    """The master's background loop (expiry, deletions) kept any error raw for
+    ``status``: a storage library's message quoting a shuffle's options showed its key."""
+    namespace = f"loop-{uuid.uuid4().hex[:6]}"
+    key, secret = "AKIAEXAMPLELOOPKEY", "loop/Secret/Value123"
+    # No remote_path: the release then deletes nothing remote (there is no such store).
+    cfg = ShuffleConfig(progress=False, namespace=namespace,
+                        storage_options={"key": key, "secret": secret})
+    master = get_master(namespace)
+    ray.get(master.register.remote("shf-loop", 1, 2, cfg))
+    try:
+        ray.get(master.__ray_call__.remote(
+            lambda self: self._loop_failed(OSError(f"no access with {key}/{secret}"))))
+        errors = ray.get(master.status.remote())["background_errors"]
+        assert errors == {"count": 1, "last": "OSError: no access with ***/***"}
+    finally:
+        ray.get(master.release.remote("shf-loop"))

@@ -649,3 +649,21 @@ def test_poll_after_open_shuffle_current_attempt_dropped(registry):
     res = registry.poll("open", 0, {0: (a1, 1)})
     assert res.done and [(u.attempt, u.reset, len(u.segments)) for u in res.updates] == \
         [(a0, True, 1)]
+
+
+def test_a_failed_deletion_s_error_never_shows_the_shuffle_s_credentials():
+    """A storage library's error may quote the options it was given; the pending
+    deletion's ``last_error`` (shown by ``hybrid-ray status``) kept it raw."""
+    key, secret = "AKIAEXAMPLEKEY", "wJalrXUtnFEMI/K7MDENG"
+    config = ShuffleConfig(remote_path="s3://bucket/prefix",
+                           storage_options={"key": key, "secret": secret})
+
+    def release(state):
+        raise OSError(f"cannot remove s3://bucket/prefix/x with key={key} secret={secret}")
+
+    reg = ShuffleRegistry(lambda state, metas: None, release, Clock())
+    reg.register("r", 1, 2, config)
+    reg.release("r")
+    [pending] = reg.pending_deletions()
+    assert pending["last_error"] == ("OSError: cannot remove s3://bucket/prefix/x with "
+                                     "key=*** secret=***")
