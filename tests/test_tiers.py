@@ -401,6 +401,21 @@ class TestRemoteTierS3(TierConformance):
                 "endpoint_url": "http://127.0.0.1:9", "key": "a", "secret": "b",
                 "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
 
+    def test_every_s3_call_has_its_deadline_asking_for_a_segment_too(self, tier,
+                                                                      monkeypatch):
+        """``has`` was the one remote call made without the per-call deadline (botocore's
+        timeouts alone: 5 attempts of connect + read timeouts, or forever if raised)."""
+        sid = SegmentId("dl", 0, 0, 0)
+        assert tier.has(sid) is False
+        seen: list[dict] = []
+        real = tier.fs.exists
+        monkeypatch.setattr(tier.fs, "exists",
+                            lambda path, **kw: seen.append(kw) or real(path, **kw))
+        tier.write(sid, _payload(5)[1])
+        assert tier.has(sid) is True
+        assert seen == [{"timeout": tier._deadline()["timeout"]}] and seen[0]["timeout"] > 0
+        tier.release_shuffle("dl")
+
     def test_s3_checksums_only_where_required_unless_overridden(self, tier, s3_bucket):
         # Segments carry their own XXH3 checksum (test_corrupt_segment_detected), so the
         # per-request CRC32 of botocore is asked for only where S3 requires it.

@@ -434,7 +434,9 @@ class RemoteTier(Tier):
                        f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
 
     def has(self, segment: SegmentId) -> bool:
-        return bool(self.fs.exists(self.segment_path(segment)))
+        # Bounded like every other call: an endpoint that accepts and never answers held
+        # the caller for good.
+        return bool(self.fs.exists(self.segment_path(segment), **self._deadline()))
 
     def delete(self, meta: SegmentMeta) -> None:
         """Delete one segment's object. Its location comes from another process (the
