@@ -324,6 +324,22 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
   private final Map<String, byte[]> prefetched = new HashMap<>();
   private final Map<String, Integer> prefetchedUses = new HashMap<>();
   private int prefetchedUpTo;
+  // Objects of a prefetch batch that timed out: their own fetch gets only
+  // AFTER_BATCH_TIMEOUT_MS more (see fetchTimeoutMs), so a stuck object costs the task
+  // fetchTimeoutMs once, not twice.
+  private final java.util.Set<String> timedOutObjects = new java.util.HashSet<>();
+
+  /** How long the per-segment fetch of an object waits once its batch timed out. */
+  static final long AFTER_BATCH_TIMEOUT_MS = 1000;
+
+  /**
+   * The wait of one object's own fetch: the whole {@code fetchTimeoutMs}, or, for an
+   * object whose prefetch batch already waited that long, {@link #AFTER_BATCH_TIMEOUT_MS}
+   * (objects that arrived meanwhile come back at once; the stuck one fails).
+   */
+  static long fetchTimeoutMs(long fetchTimeoutMs, boolean batchTimedOut) {
+    return batchTimedOut ? Math.min(fetchTimeoutMs, AFTER_BATCH_TIMEOUT_MS) : fetchTimeoutMs;
+  }
 
   /**
    * Fetch the memory-tier objects of the blocks from {@code from} on with one
@@ -378,6 +394,9 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         prefetched.put(objects.get(k), frames.get(k));
         prefetchedUses.merge(objects.get(k), uses.get(objects.get(k)), Integer::sum);
       }
+    } catch (RayTimeoutException e) {
+      // Each segment is fetched (and named) alone, without waiting that long again.
+      timedOutObjects.addAll(objects);
     } catch (RuntimeException e) {
       // Some object is gone: each segment is fetched (and named) alone.
       prefetched.clear();
@@ -516,12 +535,14 @@ final class HybridRayShuffleReader<K, C> implements ShuffleReader<K, C> {
         } catch (IOException e) {
           throw new IOException(what + ": cannot decode its object reference", e);
         }
+        boolean batchTimedOut = timedOutObjects.contains(object);
         try {
-          bytes = Ray.get(ref, ctx.fetchTimeoutMs);
+          bytes = Ray.get(ref, fetchTimeoutMs(ctx.fetchTimeoutMs, batchTimedOut));
         } catch (RayTimeoutException e) {
           throw new SegmentUnavailableException(what + " did not arrive from the memory tier "
               + "within " + ctx.fetchTimeoutMs + " ms (its node or object store is not "
-              + "answering): " + e.getMessage(), e);
+              + "answering)" + (batchTimedOut ? ", fetched with other blocks' objects" : "")
+              + ": " + e.getMessage(), e);
         } catch (RuntimeException e) {
           throw new IOException(what + " is gone from the memory tier (the executor that "
               + "wrote it died?): " + e.getMessage(), e);

@@ -41,6 +41,17 @@ class HybridRayShuffleReaderTest {
   }
 
   @Test
+  void anObjectWhoseBatchTimedOutIsNotWaitedForTheWholeTimeoutAgain() {
+    // A prefetch batch that timed out fell back to per-segment fetches that each waited
+    // fetchTimeoutMs again: a stuck object held the task twice the configured bound.
+    assertEquals(600_000, HybridRayShuffleReader.fetchTimeoutMs(600_000, false));
+    assertEquals(HybridRayShuffleReader.AFTER_BATCH_TIMEOUT_MS,
+        HybridRayShuffleReader.fetchTimeoutMs(600_000, true));
+    // A bound shorter than the grace stays the bound.
+    assertEquals(200, HybridRayShuffleReader.fetchTimeoutMs(200, true));
+  }
+
+  @Test
   void aMasterThatDidNotAnswerBlamesNoExecutor() {
     // A locate call that timed out or found the master dead fails the reduce task; only
     // the master's own answer (an unknown shuffle, say) becomes a FetchFailedException,
