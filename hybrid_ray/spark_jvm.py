@@ -522,7 +522,7 @@ def _drop_late_write(tm: TierManager, tier: Any, shuffle_id: str, write: Any) ->
     if write.cancelled() or write.exception() is not None:
         return
     try:
-        tier.fs.rm_file(write.result())
+        tier.fs.rm_file(write.result(), **tier.deadline())
         if tm.was_released(shuffle_id):
             tier.remove_shuffle_data(shuffle_id)
     except Exception as exc:  # noqa: BLE001 - a leftover for `hybrid-ray cleanup` at worst

@@ -75,12 +75,12 @@ def test_default_s3_timeouts_bound_a_call_to_30_s():
     tier = RemoteTier(1 << 20, "s3://bucket/prefix", "job-t",
                       {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
                       check_reachable=False)
-    assert tier._deadline()["timeout"] <= 30
+    assert tier.deadline()["timeout"] <= 30
     # A user's settings win over the defaults.
     slow = RemoteTier(1 << 20, "s3://bucket/prefix", "job-t",
                       {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
                        "config_kwargs": {"read_timeout": 100}}, check_reachable=False)
-    assert slow._deadline()["timeout"] > 200
+    assert slow.deadline()["timeout"] > 200
 
 
 @pytest.mark.parametrize("tier", ["disk", "remote"])

@@ -476,6 +476,29 @@ def test_a_late_jvm_write_s_failed_removal_logs_no_credentials(tmp_path, monkeyp
     assert "backend said" in caplog.text  # the failure is still said
     assert_no_secret(caplog.text)
 
+def test_a_late_jvm_write_is_removed_within_the_tier_s_call_deadline(tmp_path, monkeypatch):
+    """The removal of a JVM write that landed late ran without the per-call deadline every
+    other remote call has (an endpoint that never answers held a transfer thread)."""
+    import concurrent.futures
+
+    from hybrid_ray.spark_jvm import _drop_late_write
+
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    monkeypatch.setattr(tier, "deadline", lambda nbytes=0: {"timeout": 7.0})
+    calls: list[tuple[str, dict]] = []
+    monkeypatch.setattr(tier.fs, "rm_file", lambda path, **kw: calls.append((path, kw)))
+    landed: concurrent.futures.Future[str] = concurrent.futures.Future()
+    landed.set_result(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg")
+
+    class Live:
+        @staticmethod
+        def was_released(shuffle_id: str) -> bool:
+            return False
+
+    _drop_late_write(Live(), tier, "shf-1", landed)
+    assert calls == [(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg", {"timeout": 7.0})]
+
+
 def test_bad_remote_path_message_hides_credentials():
     with pytest.raises(ConfigError, match="knows no protocol") as info:
         ShuffleConfig(remote_path=f"nosuch://bucket/x?sig={URL_SECRET}")

@@ -401,19 +401,24 @@ class TestRemoteTierS3(TierConformance):
                 "endpoint_url": "http://127.0.0.1:9", "key": "a", "secret": "b",
                 "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}})
 
-    def test_every_s3_call_has_its_deadline_asking_for_a_segment_too(self, tier,
-                                                                      monkeypatch):
-        """``has`` was the one remote call made without the per-call deadline (botocore's
-        timeouts alone: 5 attempts of connect + read timeouts, or forever if raised)."""
-        sid = SegmentId("dl", 0, 0, 0)
-        assert tier.has(sid) is False
-        seen: list[dict] = []
-        real = tier.fs.exists
-        monkeypatch.setattr(tier.fs, "exists",
-                            lambda path, **kw: seen.append(kw) or real(path, **kw))
-        tier.write(sid, _payload(5)[1])
-        assert tier.has(sid) is True
-        assert seen == [{"timeout": tier._deadline()["timeout"]}] and seen[0]["timeout"] > 0
+    def test_every_s3_call_has_its_deadline(self, tier, monkeypatch):
+        """``has``, ``delete`` and the marker check after a shuffle's later writes were made
+        without the per-call deadline (botocore's timeouts alone: five attempts of connect
+        + read timeouts, or forever if a user raised them)."""
+        first, second = SegmentId("dl", 0, 0, 0), SegmentId("dl", 1, 0, 0)
+        seen: list[tuple[str, dict]] = []
+        for name in ("exists", "rm_file"):
+            real = getattr(tier.fs, name)
+            monkeypatch.setattr(tier.fs, name, lambda path, _n=name, _r=real, **kw:
+                                seen.append((_n, kw)) or _r(path, **kw))
+        tier.write(first, _payload(5)[1])
+        meta = tier.write(second, _payload(5)[1])  # checks that the shuffle's marker is there
+        assert tier.has(second) is True
+        tier.delete(meta)
+        expected = {"timeout": tier.deadline()["timeout"]}
+        assert expected["timeout"] > 0
+        assert [n for n, _ in seen] == ["exists", "exists", "rm_file"]
+        assert all(kw == expected for _, kw in seen), seen
         tier.release_shuffle("dl")
 
     def test_s3_checksums_only_where_required_unless_overridden(self, tier, s3_bucket):

@@ -160,7 +160,7 @@ class RemoteTier(Tier):
             else:
                 if not self._atomic_put:
                     self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
-                self.fs.pipe_file(probe, b"ok", **self._deadline())
+                self.fs.pipe_file(probe, b"ok", **self.deadline())
         except UnsafePathError:  # its own reason and fix; not an unreachable store
             raise
         except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
@@ -181,7 +181,7 @@ class RemoteTier(Tier):
         the probe stayed unmentioned."""
         for attempt in range(2):
             try:
-                self.fs.rm_file(probe, **self._deadline())
+                self.fs.rm_file(probe, **self.deadline())
                 return
             except FileNotFoundError:
                 return
@@ -196,7 +196,7 @@ class RemoteTier(Tier):
                         f"{redact_url(probe)!r} is left behind; remove it once deletes "
                         "work.", exc)
 
-    def _deadline(self, nbytes: int = 0) -> dict[str, float]:
+    def deadline(self, nbytes: int = 0) -> dict[str, float]:
         """The ``timeout`` keyword bounding one call of an async filesystem (fsspec cancels
         the call when it expires and raises ``FSTimeoutError``); {} for sync ones."""
         if self._deadline_s is None:
@@ -306,11 +306,11 @@ class RemoteTier(Tier):
             if self._local:
                 self._put_local(path, payload)
             elif self._atomic_put:
-                self.fs.pipe_file(path, payload, **self._deadline(len(payload)))
+                self.fs.pipe_file(path, payload, **self.deadline(len(payload)))
             else:
                 tmp = path + ".inprogress"
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                self.fs.pipe_file(tmp, payload, **self._deadline(len(payload)))
+                self.fs.pipe_file(tmp, payload, **self.deadline(len(payload)))
                 self.fs.mv(tmp, path)
             if marked_before:
                 self._mark_again_if_removed(segment.shuffle_id)
@@ -332,7 +332,7 @@ class RemoteTier(Tier):
         marker = posixpath.join(self.shuffle_path(shuffle_id), SHUFFLE_MARKER_NAME)
         self.fs.invalidate_cache(posixpath.dirname(marker))  # a listing cached here is stale
         try:
-            there = self.fs.exists(marker)
+            there = self.fs.exists(marker, **self.deadline())
         except Exception:  # noqa: BLE001 - a throttled or failed check: written again
             # (the existence check is one more request, without the retries of a PUT:
             # under S3 throttling it failed writes that would have gone through).
@@ -351,7 +351,7 @@ class RemoteTier(Tier):
             if not self._atomic_put:
                 self.fs.makedirs(posixpath.dirname(marker), exist_ok=True)
             self.fs.pipe_file(marker, shuffle_marker(shuffle_id, self.job_id),
-                              **self._deadline())
+                              **self.deadline())
         self._marked.add(shuffle_id)
 
     # ---- background transfers ---------------------------------------------------------------
@@ -425,7 +425,7 @@ class RemoteTier(Tier):
         try:
             # The size is known: a ranged read is one GET (s3fs otherwise sends a HEAD
             # first to decide whether to split the download).
-            return self.fs.cat_file(path, start=0, end=nbytes, **self._deadline(nbytes))
+            return self.fs.cat_file(path, start=0, end=nbytes, **self.deadline(nbytes))
         except FileNotFoundError as exc:
             self._fail(SegmentNotFoundError, f"{what} is gone from the remote tier ({path})",
                        exc)
@@ -436,7 +436,7 @@ class RemoteTier(Tier):
     def has(self, segment: SegmentId) -> bool:
         # Bounded like every other call: an endpoint that accepts and never answers held
         # the caller for good.
-        return bool(self.fs.exists(self.segment_path(segment), **self._deadline()))
+        return bool(self.fs.exists(self.segment_path(segment), **self.deadline()))
 
     def delete(self, meta: SegmentMeta) -> None:
         """Delete one segment's object. Its location comes from another process (the
@@ -456,7 +456,7 @@ class RemoteTier(Tier):
                 "is a bug in the caller; please report it")
         require_normal_remote_path(meta.location, "delete", self._redactor.scrub(shuffle_dir))
         try:
-            self.fs.rm_file(meta.location)
+            self.fs.rm_file(meta.location, **self.deadline())
         except FileNotFoundError:
             pass
         except Exception as exc:  # a library's error may quote a signed URL: scrubbed
