@@ -22,6 +22,7 @@ from hybrid_ray.errors import (
 from hybrid_ray.master import ShuffleRegistry
 from hybrid_ray.segment import encode_segment
 from hybrid_ray.tiers import DiskTier, RemoteTier
+from hybrid_ray.tiers.disk import unsafe_spill_dir
 
 PAYLOAD = encode_segment(pa.table({"k": list(range(100))}), SegmentId("shf-payload", 0, 0, 0), "none")
 OTHER_UID = 54321  # no such user: "another user" for ownership checks (needs root to chown)
@@ -349,6 +350,74 @@ def test_a_group_writable_spill_dir_is_refused_when_its_group_has_others(tmp_pat
     monkeypatch.setattr(grp, "getgrgid", unknown)
     with pytest.raises(SpillDirError, match=rf"other members \(gid {st.st_gid}, unknown "):
         DiskTier(MiB, [str(spill)])
+
+
+def test_a_spill_dir_below_a_directory_anyone_can_change_is_refused_before_any_write(
+        tmp_path):
+    """Only the spill dir itself was checked: below a 0777 directory without the sticky
+    bit, anyone could rename the spill dir away and put a symlink to a victim's directory
+    in its place between a removal's path check and its deletion, and the removal then
+    deleted the victim's files (a review reproduced it). Refused up front now, for every
+    directory above the spill dir."""
+    shared = tmp_path / "shared"
+    (shared / "deeper").mkdir(parents=True)
+    os.chmod(shared, 0o777)
+    spill = shared / "deeper" / "spill"
+    with pytest.raises(SpillDirError, match=rf"{spill} is inside {shared}, which is "
+                                            r"world-writable without the sticky bit \(mode "
+                                            r"777\), so anyone can replace the spill dir.*"
+                                            rf"chmod o-w {shared}"):
+        DiskTier(MiB, [str(spill)])
+    assert not spill.exists()
+    assert unsafe_spill_dir(str(shared / "deeper")) is not None  # `hybrid-ray cleanup` too
+    os.chmod(shared, 0o1777)  # sticky, like /tmp: nobody renames what is not theirs
+    DiskTier(MiB, [str(spill)])
+    assert stat.S_IMODE(os.lstat(spill / "hybrid_ray").st_mode) == 0o700
+
+
+@needs_root
+def test_a_spill_dir_below_another_user_s_directory_or_symlink_is_refused(tmp_path):
+    (tmp_path / "theirs" / "mine").mkdir(parents=True)
+    os.chown(tmp_path / "theirs", OTHER_UID, OTHER_UID)
+    with pytest.raises(SpillDirError, match=rf"is inside {tmp_path / 'theirs'}, owned by "
+                                            rf"uid {OTHER_UID}"):
+        DiskTier(MiB, [str(tmp_path / "theirs" / "mine" / "spill")])
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "via")
+    os.lchown(tmp_path / "via", OTHER_UID, OTHER_UID)
+    with pytest.raises(SpillDirError, match=rf"is reached through {tmp_path / 'via'}, a "
+                                            rf"symlink owned by uid {OTHER_UID}"):
+        DiskTier(MiB, [str(tmp_path / "via" / "spill")])
+    assert os.listdir(tmp_path / "real") == []
+
+
+def _set_acl(path, entries):
+    """Set a POSIX access ACL through its xattr (no setfacl needed): (tag, perm, id)."""
+    import struct
+
+    os.setxattr(path, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(
+        struct.pack("<HHI", tag, perm, who) for tag, perm, who in entries))
+
+
+def test_a_spill_dir_another_user_may_write_through_an_acl_is_refused(tmp_path):
+    """The mode of a directory with ACL entries shows their mask as its group bits: a 0770
+    spill dir with ``user:<other>:rwx`` of the owner's own group looked private."""
+    spill = tmp_path / "spill"
+    spill.mkdir(mode=0o700)
+    no_id = 0xFFFFFFFF
+    owner_obj, user, group_obj, mask, other = 0x01, 0x02, 0x04, 0x10, 0x20
+    try:
+        _set_acl(spill, [(owner_obj, 7, no_id), (user, 7, OTHER_UID), (group_obj, 0, no_id),
+                         (mask, 7, no_id), (other, 0, no_id)])
+    except OSError as exc:
+        pytest.skip(f"this filesystem takes no POSIX ACLs ({exc})")
+    with pytest.raises(SpillDirError, match=rf"is writable through its ACL by uid "
+                                            rf"{OTHER_UID}, so they can replace"):
+        DiskTier(MiB, [str(spill)])
+    # The mask takes write away: nobody else can write it.
+    _set_acl(spill, [(owner_obj, 7, no_id), (user, 7, OTHER_UID), (group_obj, 0, no_id),
+                     (mask, 5, no_id), (other, 0, no_id)])
+    DiskTier(MiB, [str(spill)])
 
 
 @needs_root

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -87,7 +88,11 @@ def check_spill_dir(spill_dir: str) -> str:
     * it is not world-writable unless sticky (/tmp is fine; a 0777 dir is not): anyone
       could otherwise rename the data dir away and put their own in its place; nor
       group-writable unless sticky where its group has other members
-      (``group_members_besides``);
+      (``group_members_besides``); nor writable by another user or group through a POSIX
+      ACL (``acl_write_grants``);
+    * every directory above it is held to the same rules, and no symlink on its path is
+      another user's: whoever can rename entries in a parent can swap the spill dir itself
+      for a symlink, and a removal that checked its path first would then follow it;
     * ``spill_dir/hybrid_ray`` is a real directory, not a symlink, owned by this user and
       mode 0700 (no group or other access): shuffle rows are private.
     """
@@ -98,6 +103,10 @@ def check_spill_dir(spill_dir: str) -> str:
 
     try:
         if not os.path.lexists(spill_dir):
+            # Nothing is created below a directory someone else could swap it in.
+            problem = _parents_problem(spill_dir, (uid, 0))
+            if problem is not None:
+                raise refuse(spill_dir, *problem)
             make_private_dir(spill_dir)
         problem = trusted_dir_problem(spill_dir, uid)
     except OSError as exc:
@@ -126,8 +135,9 @@ def check_spill_dir(spill_dir: str) -> str:
 def trusted_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
     """(problem, fix) if the existing ``spill_dir`` is not safe for ``uid``'s data dir (see
     ``check_spill_dir``'s rules: a directory of ``uid`` or root that nobody else can swap
-    entries in), else None; ``OSError`` if it cannot be read. Also the rule for the root of
-    a local remote tier (``hybrid_ray.cleanup``)."""
+    entries in, below directories nobody else can swap it in), else None; ``OSError`` if
+    it cannot be read. Also the rule for the root of a local remote tier
+    (``hybrid_ray.cleanup``)."""
     trusted = (uid, 0)
     link = os.lstat(spill_dir)
     if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
@@ -140,20 +150,95 @@ def trusted_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
         return (f"is owned by uid {st.st_uid}, another user who could replace hybrid_ray's "
                 "data dir in it", "use a directory you own (if this is the default spill dir, "
                 "another user created it first: set ShuffleConfig(spill_dirs=[...]))")
+    problem = _swappable_entries(spill_dir, st)
+    if problem is not None:
+        return (f"{problem[0]}, so {problem[1]} can replace hybrid_ray's data dir in it",
+                f"{problem[2]}, or use another directory")
+    return _parents_problem(spill_dir, trusted)
+
+
+def _swappable_entries(path: str, st: os.stat_result) -> tuple[str, str, str] | None:
+    """(what lets others rename entries in directory ``path``, who, the fix) or None: it
+    is world-writable or group-writable (with other members in its group) without the
+    sticky bit, or a POSIX ACL lets another user or group write it."""
+    mode = stat.S_IMODE(st.st_mode)
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        return (f"is world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}),"
-                " so anyone can replace hybrid_ray's data dir in it",
-                f"run 'chmod o-w {spill_dir}' or 'chmod +t {spill_dir}', or use another "
-                "directory")
+        return (f"is world-writable without the sticky bit (mode {mode:o})", "anyone",
+                f"run 'chmod o-w {path}' or 'chmod +t {path}'")
     if st.st_mode & stat.S_IWGRP and not st.st_mode & stat.S_ISVTX:
         others = group_members_besides(st.st_gid, st.st_uid)
         if others:
-            return (f"is group-writable without the sticky bit (mode "
-                    f"{stat.S_IMODE(st.st_mode):o}) and its group has other members "
-                    f"({others}), who could replace hybrid_ray's data dir in it",
-                    f"run 'chmod g-w {spill_dir}' or 'chmod +t {spill_dir}', or use another "
-                    "directory")
+            return (f"is group-writable without the sticky bit (mode {mode:o}) and its group "
+                    f"has other members ({others})", "they",
+                    f"run 'chmod g-w {path}' or 'chmod +t {path}'")
+    grants = acl_write_grants(path, st.st_uid)
+    if grants and not st.st_mode & stat.S_ISVTX:
+        return (f"is writable through its ACL by {grants}", "they",
+                f"remove those entries ('setfacl -x ... {path}') or run 'chmod +t {path}'")
     return None
+
+
+def _parents_problem(spill_dir: str, trusted: tuple[int, int]) -> tuple[str, str] | None:
+    """(problem, fix) if someone else could swap ``spill_dir`` itself: a symlink on its
+    path (as written) owned by another user, or a directory above it (as resolved) that
+    another user owns or may rename entries in (``_swappable_entries``); else None."""
+    path = os.path.abspath(spill_dir)
+    prefix = os.sep
+    for part in [p for p in path.split(os.sep) if p][:-1]:
+        prefix = os.path.join(prefix, part)
+        try:
+            link = os.lstat(prefix)
+        except FileNotFoundError:  # not created yet: nothing below it to check
+            break
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in trusted:
+            return (f"is reached through {prefix}, a symlink owned by uid {link.st_uid} "
+                    "(another user, who could point it elsewhere)",
+                    "use a path without it, or a directory of your own")
+    parent = os.path.realpath(path)
+    while parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:  # created by check_spill_dir, as a private directory
+            continue
+        if st.st_uid not in trusted:
+            return (f"is inside {parent}, owned by uid {st.st_uid} (another user, who could "
+                    "replace the spill dir with a symlink to elsewhere)",
+                    "use a spill dir whose every parent directory is yours or root's")
+        problem = _swappable_entries(parent, st)
+        if problem is not None:
+            return (f"is inside {parent}, which {problem[0]}, so {problem[1]} can replace "
+                    "the spill dir with a symlink to elsewhere",
+                    f"{problem[2]}, or use a spill dir whose every parent directory only "
+                    "you or root can change")
+    return None
+
+
+# POSIX ACL xattr layout (linux/posix_acl_xattr.h): a u32 version, then (u16 tag, u16 perm,
+# u32 id) entries, little-endian.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_USER, _ACL_GROUP, _ACL_MASK = 0x02, 0x08, 0x10
+_ACL_WRITE = 0x02
+
+
+def acl_write_grants(path: str, owner_uid: int) -> str:
+    """Who besides the owner may write directory ``path`` through a POSIX ACL entry
+    (named users and groups, as the mask lets them), named for an error message; "" if
+    nobody or the filesystem has no ACLs. The mode's group bits show only the ACL's mask,
+    so a 0770 directory with ``user:bob:rwx`` looked like a private group's."""
+    try:
+        raw = os.getxattr(path, _ACL_XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return ""
+        raise
+    entries = [struct.unpack_from("<HHI", raw, off) for off in range(4, len(raw) - 7, 8)]
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), 0o7)
+    names = [f"uid {who}" for tag, perm, who in entries
+             if tag == _ACL_USER and who != owner_uid and perm & mask & _ACL_WRITE]
+    names += [f"gid {who}" for tag, perm, who in entries
+              if tag == _ACL_GROUP and perm & mask & _ACL_WRITE]
+    return ", ".join(names)
 
 
 def group_members_besides(gid: int, owner_uid: int) -> str:
