@@ -293,7 +293,11 @@ def locate(registry: ShuffleRegistry, request: Mapping[str, Any]) -> dict[str, A
     answer's ``attempts``. A reader sends this before it asks Spark's MapOutputTracker
     which attempts count, so the two round trips overlap; it then reads only the attempts
     Spark lists (a finished loser of a speculative pair is in the answer, never read)."""
-    state = registry.state(request["shuffle"])  # ShuffleNotFoundError names the release
+    state = _state_unless_not_yet_known(registry, request["shuffle"])
+    if state is None:  # nothing of it committed yet (see _state_unless_not_yet_known)
+        if "maps" in request:
+            return {"attempts": []}
+        return {"blocks": [None] * len(request["blocks"])}
     registry.heartbeat(state.shuffle_id)
     if "maps" in request:
         map_start, map_end = (int(v) for v in request["maps"])
@@ -317,6 +321,22 @@ def locate(registry: ShuffleRegistry, request: Mapping[str, Any]) -> dict[str, A
     return {"blocks": out}
 
 
+def _state_unless_not_yet_known(registry: ShuffleRegistry,
+                                shuffle_id: str) -> ShuffleState | None:
+    """The shuffle's books, or None if the master has never heard of it: its driver's
+    registration (sent without waiting) did not arrive, and its map tasks' last commits,
+    which register it too, are still in their executors' senders. A reader then waits for
+    them (``missing_blocks``) as for any last commit; answered with the error, it raised
+    FetchFailedException and Spark recomputed every output of a healthy executor. A
+    released shuffle still raises (``ShuffleReleasedError`` names the release)."""
+    try:
+        return registry.state(shuffle_id)
+    except ShuffleReleasedError:
+        raise
+    except ShuffleNotFoundError:
+        return None
+
+
 def missing_blocks(registry: ShuffleRegistry, request: Mapping[str, Any],
                    answer: Mapping[str, Any]) -> dict[str, Any]:
     """What a per-block ``locate`` answer lacks, for ``spark_await_blocks``'s answer.
@@ -331,7 +351,9 @@ def missing_blocks(registry: ShuffleRegistry, request: Mapping[str, Any],
 
     ``awaited``: some block is missing, none of them is lost, so all may still come and
     the reader's ask may wait for them."""
-    state = registry.state(request["shuffle"])
+    state = _state_unless_not_yet_known(registry, request["shuffle"])
+    if state is None:  # every block may still come with its attempt's last commit
+        return {"awaited": bool(request.get("blocks")), "lost": []}
     missing = [(i, int(map_id)) for i, ((map_id, _), segments)
                in enumerate(zip(request.get("blocks", ()), answer.get("blocks", ())))
                if segments is None]

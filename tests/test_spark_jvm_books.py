@@ -460,3 +460,31 @@ def test_a_jvm_remote_write_with_a_negative_number_is_refused_before_writing(
     written = [f for _, _, files in os.walk(tmp_path / "remote") for f in files
                if not f.startswith(".")]
     assert written == []
+
+
+def test_a_shuffle_whose_registration_and_commits_are_still_on_their_way_is_waited_for(
+) -> None:
+    """The driver registers a Spark shuffle without waiting, and a map task's last commit
+    (which registers it too) leaves its executor without waiting: a reader could ask
+    before either arrived. The master answered "unknown shuffle", which the reader takes
+    as the master's word and fails the fetch: Spark then recomputed every output of a
+    healthy executor (found by a review). Unknown now reads as nothing committed yet;
+    a released shuffle still fails."""
+    from hybrid_ray.errors import ShuffleReleasedError
+    from hybrid_ray.spark_jvm import missing_blocks
+
+    registry = _registry()
+    request = {"shuffle": SHUFFLE, "blocks": [[100, 0], [100, 1]]}
+    answer = locate(registry, request)
+    assert answer == {"blocks": [None, None]}
+    assert missing_blocks(registry, request, answer) == {"awaited": True, "lost": []}
+    assert _range(registry, (0, 5), (0, 4)) == []
+    _commit(registry, 0, 100, [_seg(0, 0, "a"), _seg(1, 0, "b")])  # the last commit lands
+    answer = locate(registry, request)
+    assert answer["blocks"] == [[["memory", 10, "n1", "a"]], [["memory", 10, "n1", "b"]]]
+    assert missing_blocks(registry, request, answer) == {"awaited": False, "lost": []}
+    registry.release(SHUFFLE)
+    with pytest.raises(ShuffleReleasedError, match="released"):
+        locate(registry, request)
+    with pytest.raises(ShuffleReleasedError, match="released"):
+        _range(registry, (0, 5), (0, 4))
