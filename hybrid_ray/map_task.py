@@ -28,7 +28,7 @@ from hybrid_ray.errors import (
     ConfigError, ShuffleFailedError, ShuffleReleasedError, ShuffleStalledError,
 )
 from hybrid_ray.io_tiers import io_tiers_for
-from hybrid_ray.partitioning import Partitioner, split_by_partition
+from hybrid_ray.partitioning import Partitioner, content_digest, split_by_partition
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
 
@@ -122,8 +122,9 @@ def write_map_partition(shuffle_id: str, map_index: int, chunks: Iterable[pa.Tab
                 continue
             parts = _checked_assignment(partitioner, chunk, map_index, num_partitions)
             last = upcoming is None
+            content = content_digest(chunk) if partitioner.assigns_by_position else 0
             client.write_many(split_by_partition(chunk, parts, num_partitions, digests,
-                                                 rows_seen), place=not last)
+                                                 rows_seen, content), place=not last)
             rows_seen += chunk.num_rows
             if not last:
                 client.flush()

@@ -440,9 +440,11 @@ class ShuffleRegistry:
                 f"map {map_index} of shuffle {state.shuffle_id} was run again after its "
                 f"output was lost and partitioned its rows differently ({examples}), where "
                 "reducers had already stored the first run's rows: the partitioner is not "
-                "deterministic, and the shuffle's output would lose or duplicate rows. Make "
-                "Partitioner.assign a pure function of the rows and the map index (seed any "
-                "randomness from them, as RandomPartitioner does)")
+                "deterministic, or the map's input changed between the runs (a block rebuilt "
+                "by a task that is not deterministic), and the shuffle's output would lose or "
+                "duplicate rows. Make Partitioner.assign a pure function of the rows and the "
+                "map index (seed any randomness from them, as RandomPartitioner does), and "
+                "the tasks that make the shuffle's input deterministic")
 
     def report_lost(self, shuffle_id: str, map_index: int, attempt: int) -> bool:
         """A reader found a segment of ``attempt`` gone: its memory-tier objects died with

@@ -660,3 +660,40 @@ def test_a_lost_map_rerun_that_moves_rows_but_keeps_counts_fails_loudly(ray_loca
     finally:
         ray_local.get(master.release.remote(shuffle_id))
     assert_no_leftovers(config, ray_local)
+
+
+def test_a_lost_map_rerun_over_a_changed_input_fails_loudly_with_a_random_partitioner(
+        ray_local, tmp_path):
+    """RandomPartitioner labels rows by position: a re-run whose input block was rebuilt
+    with other rows (its task not deterministic) sent every subpartition as many rows at
+    the same positions, so the row digests matched and the re-run was accepted; the
+    finished reducer kept the first input's rows, the others read the second's: rows lost
+    and duplicated without an error (found by a review). The rows' contents are in the
+    digests of such partitioners now."""
+    import uuid
+
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.shuffle import read_subpartition, write_map_partition
+
+    config = base_config(tmp_path, spilling="full", mode="blocking",
+                         namespace=f"hr-changed-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray_local.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    first = pa.table({"id": np.arange(10_000)})
+    rebuilt = pa.table({"id": np.arange(10_000, 20_000)})  # as many rows, other ones
+    try:
+        write_map_partition(shuffle_id, 0, [first], 2, hybrid_ray.RandomPartitioner(7),
+                            config, master)
+        kept = pa.concat_tables(read_subpartition(shuffle_id, 1, config, master))
+        assert 0 < kept.num_rows < 10_000
+        ray_local.get(master.free_subpartitions.remote(shuffle_id, [1]))  # reducer done
+        assert ray_local.get(master.report_lost.remote(shuffle_id, 0, 0))
+        with pytest.raises(ConfigError, match=rf"subpartition 1: {kept.num_rows} rows then, "
+                                              rf"{kept.num_rows} now but other rows.*"
+                                              r"input changed between the runs"):
+            write_map_partition(shuffle_id, 0, [rebuilt], 2,
+                                hybrid_ray.RandomPartitioner(7), config, master)
+    finally:
+        ray_local.get(master.release.remote(shuffle_id))
+    assert_no_leftovers(config, ray_local)
