@@ -399,6 +399,10 @@ def test_content_digest_tells_rows_apart():
     assert content_digest(alone) == content_digest(block("v").slice(200, 300))
     other = block("w").slice(200, 300)
     assert content_digest(other) != content_digest(alone)
+    # A dictionary column's values count, not only its indices.
+    ab = pa.table({"d": pa.array(["a", "b", "a"]).dictionary_encode()})
+    ac = pa.table({"d": pa.array(["a", "c", "a"]).dictionary_encode()})
+    assert content_digest(ab) != content_digest(ac)
     from hybrid_ray.partitioning import RandomPartitioner
 
     parts = RandomPartitioner(3).assign(alone, 0, 4)
