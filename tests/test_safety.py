@@ -515,12 +515,27 @@ def test_remote_errors_on_io_hide_credentials(tmp_path, monkeypatch):
     assert_no_secret("".join(traceback.format_exception(info.value)))
 
 
+def _late_jvm_write(tmp_path, released: bool):
+    """(a stand-in tier manager whose shuffle ``shf-1`` was released or not, the finished
+    future of a JVM remote write that landed after ``write_remote`` gave up on it): the
+    arguments ``spark_jvm._drop_late_write`` gets besides the tier and the shuffle id."""
+    import concurrent.futures
+
+    class TierManagerStandIn:
+        @staticmethod
+        def was_released(shuffle_id: str) -> bool:
+            return released
+
+    landed: concurrent.futures.Future[str] = concurrent.futures.Future()
+    landed.set_result(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg")
+    return TierManagerStandIn(), landed
+
+
 def test_a_late_jvm_write_s_failed_removal_logs_no_credentials(tmp_path, monkeypatch, caplog):
     """A JVM remote write that landed after ``write_remote`` gave up is removed in the
     background; its failure was logged with the raw library exception and its traceback
     (``exc_info``), and s3fs/botocore quote the endpoint URL whole ('Could not connect to
     the endpoint URL: "http://user:pass@host/..."') (found by a review)."""
-    import concurrent.futures
     import logging
 
     from hybrid_ray.spark_jvm import _drop_late_write
@@ -532,39 +547,24 @@ def test_a_late_jvm_write_s_failed_removal_logs_no_credentials(tmp_path, monkeyp
         raise OSError(f"backend said: bad signature for password {OPT_SECRET}")
 
     monkeypatch.setattr(tier.fs, "rm_file", leaky)
-    landed: concurrent.futures.Future[str] = concurrent.futures.Future()
-    landed.set_result(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg")
-
-    class Released:
-        @staticmethod
-        def was_released(shuffle_id: str) -> bool:
-            return True
-
+    tier_manager, landed = _late_jvm_write(tmp_path, released=True)
     with caplog.at_level(logging.WARNING, logger="hybrid_ray.spark_jvm"):
-        _drop_late_write(Released(), tier, "shf-1", landed)
+        _drop_late_write(tier_manager, tier, "shf-1", landed)
     assert "backend said" in caplog.text  # the failure is still said
     assert_no_secret(caplog.text)
+
 
 def test_a_late_jvm_write_is_removed_within_the_tier_s_call_deadline(tmp_path, monkeypatch):
     """The removal of a JVM write that landed late ran without the per-call deadline every
     other remote call has (an endpoint that never answers held a transfer thread)."""
-    import concurrent.futures
-
     from hybrid_ray.spark_jvm import _drop_late_write
 
     tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
     monkeypatch.setattr(tier, "deadline", lambda nbytes=0: {"timeout": 7.0})
     calls: list[tuple[str, dict]] = []
     monkeypatch.setattr(tier.fs, "rm_file", lambda path, **kw: calls.append((path, kw)))
-    landed: concurrent.futures.Future[str] = concurrent.futures.Future()
-    landed.set_result(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg")
-
-    class Live:
-        @staticmethod
-        def was_released(shuffle_id: str) -> bool:
-            return False
-
-    _drop_late_write(Live(), tier, "shf-1", landed)
+    tier_manager, landed = _late_jvm_write(tmp_path, released=False)
+    _drop_late_write(tier_manager, tier, "shf-1", landed)
     assert calls == [(f"{tmp_path}/remote/job-1/shf-1/sub-00000/x.seg", {"timeout": 7.0})]
 
 

@@ -360,22 +360,30 @@ class RememberingPartitioner(hybrid_ray.Partitioner):
         return table["id"].to_numpy() % num_partitions
 
 
+def _recoverable_shuffle(ray_local, tmp_path, name: str, num_maps: int):
+    """(config, master, shuffle id) of a blocking, fully spilling shuffle of ``num_maps``
+    maps into 2 subpartitions, registered as recoverable in a namespace of its own: for
+    tests that write and re-run maps by hand (``write_map_partition``)."""
+    import uuid
+
+    config = base_config(tmp_path, spilling="full", mode="blocking",
+                         namespace=f"hr-{name}-{uuid.uuid4().hex[:6]}")
+    master = get_master(config.namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray_local.get(master.register.remote(shuffle_id, num_maps, 2, config, True))
+    return config, master, shuffle_id
+
+
 def test_a_lost_map_rerun_by_a_partitioner_that_is_not_deterministic_fails_loudly(
         ray_local, tmp_path):
     """A finished reducer keeps the rows the first run of a map sent it; the re-run of
     that map after its output was lost must send the same. A partitioner that is not
     deterministic sent others, so rows were lost and duplicated without a word. The re-run now fails,
     naming the partitioner as the cause."""
-    import uuid
-
     from hybrid_ray.errors import ConfigError
     from hybrid_ray.shuffle import read_subpartition, write_map_partition
 
-    config = base_config(tmp_path, spilling="full", mode="blocking",
-                         namespace=f"hr-nondet-{uuid.uuid4().hex[:6]}")
-    master = get_master(config.namespace)
-    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray_local.get(master.register.remote(shuffle_id, 2, 2, config, True))
+    config, master, shuffle_id = _recoverable_shuffle(ray_local, tmp_path, "nondet", 2)
     table = pa.table({"id": np.arange(10_000)})
     partitioner = RememberingPartitioner()  # the test's process runs every map here
     try:
@@ -637,16 +645,10 @@ def test_a_lost_map_rerun_that_moves_rows_but_keeps_counts_fails_loudly(ray_loca
     """Was: only the rows per subpartition were compared, so a re-run sending each
     subpartition as many but other rows was accepted: the finished reducer's rows came
     out twice (kept, and read again by the other reducer) and the moved ones never."""
-    import uuid
-
     from hybrid_ray.errors import ConfigError
     from hybrid_ray.shuffle import read_subpartition, write_map_partition
 
-    config = base_config(tmp_path, spilling="full", mode="blocking",
-                         namespace=f"hr-deal-{uuid.uuid4().hex[:6]}")
-    master = get_master(config.namespace)
-    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray_local.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    config, master, shuffle_id = _recoverable_shuffle(ray_local, tmp_path, "deal", 1)
     table = pa.table({"id": np.arange(10_000)})
     partitioner = DealingPartitioner()  # the test's process runs every map here
     try:
@@ -670,16 +672,10 @@ def test_a_lost_map_rerun_over_a_changed_input_fails_loudly_with_a_random_partit
     finished reducer kept the first input's rows, the others read the second's: rows lost
     and duplicated without an error (found by a review). The rows' contents are in the
     digests of such partitioners now."""
-    import uuid
-
     from hybrid_ray.errors import ConfigError
     from hybrid_ray.shuffle import read_subpartition, write_map_partition
 
-    config = base_config(tmp_path, spilling="full", mode="blocking",
-                         namespace=f"hr-changed-{uuid.uuid4().hex[:6]}")
-    master = get_master(config.namespace)
-    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray_local.get(master.register.remote(shuffle_id, 1, 2, config, True))
+    config, master, shuffle_id = _recoverable_shuffle(ray_local, tmp_path, "changed", 1)
     first = pa.table({"id": np.arange(10_000)})
     rebuilt = pa.table({"id": np.arange(10_000, 20_000)})  # as many rows, other ones
     try:
