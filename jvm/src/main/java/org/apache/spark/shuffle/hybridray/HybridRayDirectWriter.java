@@ -42,7 +42,9 @@ import scala.collection.Iterator;
  *   <li><b>Stream per partition</b> (any other serializer): one serialization and
  *   compression stream per partition stays open for the whole task, and each flush takes
  *   the compressed bytes written so far. Memory: the flush size plus each partition's
- *   stream buffers, as Spark's bypass-merge writer (used for at most 200 partitions).</li>
+ *   stream buffers, as Spark's bypass-merge writer; so used only up to Spark's bypass
+ *   threshold (200 partitions: above it the manager gives such a shuffle to Spark's
+ *   serialized writer, whose memory does not grow with the partition count).</li>
  * </ul>
  * Records are serialized before the next one is read, so Spark SQL may reuse its row
  * objects (it does not copy rows for a sort-based shuffle manager's bypass/serialized path).

@@ -19,6 +19,7 @@ import org.apache.spark.shuffle.sort.SortShuffleManager;
 import org.apache.spark.shuffle.sort.BypassMergeSortShuffleHandle;
 import org.apache.spark.shuffle.sort.SerializedShuffleHandle;
 import org.apache.spark.shuffle.sort.SortShuffleWriter;
+import org.apache.spark.shuffle.sort.UnsafeShuffleWriter;
 import org.apache.spark.shuffle.BaseShuffleHandle;
 import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
@@ -222,6 +223,29 @@ public class HybridRayShuffleManager extends SortShuffleManager {
       return super.getWriter(handle, mapId, context, metrics);
     }
     ctx().adoptSession(((HybridRayHandle) handle).sessionToken());
+    if (handle instanceof HybridRayShuffleHandle.Serialized
+        && !HybridRayDirectWriter.relocatable(
+            ((BaseShuffleHandle<K, V, ?>) handle).dependency(), SparkEnv.get())) {
+      // More partitions than Spark's bypass threshold, and records that cannot be kept
+      // serialized between flushes (I/O encryption: cipher streams do not concatenate).
+      // The direct writer would keep a cipher and codec stream per partition open for the
+      // whole task (~100 KiB each: 6,000 partitions ran a 512 MB executor out of heap).
+      // Spark's serialized writer bounds the memory (it sorts serialized records in pages
+      // and spills them to a local file when short of memory); it serializes each record
+      // at once, so SQL's reused row objects are safe, and its output goes to the tiers.
+      SparkEnv env = SparkEnv.get();
+      try {
+        return new UnsafeShuffleWriter<>(env.blockManager(), context.taskMemoryManager(),
+            (HybridRayShuffleHandle.Serialized<K, V>) handle, mapId, context, env.conf(),
+            metrics,
+            new HybridRayExecutorComponents(ctx(), (HybridRayHandle) handle, context));
+      } catch (org.apache.spark.SparkException e) {
+        // Thrown only above the serialized writer's partition limit, which Spark checked
+        // before it chose that path for the handle.
+        throw new IllegalStateException("hybrid_ray: Spark's serialized writer refused "
+            + "shuffle " + handle.shuffleId() + ": " + e.getMessage(), e);
+      }
+    }
     if (handle instanceof HybridRayShuffleHandle.Serialized
         || handle instanceof HybridRayShuffleHandle.Bypass) {
       // No map-side combine: records go straight into per-partition memory buffers and
