@@ -577,7 +577,9 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
             for ref in [r for r in ready if r in running]:
                 sub = running.pop(ref)
                 try:
-                    ray.get(ref)  # raise a failed reducer's error now
+                    # Its stats and times in one get (each get is a call into the core
+                    # worker); a failed reducer's error is raised now.
+                    _, reducer_times = ray.get([ref, times_refs[sub]])
                 except WORKER_LOST_ERRORS as exc:
                     node = readers.node_of(sub)
                     if not lost_with_node(node, exc, shuffle.heartbeat):
@@ -598,8 +600,6 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                 finished.add(sub)
                 end = time.perf_counter()
                 last_reduced = time.monotonic()
-                # Returned with the stats, so ready now: a small inlined object.
-                reducer_times = ray.get(times_refs[sub])
                 times.waiting += reducer_times.waiting
                 times.control_plane += reducer_times.control_plane
                 # Its block is stored (owned by this driver): its segments can go now
