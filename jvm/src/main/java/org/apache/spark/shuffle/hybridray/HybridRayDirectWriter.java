@@ -59,13 +59,17 @@ final class HybridRayDirectWriter<K, V> extends ShuffleWriter<K, V> {
   private final PartitionSegmenter segmenter;
   private final RaySegmentSink sink;
   private final int numPartitions;
+  /** {@link #relocatable(ShuffleDependency, SparkEnv)} of the dependency, asked once by the
+   *  manager. */
+  private final boolean relocatable;
   private boolean stopping;
   private MapStatus status;
 
   HybridRayDirectWriter(HybridRayContext ctx, HybridRayHandle handle,
       ShuffleDependency<K, V, ?> dependency, long mapId, TaskContext task,
-      ShuffleWriteMetricsReporter metrics) {
+      ShuffleWriteMetricsReporter metrics, boolean relocatable) {
     this.ctx = ctx;
+    this.relocatable = relocatable;
     this.handle = handle;
     this.dependency = dependency;
     this.mapId = mapId;
@@ -101,7 +105,7 @@ final class HybridRayDirectWriter<K, V> extends ShuffleWriter<K, V> {
     SparkEnv env = SparkEnv.get();
     Partitioner partitioner = dependency.partitioner();
     SerializerInstance serializer = dependency.serializer().newInstance();
-    Buffers buffers = relocatable(dependency, env)
+    Buffers buffers = relocatable
         ? new RelocatableBuffers(serializer, env.serializerManager())
         : new StreamBuffers(serializer, env.serializerManager());
     try {

@@ -223,9 +223,12 @@ public class HybridRayShuffleManager extends SortShuffleManager {
       return super.getWriter(handle, mapId, context, metrics);
     }
     ctx().adoptSession(((HybridRayHandle) handle).sessionToken());
-    if (handle instanceof HybridRayShuffleHandle.Serialized
-        && !HybridRayDirectWriter.relocatable(
-            ((BaseShuffleHandle<K, V, ?>) handle).dependency(), SparkEnv.get())) {
+    boolean direct = handle instanceof HybridRayShuffleHandle.Serialized
+        || handle instanceof HybridRayShuffleHandle.Bypass;
+    // Decided once per map task: it builds the compression codec to ask it.
+    boolean relocatable = direct && HybridRayDirectWriter.relocatable(
+        ((BaseShuffleHandle<K, V, ?>) handle).dependency(), SparkEnv.get());
+    if (handle instanceof HybridRayShuffleHandle.Serialized && !relocatable) {
       // More partitions than Spark's bypass threshold, and records that cannot be kept
       // serialized between flushes (I/O encryption: cipher streams do not concatenate).
       // The direct writer would keep a cipher and codec stream per partition open for the
@@ -246,13 +249,12 @@ public class HybridRayShuffleManager extends SortShuffleManager {
             + "shuffle " + handle.shuffleId() + ": " + e.getMessage(), e);
       }
     }
-    if (handle instanceof HybridRayShuffleHandle.Serialized
-        || handle instanceof HybridRayShuffleHandle.Bypass) {
+    if (direct) {
       // No map-side combine: records go straight into per-partition memory buffers and
       // from there into the tiers, never through Spark's local dir (see the writer).
       BaseShuffleHandle<K, V, ?> base = (BaseShuffleHandle<K, V, ?>) handle;
       return new HybridRayDirectWriter<>(ctx(), (HybridRayHandle) handle, base.dependency(),
-          mapId, context, metrics);
+          mapId, context, metrics, relocatable);
     }
     // Map-side combine (reduceByKey, SQL-less aggregations): Spark's sort writer, whose
     // sorter keeps the data in memory unless the task runs short of it.
