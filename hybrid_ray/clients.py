@@ -461,7 +461,7 @@ class WriteClient:
                 if len(in_memory) > 1 and members > 1 else 0
             written = self.io_tiers[TierName.MEMORY].write_many(
                 [(sids[i], payloads[i]) for i in in_memory], self.node_id, pack_bytes,
-                members)
+                members, granted_by=placements[in_memory[0]].grant.granted_by)
             for i, meta in zip(in_memory, written):
                 self._unsettled.append((placements[i].grant, len(payloads[i])))
                 granted.discard(i)

@@ -162,6 +162,8 @@ class SegmentMeta:
     location: str = ""
     object_ref: list[Any] | None = None
     pack: PackSlot | None = None
+    # The tier manager instance that counted the segment's space (``Grant.granted_by``).
+    granted_by: str = ""
 
     def __reduce__(self) -> tuple[Any, tuple]:
         # Segment metadata crosses processes in bulk (a map's commit, every poll answer, the
@@ -173,7 +175,8 @@ class SegmentMeta:
         return _segment_meta, (i.shuffle_id, i.map_partition, i.subpartition, i.index,
                                i.attempt, i.job_id, self.tier.value, self.nbytes,
                                self.num_rows, self.node_id, self.location, self.object_ref,
-                               None if self.pack is None else tuple(self.pack))
+                               None if self.pack is None else tuple(self.pack),
+                               self.granted_by)
 
     def without_object_ref(self) -> "SegmentMeta":
         """This meta without its ObjectRef, for a process that only needs to know what to
@@ -187,11 +190,11 @@ class SegmentMeta:
 def _segment_meta(shuffle_id: str, map_partition: int, subpartition: int, index: int,
                   attempt: int, job_id: str, tier: str, nbytes: int, num_rows: int,
                   node_id: str, location: str, object_ref: list[Any] | None,
-                  pack: tuple[int, ...] | None = None) -> SegmentMeta:
+                  pack: tuple[int, ...] | None = None, granted_by: str = "") -> SegmentMeta:
     """Rebuild a ``SegmentMeta`` pickled by ``SegmentMeta.__reduce__``."""
     return SegmentMeta(SegmentId(shuffle_id, map_partition, subpartition, index, attempt,
                                  job_id), TierName(tier), nbytes, num_rows, node_id, location,
-                       object_ref, None if pack is None else PackSlot(*pack))
+                       object_ref, None if pack is None else PackSlot(*pack), granted_by)
 
 
 class ScratchArena:

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import numbers
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -118,6 +119,13 @@ class TierManager:
                               f"store size in bytes (>= 0), got {object_store_bytes!r}")
         self.object_store_bytes = object_store_bytes
         self.owner = owner
+        # Names these books: stamped on every grant (``Grant.granted_by``) and from there
+        # on its segment's meta. A tier manager started again after one died (Ray's memory
+        # monitor kills one under pressure) is a new instance with empty books; the
+        # segments of its predecessor's grants are freed through it, and giving their
+        # bytes back lowered its books below what it had granted since: 16 MiB went to
+        # disk under a 10 MiB cap, 1,500 bytes into a 1,000-byte memory budget.
+        self.books_id = secrets.token_hex(8)
         self.memory = MemoryTier(0, 0, owner)
         self._disks: dict[tuple, DiskTier] = {}
         # The spill dirs of each disk tier as a set of resolved paths: what the node's
@@ -332,6 +340,7 @@ class TierManager:
                 for placed_at, tier in enumerate(tiers):
                     grant = tier.try_reserve(shuffle_id, nbytes, tracked)
                     if grant is not None:
+                        grant = dataclasses.replace(grant, granted_by=self.books_id)
                         break
                     refusals.append(tier.describe_refusal(nbytes))
                 else:
@@ -380,10 +389,14 @@ class TierManager:
         return self.memory.try_reserve(shuffle_id, nbytes)
 
     def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None:
-        """Record what became of grants: bytes written, or None for a failed write."""
+        """Record what became of grants: bytes written, or None for a failed write. A grant
+        of another tier manager (``Grant.granted_by``: one that died, whose writer settles
+        with its successor) changes nothing here: its bytes were never in these books."""
         if shuffle_id not in self._shuffles:
             return
         for grant, written in settled:
+            if grant.granted_by and grant.granted_by != self.books_id:
+                continue
             self._tier(shuffle_id, grant.tier).settle(shuffle_id, grant, written)
 
     def settle_changes_books(self, shuffle_id: str, grant: Grant,
@@ -431,10 +444,13 @@ class TierManager:
                 tier = self._tier(shuffle_id, meta.tier)
                 if meta.tier != TierName.DISK:  # (a disk file is gone already: unlinked above)
                     tier.delete(meta)
-                nbytes = self._pack_bytes_gone(shuffle_id, meta) \
-                    if meta.tier == TierName.MEMORY and meta.pack is not None else meta.nbytes
-                if nbytes:
-                    tier.free(shuffle_id, nbytes)
+                if not meta.granted_by or meta.granted_by == self.books_id:
+                    # (Another's: a predecessor's grant, never in these books.)
+                    nbytes = self._pack_bytes_gone(shuffle_id, meta) \
+                        if meta.tier == TierName.MEMORY and meta.pack is not None \
+                        else meta.nbytes
+                    if nbytes:
+                        tier.free(shuffle_id, nbytes)
             # Marked freed last: a deletion that raised before its bytes were freed is
             # done again by the master's retry (it was skipped as done, its bytes counted
             # until the shuffle's release; DiskTier.delete's literal-prefix check raised

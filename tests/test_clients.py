@@ -48,6 +48,8 @@ def test_roundtrip_many_maps_and_subpartitions_exact(ray_local, tmp_path):
         metas += client.close()
     tiers = {m.tier for m in metas}
     assert tiers == {TierName.MEMORY, TierName.DISK}  # ~4 MiB of rows, 2 MiB memory budget
+    # Each names the tier manager whose books count it (see TierManager.free_segments).
+    assert {m.granted_by for m in metas} == {tm.books_id}
     reader = ReadClient(io)
     out = list(reader.read_segments(metas))
     assert row_fingerprint(out) == row_fingerprint(inputs)

@@ -90,11 +90,15 @@ def test_segment_meta_pickles_as_flat_fields_and_round_trips():
     for tier, ref in ((TierName.MEMORY, ["a ref stands here"]), (TierName.DISK, None),
                       (TierName.REMOTE, None)):
         meta = SegmentMeta(SegmentId("shf-00000000flat", 3, 5, 7, 2, "job-1"), tier, 4096,
-                           100, node_id="node-a", location="/spill/x.seg", object_ref=ref)
+                           100, node_id="node-a", location="/spill/x.seg", object_ref=ref,
+                           granted_by="3f2a9c0d11e4b7a8")
         rebuild, fields = meta.__reduce__()
         assert rebuild is _segment_meta
         assert all(isinstance(f, (str, int, list, type(None))) for f in fields)
         assert pickle.loads(pickle.dumps(meta)) == meta
+        # The tier manager that counted it travels too (TierManager.free_segments).
+        assert pickle.loads(pickle.dumps(meta)).granted_by == "3f2a9c0d11e4b7a8"
+        assert meta.without_object_ref().granted_by == "3f2a9c0d11e4b7a8"
         assert pickle.loads(pickle.dumps(meta.id)) == meta.id
         assert meta.without_object_ref().object_ref is None
         assert meta.without_object_ref().id == meta.id

@@ -481,6 +481,70 @@ def test_a_restarted_tier_manager_ignores_a_settlement_of_its_predecessor_s_gran
     old.release_shuffle("s")
 
 
+def test_a_restarted_tier_manager_frees_its_predecessor_s_disk_segment_without_its_bytes(
+        tmp_path):
+    """A tier manager started again (Ray's memory monitor killed the old one) has empty
+    books, and the master frees the old one's segments through it. Their bytes were given
+    back all the same: the books fell below what it had granted since, and 16 MiB went to
+    disk under a 10 MiB cap. The file goes; the books keep the new grant's bytes."""
+    config = ShuffleConfig(memory_fraction=0, spill_dirs=[str(tmp_path / "spill")],
+                           disk_capacity_bytes=10 * MiB)
+    old = TierManager("n1", object_store_bytes=0)
+    old.register_shuffle("s", config)
+    [before] = old.reserve("s", [8 * MiB])
+    stale = old._tier("s", TierName.DISK).write(SegmentId("s", 0, 0, 0, 0), b"x" * (8 * MiB),
+                                                before.grant, "n1")
+    old.settle("s", [(before.grant, 8 * MiB)])
+    assert stale.granted_by == old.books_id
+
+    restarted = TierManager("n1", object_store_bytes=0)
+    restarted.register_shuffle("s", config)
+    [after] = restarted.reserve("s", [8 * MiB])
+    disk = restarted._tier("s", TierName.DISK)
+    fresh = disk.write(SegmentId("s", 1, 0, 0, 0), b"y" * (8 * MiB), after.grant, "n1")
+    restarted.settle("s", [(after.grant, 8 * MiB)])
+    assert fresh.granted_by == restarted.books_id != old.books_id
+
+    assert restarted.free_segments("s", [stale]) == []
+    assert not os.path.exists(stale.location)  # the data goes all the same
+    assert disk.used_by("s") == 8 * MiB  # the new segment's bytes are still counted
+    [refused] = restarted.reserve("s", [8 * MiB])
+    assert refused.grant is None  # 8 + 8 MiB does not fit the 10 MiB cap
+    # Its own segment is given back as before.
+    assert restarted.free_segments("s", [fresh]) == []
+    assert disk.used_by("s") == 0
+    restarted.release_shuffle("s")
+    old.release_shuffle("s")
+
+
+def test_a_restarted_tier_manager_keeps_its_memory_budget_after_freeing_old_segments(
+        tmp_path):
+    """The memory tier's version: a predecessor's segment (its object owned by a writer,
+    which outlived the tier manager), freed or settled through the new one, must not
+    lower its books, or a 900-byte grant went in beside 600 bytes under a 1,000 budget."""
+    config = ShuffleConfig(memory_capacity_bytes=1000, spill_dirs=[str(tmp_path / "spill")])
+    old = TierManager("n1", object_store_bytes=1000)
+    old.register_shuffle("s", config)
+    [old_placement] = old.reserve("s", [600])
+    restarted = TierManager("n1", object_store_bytes=1000)
+    restarted.register_shuffle("s", config)
+    [held] = restarted.reserve("s", [600])
+    assert held.grant.tier == TierName.MEMORY
+    stale = SegmentMeta(SegmentId("s", 0, 0, 0, 0), TierName.MEMORY, 600, 1, "n1",
+                        granted_by=old_placement.grant.granted_by)
+    restarted.free_segments("s", [stale])
+    restarted.settle("s", [(old_placement.grant, None)])  # a late writer's abort
+    assert restarted.memory.used_by("s") == 600
+    [second] = restarted.reserve("s", [900])
+    assert second.grant is None or second.grant.tier != TierName.MEMORY
+    # A meta without a stamp (a JVM writer's segment) is counted as before.
+    unstamped = SegmentMeta(SegmentId("s", 2, 0, 0, 0), TierName.MEMORY, 600, 1, "n1")
+    restarted.free_segments("s", [unstamped])
+    assert restarted.memory.used_by("s") == 0
+    restarted.release_shuffle("s")
+    old.release_shuffle("s")
+
+
 def test_freeing_segments_tries_every_file_and_frees_the_bytes_of_those_that_went(
         tmp_path, monkeypatch):
     """A segment file that cannot be unlinked fails the call, so the master retries, but

@@ -76,6 +76,11 @@ class Grant:
     # call carrying settlements failed may send them again without knowing whether the
     # failed call ran.
     grant_id: int = 0
+    # The tier manager instance whose books count the grant (``TierManager.books_id``),
+    # copied into the segment's meta: a tier manager started again after one died frees
+    # its predecessor's segments without giving back bytes it never counted. "" (a JVM
+    # writer's grant): counted by whichever tier manager frees it.
+    granted_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -556,7 +556,8 @@ class DiskTier(Tier):
                     f"({len(payload)} bytes)") from exc
             raise
         return SegmentMeta(segment, self.name, len(payload), segment_num_rows(payload),
-                           node_id=node_id, location=path)
+                           node_id=node_id, location=path,
+                           granted_by=grant.granted_by if grant is not None else "")
 
     def read(self, meta: SegmentMeta) -> bytes:
         return read_segment_file(meta)

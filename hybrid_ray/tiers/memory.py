@@ -72,11 +72,14 @@ class MemoryTier(Tier):
 
     def write(self, segment: SegmentId, payload: bytes, grant: Grant | None = None,
               node_id: str = "") -> SegmentMeta:
-        return self.write_many([(segment, payload)], node_id)[0]
+        return self.write_many([(segment, payload)], node_id,
+                               granted_by=grant.granted_by if grant is not None else "")[0]
 
     def write_many(self, items: Sequence[tuple[SegmentId, bytes]], node_id: str = "",
-                   pack_bytes: int = 0, max_members: int | None = None) -> list[SegmentMeta]:
+                   pack_bytes: int = 0, max_members: int | None = None,
+                   granted_by: str = "") -> list[SegmentMeta]:
         """Store several granted segments with one round trip to the owner.
+        ``granted_by``: the tier manager whose grants they are (``Grant.granted_by``).
 
         ``pack_bytes`` > 0: consecutive segments go into shared objects (``PackSlot``) of
         at most that many bytes and ``max_members`` segments each (``pack_groups``; a
@@ -102,7 +105,8 @@ class MemoryTier(Tier):
                     lead.subpartition, lead.index, len(group), position, pack_bytes)
                 metas.append(SegmentMeta(segment, self.name, len(payload),
                                          segment_num_rows(payload), node_id=node_id,
-                                         object_ref=[ref], pack=slot))
+                                         object_ref=[ref], pack=slot,
+                                         granted_by=granted_by))
         return metas
 
     def read(self, meta: SegmentMeta) -> Any:
