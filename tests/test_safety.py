@@ -167,6 +167,94 @@ def test_shuffle_dir_symlinked_outside_is_not_followed_by_remove(tmp_path):
     assert_intact(outside)
 
 
+def test_a_shuffle_dir_symlinked_to_another_shuffle_s_is_not_followed(tmp_path):
+    """A link named as one shuffle's directory and pointing at another's, inside the data
+    dir, passed the resolved-path check: releasing the first shuffle listed the link's
+    target and deleted the other shuffle's segments (and again at every retry, the late
+    sweep seeing a "directory" through the link). Refused now; nothing is touched."""
+    tier = DiskTier(MiB, [str(tmp_path / "spill")])
+    other = SegmentId("shf-other", 0, 0, 0)
+    kept = tier.write(other, encode_segment(pa.table({"k": [1, 2]}), other, "none"))
+    link = tmp_path / "spill" / "hybrid_ray" / "shf-1"
+    os.symlink("shf-other", link)
+    with pytest.raises(UnsafePathError, match="is a symlink .*nothing was followed or removed"):
+        tier.remove_shuffle_data("shf-1")
+    assert os.path.exists(kept.location) and os.path.islink(link)
+    assert not tier.has_shuffle_data("shf-1")  # the late sweep does not come back to it
+    assert tier.has_shuffle_data("shf-other")
+    # Swapped in after a directory was found (cleanup's removal): the same, no follow.
+    from hybrid_ray.tiers.disk import remove_marked_tree
+    [failure] = remove_marked_tree(str(link))
+    assert "a symlink" in failure and os.path.exists(kept.location)
+    tier.remove_shuffle_data("shf-other")
+    assert not os.path.exists(kept.location)
+
+
+def test_an_interrupted_disk_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A write interrupted by something other than an OSError (KeyboardInterrupt, which
+    ``ray.cancel`` raises in a task; a MemoryError) left its half-written temporary file
+    until the shuffle's release: only OSError removed it."""
+    from hybrid_ray.tiers import disk as disk_module
+
+    tier = DiskTier(MiB, [str(tmp_path / "spill")])
+    real_write, calls = os.write, []
+
+    def interrupted(fd, data):
+        calls.append(1)
+        if len(calls) == 1:
+            return real_write(fd, bytes(data)[:100])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(disk_module.os, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tier.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
+    monkeypatch.undo()
+    assert [f for f in files_under(str(tmp_path)) if ".inprogress" in f] == []
+
+
+def test_a_remote_segment_whose_marker_cannot_be_restored_is_deleted(tmp_path):
+    """A segment landing after its shuffle's release (marker gone) has the marker written
+    again; when that write failed (throttled), the segment stayed with no marker, invisible
+    to `hybrid-ray cleanup` for good. It is deleted before the error is raised now."""
+    from unittest import mock
+
+    from hybrid_ray import cleanup
+
+    root = f"memory://s47-marker-{os.getpid()}/sh"
+    writer, master = RemoteTier(MiB, root, "job-1"), RemoteTier(MiB, root, "job-1")
+    writer.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
+    master.remove_shuffle_data("shf-1")
+    real_pipe = writer.fs.pipe_file
+
+    def throttled_marker(path, data, **kwargs):
+        if path.endswith(".hybrid_ray_shuffle"):
+            raise TimeoutError("throttled")
+        return real_pipe(path, data, **kwargs)
+    with mock.patch.object(writer.fs, "pipe_file", throttled_marker), \
+            pytest.raises(RemoteTierError, match="throttled"):
+        writer.write(SegmentId("shf-1", 1, 0, 0), PAYLOAD)
+    bucket = root.split("://")[1].split("/")[0]
+    cleanup.remove(cleanup.find_remote_orphans(root), 0)
+    assert writer.fs.find(bucket) == []
+
+
+def test_a_failed_remote_write_on_a_non_atomic_store_leaves_no_temporary_object(
+        monkeypatch):
+    """Stores without atomic PUTs (sftp, HDFS, WebDAV) are written under a temporary name
+    and moved into place; a failed move left the temporary object (one name shared by all
+    writers of the segment), which nothing removed until the shuffle's release."""
+    root = f"memory://s47-inprogress-{os.getpid()}/sh"
+    tier = RemoteTier(MiB, root, "job-1")
+    tier._atomic_put = False
+
+    def failing_move(*args, **kwargs):
+        raise TimeoutError("the move timed out")
+    monkeypatch.setattr(tier.fs, "mv", failing_move)  # (fsspec shares the instance)
+    with pytest.raises(RemoteTierError, match="the move timed out"):
+        tier.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
+    bucket = root.split("://")[1].split("/")[0]
+    assert [p for p in tier.fs.find(bucket) if ".inprogress" in p] == []
+
+
 def test_remote_delete_outside_the_job_dir_is_refused(tmp_path):
     outside = victim(tmp_path / "remote" / "other-job")
     tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1")

@@ -574,9 +574,11 @@ class DiskTier(Tier):
         unlink_quietly(location)
 
     def has_shuffle_data(self, shuffle_id: str) -> bool:
-        """Whether a directory of the shuffle exists in one of this tier's spill dirs."""
+        """Whether a directory of the shuffle exists in one of this tier's spill dirs (a
+        symlink by its name is not one: never followed, see ``remove_shuffle_data``)."""
         check_id("shuffle_id", shuffle_id)
-        return any(os.path.isdir(shuffle_dir(d, shuffle_id)) for d in self._data_dirs)
+        return any(os.path.isdir(path) and not os.path.islink(path)
+                   for path in (shuffle_dir(d, shuffle_id) for d in self._data_dirs))
 
     def remove_shuffle_data(self, shuffle_id: str) -> None:
         check_id("shuffle_id", shuffle_id)
@@ -585,6 +587,14 @@ class DiskTier(Tier):
         failures: list[str] = []
         for d, data_dir in self._data_dirs.items():
             path = require_inside(data_dir, shuffle_dir(d, shuffle_id), "remove")
+            if os.path.islink(path):
+                # hybrid_ray never makes one. Followed, a link named as this shuffle's
+                # directory and pointing at another shuffle's deleted that shuffle's
+                # segments at this one's release (found by a review).
+                raise UnsafePathError(
+                    f"refusing to remove {path}: it is a symlink (to "
+                    f"{os.readlink(path)!r}), not a shuffle directory hybrid_ray made; "
+                    "nothing was followed or removed. Remove the link yourself")
             failures += remove_marked_tree(path)
         if failures:
             # Raised, so the caller retries (the master's deletion queue, the tier
@@ -594,9 +604,11 @@ class DiskTier(Tier):
                           f"{len(failures)} path(s): " + "; ".join(failures[:5]))
 
 
-def remove_tree(path: str) -> list[str]:
-    """Remove a directory tree (symlinks in it are removed, never followed); returns what
-    could not be removed, each with its error. Already gone counts as removed."""
+def remove_tree(path: str, dir_fd: int | None = None) -> list[str]:
+    """Remove a directory tree (symlinks in it are removed, never followed; a symlink at
+    ``path`` itself is refused, not followed); returns what could not be removed, each
+    with its error. Already gone counts as removed. ``dir_fd``: ``path`` is relative to
+    that open directory (``shutil.rmtree``'s)."""
     failures: list[str] = []
 
     def record(_fn: Any, failed: str, exc: Any) -> None:
@@ -605,34 +617,49 @@ def remove_tree(path: str) -> list[str]:
             failures.append(f"{failed}: {error}")
 
     if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=record)
+        shutil.rmtree(path, onexc=record, dir_fd=dir_fd)
     else:
-        shutil.rmtree(path, onerror=record)
+        shutil.rmtree(path, onerror=record, dir_fd=dir_fd)
     return failures
 
 
 def remove_marked_tree(path: str) -> list[str]:
     """Remove a shuffle directory, its ``SHUFFLE_MARKER_NAME`` last: a removal that fails
     part-way leaves the marker beside what is left (cleanup only touches marked
-    directories). Returns what could not be removed; a missing directory is no failure."""
+    directories). Returns what could not be removed; a missing directory is no failure.
+
+    ``path`` is never followed: its entries are listed and removed through the directory
+    opened without following a symlink, and a symlink at ``path`` (a directory swapped
+    for one since it was found) is a failure, not removed. (Listed by path, a link named
+    as one shuffle's directory and pointing at another's deleted that other shuffle's
+    segments: found by a review.)"""
     try:
-        entries = os.listdir(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return []
     except OSError as exc:
+        if os.path.islink(path):  # (ELOOP, or ENOTDIR with O_DIRECTORY)
+            return [f"{path}: a symlink, not a directory hybrid_ray made: not followed"]
         return [f"{path}: {exc}"]
     failures: list[str] = []
-    for name in entries:
-        if name == SHUFFLE_MARKER_NAME:
-            continue
-        entry = os.path.join(path, name)
-        if os.path.isdir(entry) and not os.path.islink(entry):
-            failures += remove_tree(entry)
-        else:
+    try:
+        for name in os.listdir(fd):
+            if name == SHUFFLE_MARKER_NAME:
+                continue
             try:
-                unlink_quietly(entry)
+                is_dir = stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode)
+                if is_dir:
+                    failures += [f"{path}/{failed}" for failed in remove_tree(name, dir_fd=fd)]
+                else:
+                    os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass  # gone meanwhile
             except OSError as exc:
-                failures.append(f"{entry}: {exc}")
+                failures.append(f"{os.path.join(path, name)}: {exc}")
+    except OSError as exc:
+        failures.append(f"{path}: {exc}")
+    finally:
+        os.close(fd)
     if failures:
         return failures
     return remove_tree(path)
@@ -680,7 +707,9 @@ def write_private_file(path: str, payload: bytes | memoryview) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
+        # Any error, not only OSError: KeyboardInterrupt (what ``ray.cancel`` raises in a
+        # task) or a MemoryError left the half-written file until the shuffle's release.
         unlink_quietly(tmp)
         raise
 
