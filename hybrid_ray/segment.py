@@ -45,7 +45,7 @@ import pyarrow as pa
 import xxhash
 
 from hybrid_ray.config import Compression, TierName
-from hybrid_ray.errors import ConfigError, CorruptSegmentError
+from hybrid_ray.errors import ConfigError, CorruptSegmentError, InvalidIdError
 
 # magic, format version, codec, reserved, identity digest, checksum of body (seeded with
 # the identity digest), body length, number of rows: 40 bytes, a multiple of 8, so the IPC
@@ -88,6 +88,19 @@ class SegmentId:
     def file_name(self) -> str:
         """Name of this segment's file in the disk and remote tiers."""
         return f"m{self.map_partition:06d}-a{self.attempt:03d}-s{self.index:06d}.seg"
+
+    @property
+    def relative_path(self) -> str:
+        """``sub-<subpartition>/<file_name>``: where the segment lives below its shuffle's
+        directory in the disk and remote tiers. ``InvalidIdError`` for a number that is not
+        an int >= 0: a negative subpartition made ``sub--0001``, a path every per-segment
+        delete then refused (its file stayed until the shuffle's release)."""
+        for name in ("map_partition", "subpartition", "index", "attempt"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise InvalidIdError(f"segment {name} must be an int >= 0 to name a file, "
+                                     f"got {value!r}")
+        return f"sub-{self.subpartition:05d}/{self.file_name}"
 
     def __str__(self) -> str:
         job = f"job={self.job_id}, " if self.job_id else ""

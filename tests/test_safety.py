@@ -190,6 +190,37 @@ def test_a_shuffle_dir_symlinked_to_another_shuffle_s_is_not_followed(tmp_path):
     assert not os.path.exists(kept.location)
 
 
+def test_a_segment_with_a_negative_number_is_refused_before_any_file_is_made(tmp_path):
+    """The disk and remote tiers wrote a segment with a negative subpartition to
+    ``sub--0001/...``, a path every per-segment delete refused: its file stayed until the
+    shuffle's release. (Python writers are stopped earlier by encode_segment; a direct
+    caller of the tiers was not.)"""
+    from hybrid_ray.errors import InvalidIdError
+
+    disk = DiskTier(MiB, [str(tmp_path / "spill")])
+    remote = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1")
+    for bad in (SegmentId("shf-1", 0, -1, 0), SegmentId("shf-1", -2, 0, 0),
+                SegmentId("shf-1", 0, 0, -3), SegmentId("shf-1", 0, 0, 0, -1)):
+        for tier in (disk, remote):
+            with pytest.raises(InvalidIdError, match="must be an int >= 0 to name a file"):
+                tier.write(bad, PAYLOAD)
+    assert [f for f in files_under(str(tmp_path)) if f.endswith(".seg")] == []
+
+
+def test_disk_delete_of_another_shuffle_s_file_is_refused(tmp_path):
+    """DiskTier.delete checked only that a location lies in its data dirs, not that it is
+    a file of the segment's own shuffle (RemoteTier.delete and the tier manager do)."""
+    tier = DiskTier(MiB, [str(tmp_path / "spill")])
+    other = tier.write(SegmentId("shf-2", 0, 0, 0), PAYLOAD)
+    forged = SegmentMeta(SegmentId("shf-1", 0, 0, 0), TierName.DISK, 9, 1, "",
+                         other.location)
+    with pytest.raises(UnsafePathError, match="not a file of shuffle shf-1"):
+        tier.delete(forged)
+    assert os.path.exists(other.location)
+    tier.delete(other)  # its own shuffle's segment still goes
+    assert not os.path.exists(other.location)
+
+
 def test_an_interrupted_disk_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     """A write interrupted by something other than an OSError (KeyboardInterrupt, which
     ``ray.cancel`` raises in a task; a MemoryError) left its half-written temporary file

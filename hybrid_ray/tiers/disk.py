@@ -387,8 +387,7 @@ def _device_of(directory: str, refresh: bool = False) -> Any:
 
 
 def segment_path(spill_dir: str, segment: SegmentId) -> str:
-    return os.path.join(shuffle_dir(spill_dir, segment.shuffle_id),
-                        f"sub-{segment.subpartition:05d}", segment.file_name)
+    return os.path.join(shuffle_dir(spill_dir, segment.shuffle_id), segment.relative_path)
 
 
 class DiskTier(Tier):
@@ -567,6 +566,12 @@ class DiskTier(Tier):
 
     def delete(self, meta: SegmentMeta) -> None:
         location = require_segment_file(meta.location, "delete")
+        if os.path.basename(os.path.dirname(os.path.dirname(location))) != meta.id.shuffle_id:
+            # (As RemoteTier.delete and the tier manager: a segment of one shuffle never
+            # names another shuffle's file.)
+            raise UnsafePathError(f"refusing to delete {location}: not a file of shuffle "
+                                  f"{meta.id.shuffle_id}, whose segment {meta.id} it is "
+                                  "said to be. This is a bug in the caller; please report it")
         if not any(location.startswith(data_dir + os.sep)
                    for data_dir in self._data_dirs.values()):
             raise UnsafePathError(f"refusing to delete {location}: not in this disk tier's "

@@ -227,8 +227,7 @@ class RemoteTier(Tier):
         return posixpath.join(self.job_root, check_id("shuffle_id", shuffle_id))
 
     def segment_path(self, segment: SegmentId) -> str:
-        return posixpath.join(self.shuffle_path(segment.shuffle_id),
-                              f"sub-{segment.subpartition:05d}", segment.file_name)
+        return posixpath.join(self.shuffle_path(segment.shuffle_id), segment.relative_path)
 
     def _put_local(self, path: str, payload: bytes) -> None:
         """A local file, private like the disk tier's: its directories are created 0700
