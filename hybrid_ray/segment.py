@@ -95,12 +95,20 @@ class SegmentId:
         directory in the disk and remote tiers. ``InvalidIdError`` for a number that is not
         an int >= 0: a negative subpartition made ``sub--0001``, a path every per-segment
         delete then refused (its file stayed until the shuffle's release)."""
-        for name in ("map_partition", "subpartition", "index", "attempt"):
+        bad = self.bad_number()
+        if bad is not None:
+            raise InvalidIdError(f"segment {bad[0]} must be an int >= 0 to name a file, "
+                                 f"got {bad[1]!r}")
+        return f"sub-{self.subpartition:05d}/{self.file_name}"
+
+    def bad_number(self) -> tuple[str, Any] | None:
+        """(field, value) of the first of the map, attempt, subpartition and index that is
+        not an int >= 0 (a bool is not one), or None when all are."""
+        for name in ("map_partition", "attempt", "subpartition", "index"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-                raise InvalidIdError(f"segment {name} must be an int >= 0 to name a file, "
-                                     f"got {value!r}")
-        return f"sub-{self.subpartition:05d}/{self.file_name}"
+                return name, value
+        return None
 
     def __str__(self) -> str:
         job = f"job={self.job_id}, " if self.job_id else ""
@@ -122,11 +130,10 @@ def identity_digest(segment: SegmentId) -> int:
     if not isinstance(segment, SegmentId):
         raise TypeError(f"a segment's identity must be a SegmentId, got "
                         f"{type(segment).__name__} {segment!r}")
-    for name in ("map_partition", "attempt", "subpartition", "index"):
-        value = getattr(segment, name)
-        # int() below took "x" with a bare "invalid literal for int()", and -1 as it is.
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ConfigError(f"{segment!s}: {name} must be an integer >= 0, got {value!r}")
+    # int() below took "x" with a bare "invalid literal for int()", and -1 as it is.
+    bad = segment.bad_number()
+    if bad is not None:
+        raise ConfigError(f"{segment!s}: {bad[0]} must be an integer >= 0, got {bad[1]!r}")
     job, shuffle = str(segment.job_id), str(segment.shuffle_id)
     text = (f"{_IDENTITY_DOMAIN}/{len(job)}:{job}/{len(shuffle)}:{shuffle}/"
             f"{int(segment.map_partition)}/{int(segment.attempt)}/"

@@ -395,9 +395,14 @@ class TierManager:
         if shuffle_id not in self._shuffles:
             return
         for grant, written in settled:
-            if grant.granted_by and grant.granted_by != self.books_id:
+            if not self._counted_here(grant.granted_by):
                 continue
             self._tier(shuffle_id, grant.tier).settle(shuffle_id, grant, written)
+
+    def _counted_here(self, granted_by: str) -> bool:
+        """Whether space granted by ``granted_by`` (``Grant.granted_by``) is in these
+        books: granted here, or unnamed (a JVM writer's); not a predecessor's."""
+        return not granted_by or granted_by == self.books_id
 
     def settle_changes_books(self, shuffle_id: str, grant: Grant,
                              written_bytes: int | None) -> bool:
@@ -444,8 +449,7 @@ class TierManager:
                 tier = self._tier(shuffle_id, meta.tier)
                 if meta.tier != TierName.DISK:  # (a disk file is gone already: unlinked above)
                     tier.delete(meta)
-                if not meta.granted_by or meta.granted_by == self.books_id:
-                    # (Another's: a predecessor's grant, never in these books.)
+                if self._counted_here(meta.granted_by):
                     nbytes = self._pack_bytes_gone(shuffle_id, meta) \
                         if meta.tier == TierName.MEMORY and meta.pack is not None \
                         else meta.nbytes

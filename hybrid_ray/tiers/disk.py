@@ -695,6 +695,12 @@ def map_segment_file(meta: SegmentMeta) -> pa.Buffer:
             "removed by cleanup") from exc
 
 
+def temporary_name(path: str) -> str:
+    """Where a file or object for ``path`` is written before it is renamed into place: a
+    name of the writing thread's own, so two writers of one path never share it."""
+    return f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
+
+
 def write_private_file(path: str, payload: bytes | memoryview) -> None:
     """Write ``payload`` to ``path`` as a 0600 file, under a temporary name renamed into
     place when complete (a reader never sees half a file). Raises ``OSError``.
@@ -702,7 +708,7 @@ def write_private_file(path: str, payload: bytes | memoryview) -> None:
     The temporary name is the writing thread's own: two threads of one process writing
     the same file (a shuffle's marker) shared one per process, and the second truncated
     the first's half-written file, renamed it into place, and failed the first's rename."""
-    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
+    tmp = temporary_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:

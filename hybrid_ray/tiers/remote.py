@@ -43,7 +43,9 @@ from hybrid_ray.ids import (
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.segment import SegmentId, SegmentMeta, segment_num_rows
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_marker
-from hybrid_ray.tiers.disk import local_tree_problem, make_private_dir, unlink_quietly
+from hybrid_ray.tiers.disk import (
+    local_tree_problem, make_private_dir, temporary_name, unlink_quietly,
+)
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
@@ -235,7 +237,7 @@ class RemoteTier(Tier):
         before it is renamed into place (readers never see half a file)."""
         # Unique per writer: the transfer threads of a process may write the same shuffle's
         # marker at once, and a shared temporary name was renamed away under one of them.
-        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
+        tmp = temporary_name(path)
         for last_try in (False, True):
             try:
                 # Checked before anything is created in an untrusted root, and again after
@@ -322,16 +324,15 @@ class RemoteTier(Tier):
         temporary name of this writer's own, moved into place when complete; the temporary
         object goes if anything fails. (One name shared by every writer of the segment, and
         never removed on failure, was left behind for cleanup to find: found by a review.)"""
-        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.inprogress"
+        tmp = temporary_name(path)
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         try:
             self.fs.pipe_file(tmp, payload, **self.deadline(len(payload)))
             self.fs.mv(tmp, path)
         except BaseException:
-            try:
-                self.fs.rm_file(tmp, **self.deadline())
-            except Exception:  # noqa: BLE001 - gone already, or the store is down: the
-                pass  # shuffle's release or `hybrid-ray cleanup` removes it (its dir is marked)
+            # (If this fails too, the shuffle's release or `hybrid-ray cleanup` removes it:
+            # its directory is marked.)
+            self._delete_quietly(tmp)
             raise
 
     def _mark_again_or_delete(self, shuffle_id: str, path: str) -> None:
@@ -342,11 +343,16 @@ class RemoteTier(Tier):
         try:
             self._mark_again_if_removed(shuffle_id)
         except BaseException:
-            try:
-                self.fs.rm_file(path, **self.deadline())
-            except Exception:  # noqa: BLE001 - the marker's error is the one raised
-                pass
+            self._delete_quietly(path)
             raise
+
+    def _delete_quietly(self, path: str) -> None:
+        """Delete an object this writer just made, within the usual deadline, on the way
+        out of a failed write: the write's error is the one raised, not this one's."""
+        try:
+            self.fs.rm_file(path, **self.deadline())
+        except Exception:  # noqa: BLE001 - gone already, or the store is down
+            pass
 
     def _mark_again_if_removed(self, shuffle_id: str) -> None:
         """After a segment of a shuffle this process marked before: mark it again if its
