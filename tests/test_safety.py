@@ -268,6 +268,36 @@ def test_a_remote_segment_whose_marker_cannot_be_restored_is_deleted(tmp_path):
     assert writer.fs.find(bucket) == []
 
 
+def test_a_late_remote_segment_that_cannot_be_deleted_either_is_named_in_a_warning(
+        caplog):
+    """The same late segment, when its deletion fails too (the store is down): the write
+    still fails with the marker's error, and a warning names the object left behind."""
+    from unittest import mock
+
+    root = f"memory://s47-undeletable-{os.getpid()}/sh"
+    writer, master = RemoteTier(MiB, root, "job-1"), RemoteTier(MiB, root, "job-1")
+    writer.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
+    master.remove_shuffle_data("shf-1")
+    real_pipe = writer.fs.pipe_file
+
+    def throttled_marker(path, data, **kwargs):
+        if path.endswith(".hybrid_ray_shuffle"):
+            raise TimeoutError("throttled")
+        return real_pipe(path, data, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise PermissionError("delete refused")
+    segment = SegmentId("shf-1", 1, 0, 0)
+    with mock.patch.object(writer.fs, "pipe_file", throttled_marker), \
+            mock.patch.object(writer.fs, "rm_file", refused), \
+            pytest.raises(RemoteTierError, match="throttled"):
+        writer.write(segment, PAYLOAD)
+    assert any("could not delete" in r.getMessage() and writer.segment_path(segment)
+               in r.getMessage() and "delete refused" in r.getMessage()
+               for r in caplog.records)
+    master.remove_shuffle_data("shf-1")
+
+
 def test_a_failed_remote_write_on_a_non_atomic_store_leaves_no_temporary_object(
         monkeypatch):
     """Stores without atomic PUTs (sftp, HDFS, WebDAV) are written under a temporary name

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import errno
+import logging
 import os
 import posixpath
 import re
@@ -46,6 +47,8 @@ from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, Grant, Tier, shuffle_mark
 from hybrid_ray.tiers.disk import (
     local_tree_problem, make_private_dir, temporary_name, unlink_quietly,
 )
+
+_LOG = logging.getLogger(__name__)
 
 # Removing a released shuffle's tree is retried this often (see remove_shuffle_data).
 REMOVE_ATTEMPTS = 5
@@ -348,11 +351,16 @@ class RemoteTier(Tier):
 
     def _delete_quietly(self, path: str) -> None:
         """Delete an object this writer just made, within the usual deadline, on the way
-        out of a failed write: the write's error is the one raised, not this one's."""
+        out of a failed write: the write's error is the one raised, not this one's, which
+        is logged (credentials scrubbed) so the object left behind is named somewhere."""
         try:
             self.fs.rm_file(path, **self.deadline())
-        except Exception:  # noqa: BLE001 - gone already, or the store is down
+        except FileNotFoundError:
             pass
+        except Exception as exc:  # noqa: BLE001 - the store is down or refuses
+            _LOG.warning(self._redactor.scrub(
+                f"hybrid_ray: could not delete {path} after a failed write "
+                f"({_describe(exc)}); it is left in the remote tier"))
 
     def _mark_again_if_removed(self, shuffle_id: str) -> None:
         """After a segment of a shuffle this process marked before: mark it again if its
