@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,8 @@ from hybrid_ray.nodes import node_alive
 from hybrid_ray.object_store import ObjectStoreWarmUp, default_warm_up_bytes
 from hybrid_ray.report import Stopwatch
 from hybrid_ray.segment import SegmentMeta
-from hybrid_ray.tier_manager import REMOTE_TIERS_KEPT, NodeUsage, Placement, TierManager
+from hybrid_ray.tier_manager import (
+    REMOTE_TIERS_KEPT, NodeUsage, Placement, ReserveToken, TierManager)
 from hybrid_ray.tiers import Grant, RemoteTier
 from hybrid_ray.tiers.cache import LruCache
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
@@ -273,8 +275,12 @@ class TierManagerActor:
 
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
                 settled: Sequence[tuple[Grant, int | None]] = (),
-                register: ShuffleConfig | None = None) -> list[Placement]:
-        return self.tm.reserve(shuffle_id, sizes, settled, register)
+                register: ShuffleConfig | None = None,
+                token: ReserveToken | None = None) -> list[Placement]:
+        return self.tm.reserve(shuffle_id, sizes, settled, register, token=token)
+
+    def cancel_reserve(self, shuffle_id: str, token: ReserveToken) -> int:
+        return self.tm.cancel_reserve(shuffle_id, token)
 
     def settle(self, shuffle_id: str, settled: Sequence[tuple[Grant, int | None]]) -> None:
         self.tm.settle(shuffle_id, settled)
@@ -386,14 +392,39 @@ class ActorNodeStorage:
         self.actor = actor
         self.stopwatch = stopwatch or Stopwatch()
         self._register = register
+        self._writer = secrets.token_hex(8)  # names this proxy's reservations (ReserveToken)
+        self._sequence = 0
+        # (shuffle, token) of the last reservation whose answer never came: it may have
+        # run and granted space this writer does not know of (cancel_unanswered_reserve).
+        self._unanswered: tuple[str, ReserveToken] | None = None
 
     def reserve(self, shuffle_id, sizes, settled=()):
         register, self._register = self._register, None
+        self._sequence += 1
+        token = ReserveToken(self._writer, self._sequence)
         with self.stopwatch:
-            return answer_of(self.actor.reserve.remote(shuffle_id, list(sizes), list(settled),
-                                                       register),
-                             f"the tier manager's reserve for shuffle {shuffle_id}",
-                             TIER_MANAGER_CALL_TIMEOUT_S)
+            try:
+                return answer_of(self.actor.reserve.remote(shuffle_id, list(sizes),
+                                                           list(settled), register, token),
+                                 f"the tier manager's reserve for shuffle {shuffle_id}",
+                                 TIER_MANAGER_CALL_TIMEOUT_S)
+            except BaseException:
+                self._unanswered = (shuffle_id, token)
+                raise
+
+    def cancel_unanswered_reserve(self) -> None:
+        """Give back the space of the last reservation whose answer never came (the wait
+        ran out, the task was cancelled while waiting): the call may still run on the
+        tier manager, and this writer, aborting, will never settle grants it never saw.
+        Sent after the reservation on the same actor, so it runs after it."""
+        if self._unanswered is None:
+            return
+        shuffle_id, token = self._unanswered
+        self._unanswered = None
+        with self.stopwatch:
+            answer_of(self.actor.cancel_reserve.remote(shuffle_id, token),
+                      f"the tier manager's cancel_reserve for shuffle {shuffle_id}",
+                      TIER_MANAGER_CALL_TIMEOUT_S)
 
     def settle(self, shuffle_id, settled):
         with self.stopwatch:

@@ -48,7 +48,9 @@ COMPRESSION_BACKOFF_SEGMENTS = 32
 
 
 class NodeStorage(Protocol):
-    """What a write client needs from its node: a ``TierManager`` or a proxy to its actor."""
+    """What a write client needs from its node: a ``TierManager`` or a proxy to its actor.
+    A proxy whose calls can go unanswered may also offer ``cancel_unanswered_reserve()``
+    (``actors.ActorNodeStorage``), which an aborting client calls."""
 
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
                 settled: Sequence[tuple[Grant, int | None]] = ()) -> list[Placement]: ...
@@ -289,6 +291,14 @@ class WriteClient:
         # manager busy or restarting) skipped them, and the files and their bytes stayed
         # until the shuffle's release. The first error is raised once all was tried.
         errors: list[BaseException] = []
+        # A reservation whose answer never came may have granted space this client never
+        # saw (so never settles): a proxy to a tier-manager actor can take it back.
+        cancel = getattr(self.storage, "cancel_unanswered_reserve", None)
+        if cancel is not None:
+            try:
+                cancel()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the deletions
+                errors.append(exc)
         settle_error: BaseException | None = None
         try:
             self._settle_changes()

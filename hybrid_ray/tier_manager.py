@@ -55,6 +55,16 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReserveToken:
+    """Names one reservation call of one writer: ``writer`` is unique per writer (a map
+    attempt's storage proxy), ``sequence`` counts its calls. See
+    ``TierManager.cancel_reserve``."""
+
+    writer: str
+    sequence: int
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeUsage:
     node_id: str
     tiers: tuple[TierUsage, ...]
@@ -146,6 +156,14 @@ class TierManager:
         # bytes stay counted until then (given back per member, the budget would believe in
         # room the store does not have).
         self._open_packs: dict[str, dict[tuple[int, int, int, int], list[int]]] = {}
+        # Per shuffle, per writer (``ReserveToken.writer``): its last reservation that
+        # granted anything, as (sequence number, grants). A writer whose wait for that
+        # answer ran out never saw the grants, so it cannot settle them: it cancels the
+        # call instead (``cancel_reserve``), and without this record their bytes stayed
+        # counted, refusing other shuffles room, until the shuffle's release (a review's
+        # reproduction). One entry per writer: a writer sends its next reservation only
+        # after the answer to its last one came.
+        self._last_grants: dict[str, dict[str, tuple[int, list[Grant]]]] = {}
         # Shuffles released here -> when (monotonic), oldest first, the last RELEASED_MEMORY:
         # a map that began just before its shuffle was released must not register it again
         # (its space would stay counted, its quota taken, for good), and the recent ones are
@@ -313,12 +331,14 @@ class TierManager:
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
                 settled: Sequence[tuple[Grant, int | None]] = (),
                 register: ShuffleConfig | None = None,
-                tracked: bool = True) -> list[Placement]:
+                tracked: bool = True,
+                token: ReserveToken | None = None) -> list[Placement]:
         """Settle finished grants, then pick for each new segment the first local tier, in
         priority order, that can take it (FLIP-301: try the higher tiers again every time,
         so writing switches back up when space frees). ``register``: register the shuffle
         with this config first (``register_shuffle``), in the same call. ``tracked``: see
-        ``Tier.try_reserve`` (False for a JVM writer's).
+        ``Tier.try_reserve`` (False for a JVM writer's). ``token``: names the call, so that
+        a writer that never got its answer can give its grants back (``cancel_reserve``).
 
         Raises ``ShuffleNotFoundError`` for a shuffle not registered here (or released)."""
         if register is not None:
@@ -354,7 +374,28 @@ class TierManager:
             self.settle(shuffle_id, [(p.grant, None) for p in placements
                                      if p.grant is not None])
             raise
+        if token is not None:
+            grants = [p.grant for p in placements if p.grant is not None]
+            by_writer = self._last_grants.setdefault(shuffle_id, {})
+            if grants:
+                by_writer[token.writer] = (token.sequence, grants)
+            else:
+                by_writer.pop(token.writer, None)
         return placements
+
+    def cancel_reserve(self, shuffle_id: str, token: ReserveToken) -> int:
+        """Give back what the reservation ``token`` granted: its writer's wait for the
+        answer ran out (the tier manager was busy past the bound), so the writer never
+        knew of the grants and cannot settle them. A call that granted nothing, that has
+        not run, or that a later reservation of the same writer followed (whose writer
+        therefore got the answer) changes nothing. Returns the grants given back."""
+        by_writer = self._last_grants.get(shuffle_id, {})
+        last = by_writer.get(token.writer)
+        if last is None or last[0] != token.sequence:
+            return 0
+        del by_writer[token.writer]
+        self.settle(shuffle_id, [(grant, None) for grant in last[1]])
+        return len(last[1])
 
     @staticmethod
     def _room_above(shuffle_id: str, faster: Sequence[Tier], nbytes: int,
@@ -566,6 +607,7 @@ class TierManager:
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)
         self._open_packs.pop(shuffle_id, None)
+        self._last_grants.pop(shuffle_id, None)
         self._released[shuffle_id] = time.monotonic()
         self._released.move_to_end(shuffle_id)
         disk_key = info["disk"] if info is not None else disk_key

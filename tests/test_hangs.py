@@ -594,3 +594,67 @@ def test_a_sort_whose_sampling_stalls_fails_and_leaves_no_sampling_task_running(
         hybrid_ray.sort(ds, "key", config=config)
     time.sleep(8)
     assert not os.path.exists(marker)
+
+
+def test_a_reservation_whose_answer_never_came_gives_its_space_back_with_the_abort(
+        ray_local, monkeypatch, tmp_path):
+    """A writer's wait for its reservation ran out (the tier manager busy past the bound),
+    yet the call ran later and granted space the writer never saw, so never settled: the
+    bytes stayed counted, refusing other shuffles room, until the shuffle's release (a
+    review's reproduction). The writer's abort now cancels the call on the tier manager."""
+    import ray
+
+    from hybrid_ray import MiB, ShuffleConfig, TierName, actors
+    from hybrid_ray.clients import WriteClient
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.tier_manager import TierManager, build_io_tiers
+
+    @ray.remote(num_cpus=0)
+    class LateTierManager:
+        """A real TierManager whose first reservation answers after the writer gave up."""
+
+        def __init__(self, config):
+            self.tm, self.late = TierManager("n1", object_store_bytes=0), True
+            self.tm.register_shuffle("shf-000000000late", config)
+
+        def reserve(self, shuffle_id, sizes, settled, register, token=None):
+            if self.late:
+                self.late = False
+                time.sleep(2)
+            return self.tm.reserve(shuffle_id, sizes, settled, register,
+                                   **({"token": token} if token else {}))
+
+        def cancel_reserve(self, shuffle_id, token):
+            return self.tm.cancel_reserve(shuffle_id, token)
+
+        def settle(self, shuffle_id, settled):
+            self.tm.settle(shuffle_id, settled)
+
+        def free_segments(self, shuffle_id, metas):
+            self.tm.free_segments(shuffle_id, metas)
+
+        def grants_60_mib(self, shuffle_id):
+            """Whether 60 MiB more fit the 64 MiB cap (a probe: given back at once)."""
+            [placed] = self.tm.reserve(shuffle_id, [60 * MiB])
+            if placed.grant is None:
+                return False
+            self.tm.settle(shuffle_id, [(placed.grant, None)])
+            return placed.grant.tier == TierName.DISK
+
+    config = ShuffleConfig(memory_fraction=0, spill_dirs=[str(tmp_path / "spill")],
+                           disk_capacity_bytes=64 * MiB, progress=False)
+    late = LateTierManager.remote(config)
+    try:
+        monkeypatch.setattr(actors, "TIER_MANAGER_CALL_TIMEOUT_S", 0.5)
+        writer = WriteClient("shf-000000000late", 0, 1, config, actors.ActorNodeStorage(late),
+                             build_io_tiers(config, node_id="n1"))
+        rows = pa.table({"x": pa.array(np.arange(3_000_000), pa.int64())})  # 24 MiB
+        with pytest.raises(ShuffleStalledError, match="the tier manager's reserve for shuffle "
+                                                      "shf-000000000late got no answer"):
+            writer.write(0, rows)
+        monkeypatch.setattr(actors, "TIER_MANAGER_CALL_TIMEOUT_S", 30.0)
+        assert not ray.get(late.grants_60_mib.remote("shf-000000000late"))  # 24 MiB granted
+        writer.abort()
+        assert ray.get(late.grants_60_mib.remote("shf-000000000late"))
+    finally:
+        ray.kill(late)

@@ -842,3 +842,38 @@ def test_public_tier_entry_points_refuse_what_is_not_a_config_or_a_size(tmp_path
     assert tm.register_shuffle("shf-1", config) >= 0
     assert set(build_io_tiers(config, memory_budget=0)) >= {TierName.DISK}
     tm.release_shuffle("shf-1")
+
+
+def test_a_cancelled_reservation_gives_back_exactly_what_it_granted(tmp_path):
+    """A writer whose wait for a reservation's answer ran out never saw its grants and
+    cannot settle them: cancelling the call gives them back. Cancelling a call the same
+    writer followed with another (so it got the answer), one that granted nothing, or
+    the same one twice changes nothing."""
+    from hybrid_ray.tier_manager import ReserveToken
+
+    config = ShuffleConfig(memory_fraction=0, spill_dirs=[str(tmp_path / "spill")],
+                           disk_capacity_bytes=64 * MiB)
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("s", config)
+    disk = tm._tier("s", TierName.DISK)
+    answered = tm.reserve("s", [8 * MiB], token=ReserveToken("w1", 1))
+    lost = tm.reserve("s", [4 * MiB, 4 * MiB], token=ReserveToken("w1", 2))
+    other = tm.reserve("s", [2 * MiB], token=ReserveToken("w2", 1))
+    assert all(p.grant is not None for p in answered + lost + other)
+    assert disk.used_by("s") == 18 * MiB
+
+    assert tm.cancel_reserve("s", ReserveToken("w1", 1)) == 0  # followed by call 2
+    assert tm.cancel_reserve("s", ReserveToken("w1", 3)) == 0  # never ran
+    assert disk.used_by("s") == 18 * MiB
+    assert tm.cancel_reserve("s", ReserveToken("w1", 2)) == 2
+    assert disk.used_by("s") == 10 * MiB  # w1's first 8 MiB and w2's 2 MiB stay
+    assert tm.cancel_reserve("s", ReserveToken("w1", 2)) == 0  # once only
+    assert disk.used_by("s") == 10 * MiB
+    # A call that granted nothing forgets the writer's earlier one: its answer came.
+    refused = tm.reserve("s", [200 * MiB], token=ReserveToken("w2", 2))
+    assert refused[0].grant is None
+    assert tm.cancel_reserve("s", ReserveToken("w2", 1)) == 0
+    assert disk.used_by("s") == 10 * MiB
+    tm.release_shuffle("s")
+    assert tm.cancel_reserve("s", ReserveToken("w1", 1)) == 0  # released: nothing left
+    assert tm._last_grants == {}
