@@ -142,9 +142,16 @@ def _run_session(hybrid: bool, config: ShuffleConfig) -> dict:
             out["reports_live"] = spark_bridge.spark_shuffle_reports()
         else:
             out["direct"] = _direct_path_takes_the_given_config(spark, config)
+        jvm = spark.sparkContext._jvm
+        manager = jvm.org.apache.spark.SparkEnv.get().shuffleManager()
     finally:
         spark_bridge.stop_spark()
     if hybrid:
+        # Spark's cleaner may unregister a shuffle after the manager stopped: that built
+        # a new context (and its sender thread) nothing would stop.
+        manager.unregisterShuffle(123_456)
+        out["context_after_stop"] = \
+            jvm.org.apache.spark.shuffle.hybridray.HybridRayContext.exists()
         out["reports"] = spark_bridge.spark_shuffle_reports()
         out["leftover_files"] = [f for d in config.spill_dirs for f in files_under(d)]
         from hybrid_ray.actors import get_tier_manager
@@ -401,6 +408,7 @@ def test_lost_disk_segments_are_recomputed_exactly(runs):
 
 def test_nothing_left_after_stop_spark(runs):
     hybrid, _, _ = runs
+    assert hybrid["context_after_stop"] is False
     assert hybrid["leftover_files"] == []
     assert hybrid["live"] == []
     assert all(v == 0 for v in hybrid["tier_bytes"].values()), hybrid["tier_bytes"]

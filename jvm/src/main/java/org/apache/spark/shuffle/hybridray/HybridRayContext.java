@@ -313,6 +313,11 @@ public final class HybridRayContext {
     return instance;
   }
 
+  /** Whether a context exists in this JVM (built by {@link #get}, not reset since). */
+  public static synchronized boolean exists() {
+    return instance != null;
+  }
+
   /** Forget the context (the SparkContext stopped; a new one may have other settings).
    *  What its sender holds is still sent. */
   static synchronized void reset() {

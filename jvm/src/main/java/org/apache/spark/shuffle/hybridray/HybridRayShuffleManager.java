@@ -48,6 +48,9 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   // Driver: the shuffles registered through hybrid_ray (released at unregister/stop).
   private final Set<Integer> hybridShuffles = ConcurrentHashMap.newKeySet();
   private volatile Thread heartbeat;
+  // Set by stop(): Spark's cleaner may still unregister a shuffle afterwards, and asking
+  // for the context then built a new one (its sender thread included) that nothing stopped.
+  private volatile boolean stopped;
 
   // The driver's manager, for quiesceDriver(); set while its SparkContext runs.
   private static volatile HybridRayShuffleManager driverManager;
@@ -282,6 +285,9 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   @Override
   public boolean unregisterShuffle(int shuffleId) {
     boolean removed = super.unregisterShuffle(shuffleId);
+    if (stopped) {
+      return removed;  // stop() dropped this JVM's objects and released the session's data
+    }
     HybridRayContext ctx = ctx();
     ctx.dropShuffle(shuffleId);  // executors: this JVM's memory-tier objects of it go
     if (isDriver && hybridShuffles.remove(shuffleId)) {
@@ -292,6 +298,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
 
   @Override
   public void stop() {
+    stopped = true;
     try {
       super.stop();
     } finally {
