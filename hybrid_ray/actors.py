@@ -323,6 +323,12 @@ class TierManagerActor:
         return json.dumps(spark_jvm.reserve(self.tm, json.loads(request),
                                             self._spark_session_now))
 
+    def spark_cancel_reserve(self, request: str) -> str:
+        """A JVM writer's reservation whose answer it never got, given back
+        (``spark_jvm.cancel_reserve``)."""
+        return json.dumps({"cancelled": spark_jvm.cancel_reserve(self.tm,
+                                                                json.loads(request))})
+
     def spark_lease(self, request: str) -> str:
         """A memory lease for a JVM map task (``spark_jvm.lease``)."""
         return json.dumps(spark_jvm.lease(self.tm, json.loads(request),

@@ -32,7 +32,7 @@ from hybrid_ray.errors import (
 from hybrid_ray.ids import check_id
 from hybrid_ray.master import ShuffleRegistry, ShuffleState
 from hybrid_ray.segment import SegmentId, SegmentMeta
-from hybrid_ray.tier_manager import TierManager
+from hybrid_ray.tier_manager import ReserveToken, TierManager
 from hybrid_ray.tiers import Grant
 
 _LOG = logging.getLogger(__name__)
@@ -455,8 +455,10 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
     the shuffle has a remote tier for those (``write_remote``)."""
     shuffle_id = _registered_here(tm, request, sessions)
     settle(tm, shuffle_id, request.get("settle"))
+    token = reserve_token(request)
     out = []
-    placements = tm.reserve(shuffle_id, [int(n) for n in request["sizes"]], tracked=False)
+    placements = tm.reserve(shuffle_id, [int(n) for n in request["sizes"]], tracked=False,
+                            token=token)
     try:
         for placement in placements:
             if placement.grant is None:
@@ -475,9 +477,38 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
         # given back now (as TierManager.reserve does for a tier failing part-way). Kept,
         # a disk grant whose directory could not be marked (EDQUOT, which statvfs does not
         # show) stayed in flight, refusing room on that filesystem until the release.
-        tm.settle(shuffle_id, [(p.grant, None) for p in placements if p.grant is not None])
+        # Through the token where there is one, so a cancel of this call gives nothing back
+        # twice.
+        if token is None or not tm.cancel_reserve(shuffle_id, token):
+            tm.settle(shuffle_id, [(p.grant, None) for p in placements
+                                   if p.grant is not None])
         raise
     return {"placements": out, "remote": tm.remote_tier(shuffle_id) is not None}
+
+
+def reserve_token(request: Mapping[str, Any]) -> ReserveToken | None:
+    """The ``ReserveToken`` a JVM writer names its reservation with (``token_writer``, a
+    short string unique per writer, and ``token_sequence``, counting its calls), or None
+    for a request without one."""
+    writer, sequence = request.get("token_writer"), request.get("token_sequence")
+    if writer is None and sequence is None:
+        return None
+    if not isinstance(writer, str) or not 0 < len(writer) <= 64 \
+            or isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 0:
+        raise ConfigError(f"a JVM reservation's token must be a writer name of 1-64 "
+                          f"characters and a sequence number >= 0, got {writer!r} and "
+                          f"{sequence!r}")
+    return ReserveToken(writer, sequence)
+
+
+def cancel_reserve(tm: TierManager, request: Mapping[str, Any]) -> int:
+    """Give back what a JVM writer's reservation granted when the writer never got the
+    answer (its call timed out) and is aborting (``TierManager.cancel_reserve``). Returns
+    the grants given back."""
+    token = reserve_token(request)
+    if token is None:
+        raise ConfigError("a JVM reservation cancel needs token_writer and token_sequence")
+    return tm.cancel_reserve(check_id("shuffle", request["shuffle"]), token)
 
 
 def lease(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) -> dict[str, Any]:

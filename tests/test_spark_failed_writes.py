@@ -53,3 +53,54 @@ def test_a_map_task_that_runs_out_of_space_gives_back_what_it_wrote(tmp_path):
         assert files == []  # the aborts deleted what the attempts wrote
     finally:
         spark_bridge.stop_spark()
+
+
+
+def test_a_reservation_whose_answer_never_came_is_given_back_by_the_abort(tmp_path):
+    """The node's tier manager answers every JVM reservation after 3 s, past the JVM's
+    1.5 s call bound: each map attempt's reservation fails while the tier manager still
+    runs it and grants space the writer never hears of. The job fails; the attempts'
+    aborts cancel those reservations by their tokens, so the node's books come back to
+    nothing (before: the grants stayed counted, in flight on the disk, until the
+    shuffle's release)."""
+    import time
+
+    import ray
+
+    from hybrid_ray.actors import TIER_MANAGER_PREFIX, TierManagerActor
+
+    class SlowReservations(TierManagerActor.__ray_metadata__.modified_class):
+        def spark_reserve(self, request: str) -> str:
+            time.sleep(3)
+            return super().spark_reserve(request)
+
+    start_local_ray()
+    namespace = f"lost-reserve-{uuid.uuid4().hex[:6]}"
+    node_id = ray.get_runtime_context().get_node_id()
+    tm = ray.remote(num_cpus=0)(SlowReservations).options(
+        name=TIER_MANAGER_PREFIX + node_id, namespace=namespace, lifetime="detached"
+    ).remote(node_id, namespace)
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
+                           namespace=namespace, progress=False)
+    try:
+        spark = spark_bridge.init_spark(
+            "lost-reserve-tests", num_executors=1, executor_cores=1, executor_memory="1GB",
+            configs={"spark.sql.adaptive.enabled": "false", "spark.task.maxFailures": "2",
+                     "spark.hybridray.callTimeoutMs": "1500ms"},
+            shuffle_config=config)
+        spark.sparkContext.setLogLevel("OFF")
+        df = spark.range(0, 50_000, numPartitions=1).selectExpr("id % 100 as k", "id as v")
+        with pytest.raises(Exception, match="spark_reserve failed"):
+            df.repartition(4, "k").groupBy("k").count().collect()
+        deadline = time.monotonic() + 30  # the cancels travel from the executor's sender
+        while True:
+            usage = ray.get(tm.usage.remote(), timeout=60)
+            used = {t.tier: t.used_bytes for t in usage.tiers}
+            if not any(used.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert used.get(TierName.DISK) == 0, usage
+        assert used.get(TierName.MEMORY) == 0, usage
+    finally:
+        spark_bridge.stop_spark()
+        ray.kill(tm)

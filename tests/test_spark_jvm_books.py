@@ -423,6 +423,68 @@ def test_a_jvm_reservation_that_fails_marking_its_disk_target_gives_its_grants_b
     tm.release_shuffle(SHUFFLE)
 
 
+def test_a_jvm_reservation_whose_answer_never_came_is_cancelled_once(tmp_path) -> None:
+    """A JVM writer whose reservation call timed out never saw its grants: its abort
+    cancels the call by its token, which gives them back once. The token is checked, and
+    a call whose marking failed, given back by the call itself, is not given back again
+    by a cancel."""
+    import errno
+
+    import pytest
+
+    from hybrid_ray import ShuffleConfig, TierName
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.spark_jvm import cancel_reserve, reserve
+    from hybrid_ray.tier_manager import TierManager
+    from hybrid_ray.tiers.disk import DiskTier
+
+    tm = TierManager("n1", object_store_bytes=1000)
+    config = ShuffleConfig(memory_fraction=0.3, spill_dirs=[str(tmp_path / "spill")])
+    kept = reserve(tm, {"shuffle": SHUFFLE, "sizes": [100]}, lambda t: config)
+    token = {"token_writer": "w-1", "token_sequence": 1}
+    lost = reserve(tm, {"shuffle": SHUFFLE, "sizes": [200, 150], **token}, lambda t: config)
+    assert [p["tier"] for p in kept["placements"] + lost["placements"]] == \
+        ["memory", "memory", "disk"]
+    disk = tm._tier(SHUFFLE, TierName.DISK)
+    assert tm.memory.used_by(SHUFFLE) == 300 and disk.used_by(SHUFFLE) == 150
+    assert cancel_reserve(tm, {"shuffle": SHUFFLE, **token}) == 2
+    assert tm.memory.used_by(SHUFFLE) == 100 and disk.used_by(SHUFFLE) == 0
+    assert disk._in_flight == {}
+    assert cancel_reserve(tm, {"shuffle": SHUFFLE, **token}) == 0  # once only
+    assert tm.memory.used_by(SHUFFLE) == 100
+
+    for bad in ({"token_writer": "", "token_sequence": 1},
+                {"token_writer": "w", "token_sequence": -1},
+                {"token_writer": "w", "token_sequence": True},
+                {"token_writer": 7, "token_sequence": 1}):
+        with pytest.raises(ConfigError, match="token must be a writer name"):
+            reserve(tm, {"shuffle": SHUFFLE, "sizes": [10], **bad}, lambda t: config)
+    with pytest.raises(ConfigError, match="needs token_writer and token_sequence"):
+        cancel_reserve(tm, {"shuffle": SHUFFLE})
+
+    # A reservation that fails marking its disk target (a shuffle's first disk grant
+    # here) gives its grants back itself; a cancel of it afterwards (its writer saw the
+    # call fail) gives nothing back twice.
+    other = "spark-app-1-1"
+    original = DiskTier.mark_shuffle
+
+    def quota_exceeded(self, shuffle_id, spill_dir):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    DiskTier.mark_shuffle = quota_exceeded
+    try:
+        failing = {"token_writer": "w-2", "token_sequence": 1}
+        with pytest.raises(OSError, match="quota"):
+            reserve(tm, {"shuffle": other, "sizes": [50, 600], **failing}, lambda t: config)
+    finally:
+        DiskTier.mark_shuffle = original
+    other_disk = tm._tier(other, TierName.DISK)
+    assert tm.memory.used_by(other) == 0 and other_disk.used_by(other) == 0
+    assert cancel_reserve(tm, {"shuffle": other, **failing}) == 0
+    assert tm.memory.used_by(other) == 0 and other_disk.used_by(other) == 0
+    tm.release_shuffle(other)
+    tm.release_shuffle(SHUFFLE)
+
+
 def test_a_jvm_remote_write_for_a_released_shuffle_says_so(tmp_path) -> None:
     """A JVM map storing a remote segment after its shuffle was released on the node was
     told that its Spark session's ShuffleConfig has no remote_path (start Spark with one),

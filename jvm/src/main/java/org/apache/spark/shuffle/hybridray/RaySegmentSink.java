@@ -67,6 +67,12 @@ final class RaySegmentSink implements SegmentSink {
   private ObjectRef<String> pendingLease;
   private MemoryLease lease;
   private long bytesStored;
+  // Names this sink's reservations on its tier manager (token_writer, token_sequence):
+  // one whose call failed (timed out) may still run there and grant space this sink
+  // never hears of, so abort() cancels it by its token (spark_cancel_reserve).
+  private final String reserveWriter = java.util.UUID.randomUUID().toString();
+  private long reserveSequence;
+  private long unansweredReserve = -1;
 
   RaySegmentSink(HybridRayContext ctx, int shuffleId, String shuffleKey, int numPartitions,
       int mapIndex, long mapId) {
@@ -178,8 +184,16 @@ final class RaySegmentSink implements SegmentSink {
         }
         request.set("settle", settlementsJson());
         settlements.clear();
-        JsonNode answer = ctx.parse(ctx.call(tierManager, "spark_reserve",
-            ctx.toJson(request)));
+        long sequence = ++reserveSequence;
+        request.put("token_writer", reserveWriter);
+        request.put("token_sequence", sequence);
+        JsonNode answer;
+        try {
+          answer = ctx.parse(ctx.call(tierManager, "spark_reserve", ctx.toJson(request)));
+        } catch (IOException | RuntimeException e) {
+          unansweredReserve = sequence;
+          throw e;
+        }
         placements = answer.get("placements");
         hasRemote = answer.path("remote").asBoolean(false);
       }
@@ -359,6 +373,17 @@ final class RaySegmentSink implements SegmentSink {
     takeLease(ABORT_LEASE_WAIT_MS);
     closeLease();
     try {
+      if (unansweredReserve >= 0) {
+        // From the sender, after the reservation it cancels (one caller, one actor: Ray
+        // runs the calls in the order they were sent).
+        ObjectNode cancel = ctx.json.createObjectNode();
+        cancel.put("shuffle", shuffleKey);
+        cancel.put("token_writer", reserveWriter);
+        cancel.put("token_sequence", unansweredReserve);
+        unansweredReserve = -1;
+        ctx.callAsync(ctx.tierManager(ctx.nodeId()), "spark_cancel_reserve",
+            ctx.toJson(cancel));
+      }
       if (!settlements.isEmpty()) {
         sendSettlements(ctx.tierManager(ctx.nodeId()));
       }
