@@ -34,6 +34,11 @@ from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
 # Released shuffle ids a tier manager remembers (see TierManager.register_shuffle).
 RELEASED_MEMORY = 10_000
+# Writers per shuffle whose last reservation a tier manager remembers (the newest), so
+# that one whose answer never came can be cancelled (TierManager.cancel_reserve): a map
+# task of a long Spark application's shuffle (one writer per task attempt) stays in them
+# until the shuffle's release otherwise. Far more than write on a node at once.
+LAST_GRANTS_KEPT = 4096
 # How long after a release the node looks for files a late writer left (see
 # TierManager.remove_late_files).
 LATE_FILES_WINDOW_S = 600.0
@@ -162,8 +167,10 @@ class TierManager:
         # call instead (``cancel_reserve``), and without this record their bytes stayed
         # counted, refusing other shuffles room, until the shuffle's release (a review's
         # reproduction). One entry per writer: a writer sends its next reservation only
-        # after the answer to its last one came.
-        self._last_grants: dict[str, dict[str, tuple[int, list[Grant]]]] = {}
+        # after the answer to its last one came. The last LAST_GRANTS_KEPT writers per
+        # shuffle are kept: a writer cancels within its call's bound of its reservation.
+        self._last_grants: dict[str, collections.OrderedDict[str, tuple[int, list[Grant]]]] \
+            = {}
         # Shuffles released here -> when (monotonic), oldest first, the last RELEASED_MEMORY:
         # a map that began just before its shuffle was released must not register it again
         # (its space would stay counted, its quota taken, for good), and the recent ones are
@@ -376,11 +383,12 @@ class TierManager:
             raise
         if token is not None:
             grants = [p.grant for p in placements if p.grant is not None]
-            by_writer = self._last_grants.setdefault(shuffle_id, {})
+            by_writer = self._last_grants.setdefault(shuffle_id, collections.OrderedDict())
+            by_writer.pop(token.writer, None)
             if grants:
                 by_writer[token.writer] = (token.sequence, grants)
-            else:
-                by_writer.pop(token.writer, None)
+                if len(by_writer) > LAST_GRANTS_KEPT:
+                    by_writer.popitem(last=False)
         return placements
 
     def cancel_reserve(self, shuffle_id: str, token: ReserveToken) -> int:

@@ -877,3 +877,26 @@ def test_a_cancelled_reservation_gives_back_exactly_what_it_granted(tmp_path):
     tm.release_shuffle("s")
     assert tm.cancel_reserve("s", ReserveToken("w1", 1)) == 0  # released: nothing left
     assert tm._last_grants == {}
+
+
+def test_a_tier_manager_remembers_the_last_reservations_of_a_bounded_number_of_writers(
+        tmp_path, monkeypatch):
+    """Each writer's last granting reservation is kept for a cancel; a long application's
+    shuffle has a writer per task attempt, so only the newest LAST_GRANTS_KEPT are."""
+    from hybrid_ray import tier_manager
+    from hybrid_ray.tier_manager import ReserveToken
+
+    monkeypatch.setattr(tier_manager, "LAST_GRANTS_KEPT", 3)
+    config = ShuffleConfig(memory_fraction=0, spill_dirs=[str(tmp_path / "spill")])
+    tm = TierManager("n1", object_store_bytes=0)
+    tm.register_shuffle("s", config)
+    for writer in "abcd":
+        tm.reserve("s", [MiB], token=ReserveToken(writer, 1))
+    assert list(tm._last_grants["s"]) == ["b", "c", "d"]
+    assert tm.cancel_reserve("s", ReserveToken("a", 1)) == 0  # forgotten: counted still
+    assert tm.cancel_reserve("s", ReserveToken("b", 1)) == 1
+    assert tm._tier("s", TierName.DISK).used_by("s") == 3 * MiB
+    tm.reserve("s", [MiB], token=ReserveToken("c", 2))  # c's newest call, moved last
+    assert list(tm._last_grants["s"]) == ["d", "c"]
+    tm.release_shuffle("s")
+
