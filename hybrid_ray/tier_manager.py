@@ -28,7 +28,8 @@ from hybrid_ray.ids import (
 from hybrid_ray.segment import SegmentId, SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
-    marked_shuffle_dir_problem, read_segment_file, require_segment_file, unlink_all,
+    marked_shuffle_dir_problem, read_segment_file, require_segment_file, shuffle_dir_of,
+    unlink_all,
 )
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
@@ -556,7 +557,7 @@ class TierManager:
         of through a symlink. Never a file hybrid_ray did not write. ``resolved_dirs``:
         see ``require_own_segment_file``."""
         location = require_segment_file(meta.location, "delete")
-        shuffle_directory = os.path.dirname(os.path.dirname(location))
+        shuffle_directory = shuffle_dir_of(location)
         if meta.id.shuffle_id != shuffle_id or os.path.basename(shuffle_directory) != shuffle_id:
             raise UnsafePathError(
                 f"refusing to delete {location!r} for shuffle {shuffle_id}: the segment "
@@ -579,7 +580,7 @@ class TierManager:
         try:
             return self.require_own_segment_file(location, action, resolved_dirs)
         except UnsafePathError as not_in_our_dirs:
-            shuffle_directory = os.path.dirname(os.path.dirname(location))
+            shuffle_directory = shuffle_dir_of(location)
             shuffle_id = os.path.basename(shuffle_directory)
             problem = marked_shuffle_dir_problem(shuffle_directory, shuffle_id)
             if problem is None and is_inside(shuffle_directory, location):

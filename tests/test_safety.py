@@ -10,6 +10,7 @@ import os
 import stat
 import tempfile
 import traceback
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -242,15 +243,13 @@ def test_an_interrupted_disk_write_leaves_no_temporary_file(tmp_path, monkeypatc
     assert [f for f in files_under(str(tmp_path)) if ".inprogress" in f] == []
 
 
-def test_a_remote_segment_whose_marker_cannot_be_restored_is_deleted(tmp_path):
-    """A segment landing after its shuffle's release (marker gone) has the marker written
-    again; when that write failed (throttled), the segment stayed with no marker, invisible
-    to `hybrid-ray cleanup` for good. It is deleted before the error is raised now."""
+def _late_writer_whose_marker_write_fails(name: str) -> tuple[str, RemoteTier, Any]:
+    """(root, writer, patch): a remote tier in memory whose writer wrote into shuffle
+    ``shf-1`` before the shuffle's release removed it (its marker gone), and a patch, to
+    enter, under which the writer's marker writes fail (throttled) and others go through."""
     from unittest import mock
 
-    from hybrid_ray import cleanup
-
-    root = f"memory://s47-marker-{os.getpid()}/sh"
+    root = f"memory://{name}-{os.getpid()}/sh"
     writer, master = RemoteTier(MiB, root, "job-1"), RemoteTier(MiB, root, "job-1")
     writer.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
     master.remove_shuffle_data("shf-1")
@@ -260,8 +259,17 @@ def test_a_remote_segment_whose_marker_cannot_be_restored_is_deleted(tmp_path):
         if path.endswith(".hybrid_ray_shuffle"):
             raise TimeoutError("throttled")
         return real_pipe(path, data, **kwargs)
-    with mock.patch.object(writer.fs, "pipe_file", throttled_marker), \
-            pytest.raises(RemoteTierError, match="throttled"):
+    return root, writer, mock.patch.object(writer.fs, "pipe_file", throttled_marker)
+
+
+def test_a_remote_segment_whose_marker_cannot_be_restored_is_deleted(tmp_path):
+    """A segment landing after its shuffle's release (marker gone) has the marker written
+    again; when that write failed (throttled), the segment stayed with no marker, invisible
+    to `hybrid-ray cleanup` for good. It is deleted before the error is raised now."""
+    from hybrid_ray import cleanup
+
+    root, writer, throttled_marker = _late_writer_whose_marker_write_fails("s47-marker")
+    with throttled_marker, pytest.raises(RemoteTierError, match="throttled"):
         writer.write(SegmentId("shf-1", 1, 0, 0), PAYLOAD)
     bucket = root.split("://")[1].split("/")[0]
     cleanup.remove(cleanup.find_remote_orphans(root), 0)
@@ -274,28 +282,18 @@ def test_a_late_remote_segment_that_cannot_be_deleted_either_is_named_in_a_warni
     still fails with the marker's error, and a warning names the object left behind."""
     from unittest import mock
 
-    root = f"memory://s47-undeletable-{os.getpid()}/sh"
-    writer, master = RemoteTier(MiB, root, "job-1"), RemoteTier(MiB, root, "job-1")
-    writer.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
-    master.remove_shuffle_data("shf-1")
-    real_pipe = writer.fs.pipe_file
-
-    def throttled_marker(path, data, **kwargs):
-        if path.endswith(".hybrid_ray_shuffle"):
-            raise TimeoutError("throttled")
-        return real_pipe(path, data, **kwargs)
+    _, writer, throttled_marker = _late_writer_whose_marker_write_fails("s47-undeletable")
 
     def refused(*args, **kwargs):
         raise PermissionError("delete refused")
     segment = SegmentId("shf-1", 1, 0, 0)
-    with mock.patch.object(writer.fs, "pipe_file", throttled_marker), \
-            mock.patch.object(writer.fs, "rm_file", refused), \
+    with throttled_marker, mock.patch.object(writer.fs, "rm_file", refused), \
             pytest.raises(RemoteTierError, match="throttled"):
         writer.write(segment, PAYLOAD)
     assert any("could not delete" in r.getMessage() and writer.segment_path(segment)
                in r.getMessage() and "delete refused" in r.getMessage()
                for r in caplog.records)
-    master.remove_shuffle_data("shf-1")
+    writer.remove_shuffle_data("shf-1")  # (any RemoteTier of the root may)
 
 
 def test_a_failed_remote_write_on_a_non_atomic_store_leaves_no_temporary_object(

@@ -74,6 +74,12 @@ def require_segment_file(location: str, action: str) -> str:
     return location
 
 
+def shuffle_dir_of(location: str) -> str:
+    """The shuffle directory a segment file lies in (``<shuffle dir>/sub-<n>/<file>``,
+    as ``require_segment_file`` checks): its name is the shuffle id the path names."""
+    return os.path.dirname(os.path.dirname(location))
+
+
 def check_spill_dir(spill_dir: str) -> str:
     """Create ``spill_dir`` (0700) if missing, check that it is safe, and create or check
     hybrid_ray's data dir in it; returns the data dir. Raises ``SpillDirError`` naming the
@@ -566,7 +572,7 @@ class DiskTier(Tier):
 
     def delete(self, meta: SegmentMeta) -> None:
         location = require_segment_file(meta.location, "delete")
-        if os.path.basename(os.path.dirname(os.path.dirname(location))) != meta.id.shuffle_id:
+        if os.path.basename(shuffle_dir_of(location)) != meta.id.shuffle_id:
             # (As RemoteTier.delete and the tier manager: a segment of one shuffle never
             # names another shuffle's file.)
             raise UnsafePathError(f"refusing to delete {location}: not a file of shuffle "
