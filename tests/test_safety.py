@@ -243,14 +243,15 @@ def test_an_interrupted_disk_write_leaves_no_temporary_file(tmp_path, monkeypatc
     assert [f for f in files_under(str(tmp_path)) if ".inprogress" in f] == []
 
 
-def _late_writer_whose_marker_write_fails(name: str) -> tuple[str, RemoteTier, Any]:
+def _late_writer_whose_marker_write_fails(name: str, storage_options: Any = None
+                                          ) -> tuple[str, RemoteTier, Any]:
     """(root, writer, patch): a remote tier in memory whose writer wrote into shuffle
     ``shf-1`` before the shuffle's release removed it (its marker gone), and a patch, to
     enter, under which the writer's marker writes fail (throttled) and others go through."""
     from unittest import mock
 
     root = f"memory://{name}-{os.getpid()}/sh"
-    writer, master = RemoteTier(MiB, root, "job-1"), RemoteTier(MiB, root, "job-1")
+    writer, master = (RemoteTier(MiB, root, "job-1", storage_options) for _ in range(2))
     writer.write(SegmentId("shf-1", 0, 0, 0), PAYLOAD)
     master.remove_shuffle_data("shf-1")
     real_pipe = writer.fs.pipe_file
@@ -294,6 +295,26 @@ def test_a_late_remote_segment_that_cannot_be_deleted_either_is_named_in_a_warni
                in r.getMessage() and "delete refused" in r.getMessage()
                for r in caplog.records)
     writer.remove_shuffle_data("shf-1")  # (any RemoteTier of the root may)
+
+
+def test_the_warning_naming_an_undeletable_late_segment_prints_no_secret(caplog):
+    """The store's error in that warning may carry a credential of the remote tier's
+    storage options (an endpoint echoing the request): it is scrubbed before it is
+    logged."""
+    from unittest import mock
+
+    secret = "wJalrXUtnFEMIK7MDENGbPxRfiCYzz9"
+    _, writer, throttled_marker = _late_writer_whose_marker_write_fails(
+        "s48-undeletable-secret", {"secret": secret})
+
+    def refused(*args, **kwargs):
+        raise PermissionError(f"delete refused for secret={secret}")
+    with throttled_marker, mock.patch.object(writer.fs, "rm_file", refused), \
+            pytest.raises(RemoteTierError, match="throttled"):
+        writer.write(SegmentId("shf-1", 1, 0, 0), PAYLOAD)
+    warnings = [r.getMessage() for r in caplog.records if "could not delete" in r.getMessage()]
+    assert warnings and all(secret not in w and "secret=***" in w for w in warnings)
+    writer.remove_shuffle_data("shf-1")
 
 
 def test_a_failed_remote_write_on_a_non_atomic_store_leaves_no_temporary_object(
