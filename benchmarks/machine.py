@@ -187,6 +187,73 @@ def ray_put(sizes: Sequence[int] = (4 << 20, 8 << 20, 16 << 20),
     return out
 
 
+def ray_cross_node(source_node: str, target_node: str, total: int = 512 * 1024 * 1024,
+                   object_bytes: int = 4 << 20, repeats: int = 3) -> Limit:
+    """Objects moved between two nodes of the running Ray (the caller's ``ray.init`` into
+    a cluster with both): an actor on ``source_node`` puts ``total`` bytes as objects of
+    ``object_bytes`` (untimed), a task on ``target_node`` gets each of them (Ray's object
+    manager pulls it: chunks over gRPC, a copy into the target's store).
+
+    On simulated nodes sharing one machine's cores this is the CPU a multi-node shuffle
+    spends on every byte it moves between nodes and a one-node shuffle never spends, so
+    the rate is per CPU-second, like the floor's steps: bytes over the CPU-seconds the
+    transfer's processes used (every raylet, the receiving worker, the owner answering
+    where its objects are); ``seconds`` are those CPU-seconds, the note gives the
+    wall-clock rate. Every repeat moves new objects (a pulled object stays on the target
+    until freed)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from benchmarks.cpu_by_process import cpu_between, cpu_snapshot
+
+    if source_node == target_node:
+        raise ValueError("the source and target nodes must differ")
+    count = max(1, total // object_bytes)
+
+    @ray.remote(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        source_node, soft=False))
+    class Source:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def put(self, seed: int) -> list:
+            return [[ray.put(np.full(object_bytes, (seed + i) % 251, dtype=np.uint8))]
+                    for i in range(count)]
+
+    @ray.remote(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        target_node, soft=False))
+    def pull(wrapped: list) -> tuple[int, int]:
+        # Wrapped in lists, so Ray passes the refs instead of resolving them as arguments.
+        return sum(int(ray.get(w[0])[0]) for w in wrapped), os.getpid()
+
+    source = Source.remote()
+    cpu_s, walls = [], []
+    try:
+        owner = ray.get(source.pid.remote(), timeout=300)
+        for repeat in range(repeats):
+            wrapped = ray.get(source.put.remote(repeat * count), timeout=300)
+            expected = sum((repeat * count + i) % 251 for i in range(count))
+            before, start = cpu_snapshot(), time.perf_counter()
+            got, receiver = ray.get(pull.remote(wrapped), timeout=300)
+            wall = time.perf_counter() - start
+            used = sum(t for t, pid, cmd in cpu_between(before, cpu_snapshot())
+                       if pid in (owner, receiver) or "/raylet " in cmd)
+            if got != expected:
+                raise RuntimeError(f"cross-node get read {got}, expected {expected}")
+            cpu_s.append(max(used, 1e-6))
+            walls.append(wall)
+            del wrapped
+    finally:
+        ray.kill(source)
+    nbytes = count * object_bytes
+    best = min(range(repeats), key=lambda i: cpu_s[i])
+    return Limit(nbytes, cpu_s[best],
+                 f"{count} x {object_bytes >> 20} MiB pulled between 2 Ray nodes on this "
+                 f"machine: {cpu_s[best] / (nbytes / GiB):.2f} CPU-s per GiB (raylets, "
+                 f"owner, receiving worker), wall {nbytes / MB / walls[best]:.0f} MB/s",
+                 [nbytes / MB / s for s in cpu_s])
+
+
 # ---- the floor -------------------------------------------------------------------------------
 FLOOR_STEPS = ("hash", "take", "put", "concat")
 

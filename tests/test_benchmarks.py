@@ -207,6 +207,69 @@ def test_goals_judge_daft_the_first_call_and_simulated_nodes_against_their_targe
     assert nodes["ratio"] == pytest.approx(0.78) and nodes["met"] is False
 
 
+def test_the_nodes_bound_adds_the_data_moved_between_nodes_at_the_machine_s_cpu_cost():
+    from benchmarks.suite import nodes_transfer_bound
+
+    def case(name, mb_s, nodes=1, size=2**31):
+        return CaseResult(name, "hybrid_ray", "gensort", size, nodes, seconds=size / 1e6 / mb_s,
+                          mb_s=mb_s, verified=True)
+    cross = CaseResult("machine_ray_cross_node", "machine", "-", 2**29, seconds=1.0,
+                       mb_s=500.0, verified=True)
+    results = [cross, case("hybrid_nodes_1", 600), case("hybrid_nodes_2", 300, 2),
+               case("hybrid_nodes_4", 150, 4)]
+    bound = {b["nodes"]: b for b in nodes_transfer_bound(results, cores=2)}
+    mb, one_s = 2**31 / 1e6, 2**31 / 1e6 / 600
+    assert bound[1]["bound_mb_s"] == pytest.approx(600) and bound[1]["fraction"] == 1.0
+    # N nodes move (N-1)/N of the data between them, at 500 MB per CPU-s, on 2 cores.
+    assert bound[2]["bound_mb_s"] == pytest.approx(mb / (one_s + 0.5 * mb / 500 / 2))
+    assert bound[4]["bound_mb_s"] == pytest.approx(mb / (one_s + 0.75 * mb / 500 / 2))
+    assert bound[4]["fraction"] == pytest.approx(150 / bound[4]["bound_mb_s"])
+    judged, unjudged = [g for g in goals(results, 2) if g["goal"].startswith("simulated")]
+    assert judged["goal"] == "simulated nodes 1/2/4: slowest vs fastest (within 20%)"
+    assert judged["target"] == 0.8 and judged["met"] is False
+    assert judged["ratio"] == pytest.approx(150 / 600)
+    assert "if moving data between nodes were the only extra cost" in unjudged["goal"]
+    assert unjudged["target"] is None and unjudged["met"] is None
+    assert unjudged["ratio"] == pytest.approx(bound[4]["bound_mb_s"] / 600)
+    text = markdown(results, {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31,
+                              "partitions": 16, "command": "c"})
+    assert "## Simulated nodes and the cost of moving data between them" in text
+    assert f"| hybrid_nodes_4 | 150.0 | {bound[4]['bound_mb_s']:.1f} | " \
+           f"{bound[4]['fraction']:.2f} |" in text
+    # A 4-node run of another size is not compared with the one-node case.
+    other_size = case("hybrid_nodes_4", 900, 4, size=2**30)
+    assert nodes_transfer_bound(results + [other_size], 2) == list(bound.values())
+    # Without the machine row (or the one-node case) there is no bound and no section.
+    assert nodes_transfer_bound(results[1:], 2) == [] == nodes_transfer_bound(
+        [cross] + results[2:], 2)
+    assert "cost of moving data" not in markdown(results[1:], {
+        "date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31, "partitions": 16,
+        "command": "c"})
+
+
+@pytest.mark.slow
+def test_the_cross_node_row_measures_cpu_per_byte_moved_between_two_real_nodes():
+    import ray
+
+    from benchmarks import machine
+    from conftest import multinode_cluster, stop_cluster
+
+    cluster = multinode_cluster(2)
+    try:
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        limit = machine.ray_cross_node(nodes[0], nodes[1], total=16 << 20,
+                                       object_bytes=4 << 20, repeats=2)
+        assert limit.nbytes == 16 << 20 and len(limit.rounds) == 2
+        # CPU-seconds of raylets and workers: more than nothing, less than minutes.
+        assert 0 < limit.seconds < 60 and limit.mb_s == pytest.approx(max(limit.rounds))
+        assert "4 x 4 MiB pulled between 2 Ray nodes" in limit.note
+        assert "CPU-s per GiB" in limit.note and "wall" in limit.note
+        with pytest.raises(ValueError, match="must differ"):
+            machine.ray_cross_node(nodes[0], nodes[0])
+    finally:
+        stop_cluster(cluster)
+
+
 def test_the_in_process_reference_partitions_every_row_once():
     from benchmarks.reference import polars_partition_by
 
