@@ -5,8 +5,8 @@ from hybrid_ray.config import (
     GiB, KiB, MiB, Compression, ShuffleConfig, ShuffleMode, Spilling, TierName,
 )
 from hybrid_ray.errors import (
-    ActorStartError, ConfigError, CorruptSegmentError, HybridRayError, OutOfSpaceError,
-    RemoteTierError, SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError,
+    ActorStartError, ConfigError, CorruptSegmentError, HybridRayError, InputChangedError,
+    OutOfSpaceError, RemoteTierError, SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError,
     ShuffleNotFoundError, ShuffleReleasedError, ShuffleStalledError, UnknownTierError,
 )
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
@@ -14,7 +14,7 @@ from hybrid_ray.tier_manager import TierManager, build_io_tiers
 
 __all__ = [
     "ActorStartError", "Compression", "ConfigError", "CorruptSegmentError", "GiB",
-    "HybridRayError", "KiB", "MiB",
+    "HybridRayError", "InputChangedError", "KiB", "MiB",
     "OutOfSpaceError", "ReadClient", "RemoteTierError", "SegmentId", "SegmentMeta",
     "SegmentNotFoundError", "ShuffleConfig", "ShuffleFailedError", "ShuffleMasterLostError",
     "ShuffleMode",

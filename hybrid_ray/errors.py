@@ -94,3 +94,9 @@ class ShuffleMasterLostError(ShuffleFailedError):
 class ActorStartError(HybridRayError, RuntimeError):
     """Some of the actors a shuffle needs did not start (``hybrid_ray.init``); the message
     names them and their nodes."""
+
+
+class InputChangedError(HybridRayError, RuntimeError):
+    """A file a shuffle reads its input from was removed or replaced after the shuffle
+    planned its maps (the direct parquet scan of ``spark_bridge.repartition``): its rows
+    may no longer be the ones planned, so the map fails instead of reading them."""

@@ -158,8 +158,11 @@ def repartition(df: Any, num_partitions: int, *cols: str,
     If ``df`` is a plain scan of local parquet files (and ``direct_scan``), hybrid_ray's
     writers read the files instead of Spark's executors handing the rows over, with
     ``config`` (same rows, less CPU; see ``spark_bridge.parquet_scan``), and this returns
-    once they have (so the result may overwrite its own input path); its report is
-    ``spark_bridge.last_report()``. Otherwise this is ``df.repartition`` through the
+    once they have; its report is ``spark_bridge.last_report()``. Write the result to a
+    new path, not over its own input: a map whose writer dies before the result is
+    consumed runs again from its input file, and fails with ``InputChangedError`` if that
+    file was removed or written over (Spark, which refuses such an overwrite for its own
+    plans, cannot see this input behind the result). Otherwise this is ``df.repartition`` through the
     session's shuffle manager (its report in ``spark_shuffle_reports()``).
     """
     _check_dataframe(df)

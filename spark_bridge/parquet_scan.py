@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 
 from hybrid_ray.actors import get_writers
 from hybrid_ray.config import ShuffleConfig
+from hybrid_ray.errors import InputChangedError
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.lifecycle import MapRunner, ShuffleLifecycle
 from hybrid_ray.map_task import write_map_partition
@@ -64,11 +66,19 @@ SPARK_READER_DEFAULTS = {
 
 @dataclasses.dataclass(frozen=True)
 class ParquetPiece:
-    """One map's input: some row groups of one file."""
+    """One map's input: some row groups of one file, as it was when the scan was planned
+    (``file_identity``: ``file_identity`` of the file then; None: not checked)."""
 
     path: str
     row_groups: tuple[int, ...]
     batch_rows: int  # rows per read batch, so a batch is about config.map_chunk_bytes
+    file_identity: tuple[int, ...] | None = None
+
+
+def file_identity(stat: os.stat_result) -> tuple[int, ...]:
+    """What tells a file from one that replaced it or was written over it: device, inode,
+    size and modification time (ns)."""
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 @dataclasses.dataclass
@@ -187,6 +197,8 @@ def _dates_need_rebase(path: str, metadata: Any, schema: pa.Schema) -> str | Non
 def _pieces(path: str, schema: pa.Schema, chunk_bytes: int,
             case_sensitive: bool = False) -> list[ParquetPiece] | str:
     """The map pieces of one file, or why Spark's reader must read it."""
+    # Taken before the metadata: a file replaced in between then fails its maps' check.
+    identity = file_identity(os.stat(path))
     metadata = pq.read_metadata(path)
     if any(k in (metadata.metadata or {}) for k in _LEGACY_KEYS):
         return f"{path} was written with Spark's legacy calendar"
@@ -222,10 +234,10 @@ def _pieces(path: str, schema: pa.Schema, chunk_bytes: int,
         groups.append(i)
         size += group.total_byte_size
         if size >= MAP_TARGET_BYTES:
-            out.append(ParquetPiece(path, tuple(groups), batch_rows))
+            out.append(ParquetPiece(path, tuple(groups), batch_rows, identity))
             groups, size = [], 0
     if groups:
-        out.append(ParquetPiece(path, tuple(groups), batch_rows))
+        out.append(ParquetPiece(path, tuple(groups), batch_rows, identity))
     return out
 
 
@@ -242,6 +254,31 @@ def converts_losslessly(source: pa.DataType, target: pa.DataType) -> bool:
     return False
 
 
+def open_planned_file(piece: ParquetPiece) -> Any:
+    """``piece``'s file opened for reading, if it is still the file the scan was planned
+    on (its ``file_identity``, checked on the open file itself); else
+    ``InputChangedError``. A map runs again when its writer died after the call
+    returned, and reads its input again: a file removed or written over since (the result
+    written over its own input path) would fail with a bare FileNotFoundError, or give
+    the rows of another file to row groups planned on this one."""
+    why = "was removed"
+    try:
+        handle = open(piece.path, "rb")  # noqa: SIM115 - the caller closes it
+    except FileNotFoundError:
+        handle = None
+    if handle is not None:
+        if piece.file_identity is None or \
+                file_identity(os.fstat(handle.fileno())) == piece.file_identity:
+            return handle
+        handle.close()
+        why = "was replaced or written over"
+    raise InputChangedError(
+        f"{piece.path} {why} after spark_bridge.repartition planned its maps on it, so "
+        "its rows are not the planned ones (a map whose writer died is run again from its "
+        "input file). Keep a direct-path repartition's input files unchanged until its "
+        "result is consumed: write the result to a new path, not over its own input")
+
+
 def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, schema: pa.Schema,
                       num_partitions: int, partitioner: Partitioner, config: ShuffleConfig,
                       master: Any, transform: Callable[[pa.Table], pa.Table] | None,
@@ -252,13 +289,14 @@ def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, sche
 
     def chunks():
         nonlocal input_bytes
-        reader = pq.ParquetFile(piece.path)
-        for batch in reader.iter_batches(batch_size=piece.batch_rows,
-                                         row_groups=list(piece.row_groups),
-                                         columns=schema.names, use_threads=False):
-            table = pa.Table.from_batches([batch]).select(schema.names).cast(schema)
-            input_bytes += table.nbytes
-            yield transform(table) if transform else table
+        with open_planned_file(piece) as handle:
+            reader = pq.ParquetFile(handle)
+            for batch in reader.iter_batches(batch_size=piece.batch_rows,
+                                             row_groups=list(piece.row_groups),
+                                             columns=schema.names, use_threads=False):
+                table = pa.Table.from_batches([batch]).select(schema.names).cast(schema)
+                input_bytes += table.nbytes
+                yield transform(table) if transform else table
 
     stats = write_map_partition(shuffle_id, map_index, chunks(), num_partitions, partitioner,
                                 config, master, own_memory_segments=True, attempt=attempt)

@@ -107,3 +107,93 @@ def test_dates_beyond_python_s_range_do_not_break_planning(tmp_path):
                    tmp_path / "ancient.parquet")
     reason = _pieces(str(tmp_path / "ancient.parquet"), schema, 1 << 20)
     assert isinstance(reason, str) and "1582-10-15" in reason
+
+
+def _two_files(directory) -> tuple[list, pa.Schema]:
+    directory.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"id": pa.array(range(i * 5000, (i + 1) * 5000), pa.int64()),
+                                 "k": pa.array([x % 13 for x in range(5000)], pa.int64())}),
+                       str(directory / f"part-{i}.parquet"))
+    schema = pa.schema([("id", pa.int64()), ("k", pa.int64())])
+    pieces = [p for f in sorted(directory.iterdir()) for p in _pieces(str(f), schema, 1 << 20)]
+    return pieces, schema
+
+
+def test_a_file_removed_or_written_over_after_planning_fails_its_map_with_the_reason(tmp_path):
+    """A map of the direct path reads its file again when it runs again (its writer died
+    after the call returned); until this check a file written over in place gave its
+    rows to row groups planned on the old one, and a removed one a bare
+    FileNotFoundError (found by a review)."""
+    from hybrid_ray import InputChangedError
+    from spark_bridge.parquet_scan import open_planned_file
+
+    pieces, _ = _two_files(tmp_path / "in")
+    with open_planned_file(pieces[0]) as handle:  # unchanged: opened as planned
+        assert pq.ParquetFile(handle).metadata.num_rows == 5000
+    pq.write_table(pa.table({"id": pa.array([7], pa.int64()), "k": pa.array([1], pa.int64())}),
+                   pieces[0].path)
+    with pytest.raises(InputChangedError, match="part-0.parquet was replaced or written over "
+                       "after spark_bridge.repartition planned its maps on it"):
+        open_planned_file(pieces[0])
+    (tmp_path / "in" / "part-1.parquet").unlink()
+    with pytest.raises(InputChangedError, match="part-1.parquet was removed after") as err:
+        open_planned_file(pieces[1])
+    assert "write the result to a new path, not over its own input" in str(err.value)
+
+
+def test_a_lost_map_whose_input_was_removed_fails_the_shuffle_naming_the_input(ray_local,
+                                                                              tmp_path):
+    """The review's case: the direct path's result written over its own input path, then a
+    writer dies while the shuffle is read. The map lost with it cannot be run again: the
+    read fails, and the held shuffle's error says which input went and why, instead of a
+    FileNotFoundError from inside pyarrow."""
+    import os
+    import time
+    import uuid
+
+    import ray
+
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.actors import get_master, get_writers
+    from hybrid_ray.lifecycle import AttemptPolicy, ShuffleLifecycle, held_errors
+    from hybrid_ray.partitioning import HashPartitioner
+    from hybrid_ray.reduce_task import read_subpartition
+    from spark_bridge import parquet_scan
+
+    pieces, schema = _two_files(tmp_path / "in")
+    config = ShuffleConfig(namespace=f"lostinput-{uuid.uuid4().hex[:6]}", progress=False,
+                           spill_dirs=[str(tmp_path / "spill")])
+    scan = parquet_scan.ParquetScan(pieces, schema)
+    partitioner = HashPartitioner(["k"])
+    life = ShuffleLifecycle(config, 4, "spark_repartition", policy=AttemptPolicy.FIRST_FINISH,
+                            id_prefix="spk")
+    writers = get_writers(config.namespace)
+    life.register(len(pieces), writer_nodes=[n for n, _ in writers])
+    life.hold()
+    parquet_scan.run_maps(scan, life, 4, partitioner, config, None, writers=writers)
+    life.hold(rerun=lambda lost: parquet_scan.run_maps(scan, life, 4, partitioner, config,
+                                                       None, only=lost))
+    for piece in pieces:  # the user's overwrite deletes the input first
+        os.unlink(piece.path)
+    for _, writer in writers:  # their memory-tier segments die with them
+        ray.kill(writer, no_restart=False)
+    time.sleep(1)
+    try:
+        with pytest.raises(Exception):
+            for sub in range(4):
+                list(read_subpartition(life.shuffle_id, sub, config,
+                                       get_master(config.namespace)))
+        deadline = time.monotonic() + 60
+        while not any(life.shuffle_id in e for e in held_errors()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        errors = [e for e in held_errors() if life.shuffle_id in e]
+        assert errors and "InputChangedError" in errors[-1]
+        assert "part-0.parquet was removed after spark_bridge.repartition planned" \
+            in errors[-1] or "part-1.parquet was removed after" in errors[-1]
+    finally:
+        try:
+            life.release()
+        except Exception:  # noqa: BLE001 - released as failed already
+            pass
