@@ -467,6 +467,33 @@ def test_s3_release_keeps_an_object_named_like_the_shuffle_s_directory(s3_bucket
             assert not tier.fs.exists(meta.location)
 
 
+def test_s3_release_deletes_folder_placeholders_and_only_them(s3_bucket):
+    """Keys ending in "/" (the "folder" placeholders the S3 console, s3fs-fuse, rclone and
+    Hadoop's S3A write): in a batch delete s3fs stripped the slash, so the release of a
+    shuffle with ``job-1/shf-x/`` deleted the user's object ``job-1/shf-x`` instead and
+    then failed on every retry (the placeholder stayed), and one below the tree
+    (``.../sub-00000/``) made every release and cleanup of the shuffle fail for good
+    (found by a review)."""
+    path, options = s3_bucket
+    tier = RemoteTier(MiB, path, "job-1", options)
+    users = tier.shuffle_path("shf-x")
+    tier.fs.pipe_file(users, b"a user's object")
+    tier.fs.pipe_file(users + "/", b"")  # placeholder of the shuffle's directory itself
+    segment = SegmentId("shf-x", 0, 0, 0)
+    meta = tier.write(segment, _payload(3, segment)[1])
+    tier.remove_shuffle_data("shf-x")
+    tier.fs.invalidate_cache()
+    assert tier.fs.cat_file(users) == b"a user's object"
+    assert [f for f in tier.fs.find(users) if f != users] == []  # ours all gone
+    assert not tier.fs.exists(meta.location)
+    segment = SegmentId("shf-y", 0, 0, 0)
+    meta = tier.write(segment, _payload(3, segment)[1])
+    tier.fs.pipe_file(tier.shuffle_path("shf-y") + "/sub-00000/", b"")  # inside the tree
+    tier.remove_shuffle_data("shf-y")
+    tier.fs.invalidate_cache()
+    assert tier.fs.find(tier.shuffle_path("shf-y")) == []
+
+
 @pytest.mark.parametrize("protocol", ["abfss", "adl", "oss", "gcs"])
 def test_release_on_any_object_store_keeps_an_object_named_like_the_shuffle(protocol):
     """As on S3 (above), on every flat-key store: only s3, gs, abfs and the like were told

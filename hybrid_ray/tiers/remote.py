@@ -26,7 +26,7 @@ import time
 import traceback
 import urllib.parse
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import fsspec
@@ -558,7 +558,7 @@ def remove_remote_tree(fs: Any, path: str) -> None:
     data = [f for f in files if posixpath.basename(f) != SHUFFLE_MARKER_NAME]
     if data:
         try:
-            fs.rm(data)
+            _delete_keys(fs, data)
         except FileNotFoundError:  # one vanished meanwhile; the local rm stops there
             pass
         # S3's DeleteObjects answers 200 with per-key errors, which s3fs does not raise:
@@ -578,7 +578,7 @@ def remove_remote_tree(fs: Any, path: str) -> None:
             # expand_path adds the path), someone else's object hybrid_ray never wrote.
             left_keys = _tree_below(fs, path)
             if left_keys:
-                fs.rm(left_keys)
+                _delete_keys(fs, left_keys)
         elif fs.isdir(path):  # a file by that name is not our directory: left alone
             fs.rm(path, recursive=True)
     except FileNotFoundError:
@@ -591,6 +591,19 @@ def remove_remote_tree(fs: Any, path: str) -> None:
     if left:
         raise OSError(errno.ENOTEMPTY, f"{len(left)} object(s) still under the shuffle's "
                       "remote directory after its removal")
+
+
+def _delete_keys(fs: Any, keys: Sequence[str]) -> None:
+    """Delete exactly ``keys`` (as ``_tree_below`` lists them). A key ending in "/" (the
+    "folder" placeholder the S3 console, s3fs-fuse, rclone or Hadoop's S3A write) goes on
+    its own through ``rm_file``: in a batch ``rm``, s3fs strips the slash and deletes the
+    key without it, which may be another object (``job/shf-1`` beside ``job/shf-1/``,
+    someone else's), while the placeholder stayed and the removal never finished."""
+    plain = [k for k in keys if not k.endswith("/")]
+    if plain:
+        fs.rm(plain)
+    for folder in (k for k in keys if k.endswith("/")):
+        fs.rm_file(folder)
 
 
 def _tree_below(fs: Any, path: str) -> list[str]:
