@@ -161,9 +161,12 @@ def _connect(address: str | None, timeout_s: float) -> None:
     except CliError as exc:
         # Every message names the address: credentials in it (a user or token in a
         # ray:// or http:// URL, from --address or RAY_ADDRESS, which Ray resolves for
-        # "auto") are never shown.
-        scrub = Redactor(address or os.environ.get("RAY_ADDRESS")).scrub
-        raise CliError(scrub(str(exc)), exc.code, abandon=exc.abandon) from None
+        # "auto", given or not) are never shown. (Scrubbed for the given address alone,
+        # `--address auto` printed RAY_ADDRESS's password: found by a review.)
+        message = str(exc)
+        for url in (address, os.environ.get("RAY_ADDRESS")):
+            message = Redactor(url).scrub(message)
+        raise CliError(message, exc.code, abandon=exc.abandon) from None
 
 
 def _connect_unscrubbed(address: str | None, timeout_s: float) -> None:
