@@ -213,6 +213,10 @@ class ShuffleRegistry:
         # Why a recently released shuffle was released, if its driver said, and whether it
         # failed (a failed map stage): readers still running then fail with that reason.
         self.release_reasons: dict[str, tuple[str, bool]] = {}
+        # Spark map attempts aborted before their shuffle was known here, by shuffle (see
+        # ``spark_jvm.abort``): applied when it is registered.
+        self.spark_early_aborts: collections.OrderedDict[str, set[int]] = \
+            collections.OrderedDict()
 
     def _get(self, shuffle_id: str) -> ShuffleState:
         try:

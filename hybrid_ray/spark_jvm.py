@@ -168,6 +168,9 @@ def _ensure_registered(registry: ShuffleRegistry, request: Mapping[str, Any],
                                        "map attempt cannot write to it")
         registry.register(shuffle_id, None, int(request["num_partitions"]),
                           resolve_config(request.get("config"), sessions))
+        early = registry.spark_early_aborts.pop(shuffle_id, None)
+        if early:
+            registry.state(shuffle_id).spark_aborted.update(early)
         note = unknown_session_note(request.get("config"), sessions)
         if note:
             # Said once per shuffle: in the master's log (shown on the driver's console)
@@ -245,11 +248,29 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
         state.spark_finished.add(map_id)
 
 
+# Shuffles whose early aborts (``abort``) the master keeps at most, and aborts per shuffle.
+EARLY_ABORT_SHUFFLES_KEPT = 256
+EARLY_ABORTS_PER_SHUFFLE = 65536
+
+
 def abort(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
     """A map attempt failed after committing some segments: delete them, and any commit of
-    it that arrives later (``ShuffleState.spark_aborted``)."""
+    it that arrives later (``ShuffleState.spark_aborted``).
+
+    An abort of a shuffle not registered yet is kept and applied at its registration: the
+    driver's registration is best effort, and an attempt's last commit (which registers
+    the shuffle) and its abort are both sent without waiting, so on the master's threads
+    the abort may run first. Dropped, it let that commit publish the failed attempt as
+    finished, its segments kept until the release (found by a review)."""
     shuffle_id = request["shuffle"]
     if shuffle_id not in registry.shuffle_ids():
+        if shuffle_id not in registry.released:
+            early = registry.spark_early_aborts.setdefault(shuffle_id, set())
+            registry.spark_early_aborts.move_to_end(shuffle_id)
+            if len(early) < EARLY_ABORTS_PER_SHUFFLE:
+                early.add(int(request["map_id"]))
+            while len(registry.spark_early_aborts) > EARLY_ABORT_SHUFFLES_KEPT:
+                registry.spark_early_aborts.popitem(last=False)
         return
     state = registry.state(shuffle_id)
     state.spark_aborted.add(int(request["map_id"]))

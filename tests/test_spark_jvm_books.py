@@ -263,6 +263,32 @@ def test_a_commit_the_writer_gave_up_on_is_deleted_by_its_abort_whenever_it_land
         assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[100, 0]]})["blocks"] == [None]
 
 
+def test_an_abort_that_arrives_before_its_shuffle_is_known_still_deletes_the_attempt() -> None:
+    """The driver's registration did not arrive (it is best effort), and a map attempt's
+    last commit (which registers the shuffle) and its abort, both sent without waiting,
+    ran on the master's threads abort first: the abort found no shuffle and was dropped,
+    so the commit published the failed attempt as finished, its segments kept until the
+    release and counted in the report (found by a review). Now kept and applied."""
+    registry, deleted = _deleting_registry()
+    abort(registry, {"shuffle": SHUFFLE, "map_id": 100})
+    _commit(registry, 0, 100, [_seg(0, 0, "a")], final=True)
+    assert deleted == ["a"]
+    assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[100, 0]]})["blocks"] == [None]
+    assert registry.state(SHUFFLE).spark_finished == set()
+    assert SHUFFLE not in registry.spark_early_aborts  # applied, not kept
+    # Another attempt of the same map is not affected.
+    _commit(registry, 0, 101, [_seg(0, 0, "b")], final=True)
+    assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[101, 0]]})["blocks"] == \
+        [[["memory", 10, "n1", "b"]]]
+    # Kept for a bounded number of shuffles.
+    from hybrid_ray.spark_jvm import EARLY_ABORT_SHUFFLES_KEPT
+
+    for i in range(EARLY_ABORT_SHUFFLES_KEPT + 5):
+        abort(registry, {"shuffle": f"spark-app-1-{i + 10}", "map_id": 1})
+    assert len(registry.spark_early_aborts) == EARLY_ABORT_SHUFFLES_KEPT
+    assert "spark-app-1-10" not in registry.spark_early_aborts  # the oldest went
+
+
 def test_the_tier_manager_s_remote_io_for_the_jvm_is_bounded(tmp_path, monkeypatch) -> None:
     """A JVM segment is written to and read from the remote tier by the node's tier
     manager (``spark_jvm.write_remote`` / ``read_remote``), an actor that runs one call at
