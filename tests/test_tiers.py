@@ -670,6 +670,38 @@ def test_concurrent_probes_of_one_remote_tier_do_not_fail_each_other(tmp_path, m
     tier.check_reachable()
 
 
+def test_the_reachability_probe_of_a_hung_sync_store_is_bounded(tmp_path, monkeypatch):
+    """The driver probes the remote tier before any task runs. The probe's write and delete
+    ran inline; on a sync filesystem (NFS through file://, HDFS, sftp: no per-call
+    deadline) a hung server held the driver there forever (found by a review). They run on
+    the tier's transfer threads now, waited for within the tier's bound."""
+    import threading
+    import time
+
+    from hybrid_ray.errors import HybridRayError
+    from hybrid_ray.tiers import remote as remote_module
+
+    monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 0.5)
+    hung = threading.Event()
+    tier = RemoteTier(MiB, f"file://{tmp_path}/remote", "job-1", check_reachable=False)
+    monkeypatch.setattr(tier, "_put_local", lambda *a, **k: hung.wait(30))
+    try:
+        started = time.monotonic()
+        with pytest.raises(HybridRayError, match="did not finish within 0 s"):
+            tier.check_reachable()
+        assert time.monotonic() - started < 10
+        monkeypatch.undo()
+        monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 0.5)
+        monkeypatch.setattr(tier.fs, "rm_file", lambda *a, **k: hung.wait(30))
+        started = time.monotonic()
+        with pytest.raises(RemoteTierError, match="took a write but refused to delete it"):
+            tier.check_reachable()
+        assert time.monotonic() - started < 10
+    finally:
+        hung.set()
+        tier.close()
+
+
 def test_a_store_that_refuses_deletes_fails_the_probe_naming_what_it_left(tmp_path,
                                                                            monkeypatch):
     """A store that took the probe's write but refused its delete was reported as "not

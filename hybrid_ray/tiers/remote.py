@@ -159,13 +159,19 @@ class RemoteTier(Tier):
         # Unique per call: every shuffle of a driver probes the same tier, and with one
         # shared name a probe removed under another failed as "not writable".
         probe = posixpath.join(self.job_root, f".hybrid_ray_probe-{uuid.uuid4().hex[:12]}")
-        try:
+
+        def write_probe() -> None:
             if self._local:
                 self._put_local(probe, b"ok")
             else:
                 if not self._atomic_put:
                     self.fs.makedirs(posixpath.dirname(probe), exist_ok=True)
                 self.fs.pipe_file(probe, b"ok", **self.deadline())
+        try:
+            # On the transfer threads, within a bound: a sync filesystem (NFS through
+            # file://, HDFS, sftp) has no per-call deadline, and a hung one held the
+            # driver here, before any task ran, forever (found by a review).
+            self.outcome(self.io_pool().submit(write_probe), "writing a reachability probe")
         except UnsafePathError:  # its own reason and fix; not an unreachable store
             raise
         except Exception as exc:  # botocore/aiohttp/OS errors all mean "unreachable" here
@@ -186,7 +192,8 @@ class RemoteTier(Tier):
         the probe stayed unmentioned."""
         for attempt in range(2):
             try:
-                self.fs.rm_file(probe, **self.deadline())
+                self.outcome(self.io_pool().submit(self.fs.rm_file, probe, **self.deadline()),
+                             "deleting the reachability probe")
                 return
             except FileNotFoundError:
                 return
