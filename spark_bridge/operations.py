@@ -169,6 +169,8 @@ def repartition(df: Any, num_partitions: int, *cols: str,
     check_num_partitions(num_partitions)
     if not cols:
         raise ConfigError("repartition needs at least one column to partition by")
+    if not isinstance(direct_scan, bool):  # "no", 0.0, a column name: taken as truthy
+        raise ConfigError(f"direct_scan must be True or False, got {direct_scan!r}")
     keys = _check_columns(df, cols, "repartition")
     if config is None:
         # The session's config (its namespace, spill dirs, remote tier), not the defaults:

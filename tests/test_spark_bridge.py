@@ -290,6 +290,9 @@ def test_bad_input_is_explained(spark, orders, tmp_path):
             spark_bridge.repartition(orders, bad, "id")
     with pytest.raises(ConfigError, match="at least one column"):
         spark_bridge.repartition(orders, 4)
+    for bad in ("no", 0, None):
+        with pytest.raises(ConfigError, match="direct_scan must be True or False"):
+            spark_bridge.repartition(orders, 4, "id", direct_scan=bad)
     with pytest.raises(ConfigError, match="unknown column"):
         spark_bridge.sort(orders, "id", "missing")
     with pytest.raises(ConfigError, match="one bool per sort column"):
