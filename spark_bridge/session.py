@@ -10,6 +10,7 @@ instead of dumping a JVM trace.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -423,12 +424,27 @@ def _heartbeat_spark_shuffles(session: tuple[str, str, str]) -> None:
     from hybrid_ray.config import DRIVER_HEARTBEAT_S
 
     namespace, prefix, _ = session
+    failing_since: float | None = None  # when the current run of failed beats began
     while _session_shuffles == session:
         try:
             ray.get(master_handle(namespace).spark_heartbeat.remote(
                 json.dumps({"prefix": prefix})), timeout=30)
-        except Exception:  # noqa: BLE001 - the next beat tries again
-            pass
+            if failing_since is not None:
+                logging.getLogger(__name__).warning(
+                    "hybrid_ray: the shuffle master answers the Spark session's heartbeat "
+                    "again, after %.0f s without", time.monotonic() - failing_since)
+                failing_since = None
+        except Exception as exc:  # noqa: BLE001 - the next beat tries again
+            if failing_since is None:
+                # Said once per run of failures, not per beat: the master releases shuffles
+                # left without any heartbeat for its orphan TTL (ShuffleConfig.orphan_ttl_s),
+                # and the jobs reading them then fail with that reason.
+                failing_since = time.monotonic()
+                logging.getLogger(__name__).warning(
+                    "hybrid_ray: the Spark session's heartbeat to its shuffle master failed "
+                    "(%s: %s); it is tried again every %s s, and shuffles left without one "
+                    "for the master's orphan TTL are released", type(exc).__name__,
+                    str(exc)[:300], DRIVER_HEARTBEAT_S)
         time.sleep(DRIVER_HEARTBEAT_S)
 
 

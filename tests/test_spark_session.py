@@ -319,3 +319,48 @@ def test_an_operation_on_a_stopped_session_says_so_not_to_turn_the_manager_on(mo
     conf.get = lambda key, default=None: "sort"
     with pytest.raises(ConfigError, match=r"spark.shuffle.manager=sort: start it with "):
         operations._through_manager(df, None, "sort")
+
+
+def test_failing_heartbeats_of_the_spark_session_are_said_once_and_so_is_recovery(
+        monkeypatch, caplog):
+    """The thread keeping the session's Spark shuffles from the master's orphan TTL
+    swallowed every error: heartbeats failing for the whole TTL released the shuffles
+    under running jobs with nothing said before (found by a review). A run of failures is
+    now logged once, and so is the master answering again."""
+    import logging
+    import threading
+    import time
+
+    import ray
+
+    import hybrid_ray.actors
+    import hybrid_ray.config
+    from spark_bridge import session as session_module
+
+    answers = iter([False, False, False, True, True])
+
+    class Master:
+        class spark_heartbeat:  # noqa: N801 - mimics an actor method
+            @staticmethod
+            def remote(request):
+                if not next(answers, True):
+                    raise ConnectionError("the master is down")
+                return "ref"
+
+    monkeypatch.setattr(hybrid_ray.actors, "master_handle", lambda namespace: Master)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(hybrid_ray.config, "DRIVER_HEARTBEAT_S", 0.05)
+    session = ("ns", "spark-app-x-", "token")
+    monkeypatch.setattr(session_module, "_session_shuffles", session)
+    caplog.set_level(logging.WARNING, logger="spark_bridge.session")
+    beats = threading.Thread(target=session_module._heartbeat_spark_shuffles, args=(session,))
+    beats.start()
+    time.sleep(0.6)  # about 12 beats: 3 failed, then answered
+    session_module._session_shuffles = None
+    beats.join(timeout=5)
+    assert not beats.is_alive()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "heartbeat to its shuffle master failed (ConnectionError: the master is down)" \
+        in said[0] and "orphan TTL" in said[0]
+    assert "answers the Spark session's heartbeat again" in said[1]
