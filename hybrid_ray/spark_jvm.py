@@ -200,7 +200,8 @@ def has_started(registry: ShuffleRegistry, shuffle_id: str) -> bool:
 def commit(registry: ShuffleRegistry, request: Mapping[str, Any],
            sessions: SessionLookup) -> None:
     """Publish a batch of a map attempt's segments; ``final`` marks its output complete.
-    Segments: ``[partition, index, tier, nbytes, location]``.
+    Segments: ``[partition, index, tier, nbytes, location, books]`` (``books``, the
+    books that granted its space, may be left out: see ``settle``).
 
     A commit that fails here aborts its attempt (``abort``) before the error goes back:
     its output can never be complete, and a map task sends its last commit without
@@ -234,10 +235,13 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
         if map_id not in state.spark_aborted:
             state.spark_attempts[map_id] = entry
     map_index, attempt = entry
+    # A sixth element names the books that granted the segment's space (see ``settle``):
+    # freed by a tier manager started again, it gives back nothing it never counted.
     metas = [SegmentMeta(SegmentId(shuffle_id, map_index, int(sub), int(index), attempt,
                                    state.config.job_id),
-                         TierName(tier), int(nbytes), 0, node_id=node, location=location)
-             for sub, index, tier, nbytes, location in request["segments"]]
+                         TierName(tier), int(nbytes), 0, node_id=node, location=location,
+                         granted_by=jvm_books(books[0] if books else None))
+             for sub, index, tier, nbytes, location, *books in request["segments"]]
     registry.commit(shuffle_id, map_index, attempt, metas)
     if map_id in state.spark_aborted:
         # Its abort ran first: these segments go the way the abort sent the rest.
@@ -437,23 +441,41 @@ SETTLE_TIERS = (TierName.MEMORY, TierName.DISK)
 def settle(tm: TierManager, shuffle_id: str, settlements: Any) -> None:
     """Settle a JVM writer's grants of ``shuffle_id``: each ``[tier, granted bytes,
     target, written bytes or None]`` (None: nothing was written, the space goes back). A
-    shuffle no longer registered here (released meanwhile) has nothing to settle."""
+    shuffle no longer registered here (released meanwhile) has nothing to settle.
+
+    A fifth element names the books that granted it (``books`` of the reservation's or
+    lease's answer, ``TierManager.books_id``): a tier manager started again after one
+    died ignores its predecessor's grants, whose bytes it never counted. Without it, any
+    tier manager counted the settlement, and a stale one gave back room that live grants
+    of the new tier manager still held (found by a review)."""
     settled = []
     for entry in settlements or ():
-        if not isinstance(entry, (list, tuple)) or len(entry) != 4:
+        if not isinstance(entry, (list, tuple)) or len(entry) not in (4, 5):
             raise ConfigError(f"a JVM settlement must be [tier, granted bytes, target, "
-                              f"written bytes or null], got {entry!r}")
-        tier, granted, target, written = entry
+                              f"written bytes or null, books], got {entry!r}")
+        tier, granted, target, written = entry[:4]
+        books = jvm_books(entry[4] if len(entry) == 5 else None)
         name = TierName.parse(tier)
         if name not in SETTLE_TIERS:
             raise ConfigError(f"a JVM settlement names tier {tier!r}; only "
                               f"{[t.value for t in SETTLE_TIERS]} grant space")
         if int(granted) < 0 or (written is not None and int(written) < 0):
             raise ConfigError(f"a JVM settlement has negative bytes: {entry!r}")
-        settled.append((Grant(name, int(granted), str(target)),
+        settled.append((Grant(name, int(granted), str(target), granted_by=books),
                         None if written is None else int(written)))
     if settled:
         tm.settle(check_id("shuffle", shuffle_id), settled)
+
+
+def jvm_books(value: Any) -> str:
+    """A books id a JVM writer sent back (``TierManager.books_id``, or "" / None where it
+    had none: counted by whichever tier manager gets it)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > 64:
+        raise ConfigError(f"a JVM grant's books id must be a string of at most 64 "
+                          f"characters, got {value!r}")
+    return value
 
 
 def _registered_here(tm: TierManager, request: Mapping[str, Any],
@@ -492,7 +514,7 @@ def reserve(tm: TierManager, request: Mapping[str, Any],
             out.append({"tier": grant.tier.value, "target": grant.target,
                         "settle_if_written": tm.settle_changes_books(shuffle_id, grant,
                                                                      grant.nbytes),
-                        "refusals": []})
+                        "books": tm.books_id, "refusals": []})
     except BaseException:
         # The call fails, so the JVM never hears of these grants and never settles them:
         # given back now (as TierManager.reserve does for a tier failing part-way). Kept,
@@ -545,7 +567,8 @@ def lease(tm: TierManager, request: Mapping[str, Any], sessions: SessionLookup) 
     shuffle_id = _registered_here(tm, request, sessions)
     grant = tm.lease_memory(shuffle_id, nbytes)
     return {"lease": None if grant is None else {"granted": grant.nbytes,
-                                                 "target": grant.target}}
+                                                 "target": grant.target,
+                                                 "books": tm.books_id}}
 
 
 def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> dict[str, Any]:

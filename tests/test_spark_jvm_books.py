@@ -131,7 +131,7 @@ def test_a_jvm_memory_lease_is_split_by_the_writer_and_its_rest_settled(tmp_path
     tm = TierManager("n1", object_store_bytes=1000)
     config = ShuffleConfig(memory_fraction=0.3, spill_dirs=[str(tmp_path / "spill")])
     answer = lease(tm, {"shuffle": SHUFFLE, "bytes": 200}, lambda t: config)
-    assert answer == {"lease": {"granted": 200, "target": "plasma"}}
+    assert answer == {"lease": {"granted": 200, "target": "plasma", "books": tm.books_id}}
     assert tm.memory.used_by(SHUFFLE) == 200
     # Segments of 120 bytes were written in it; the 80 left go back.
     settle(tm, SHUFFLE, [["memory", 80, "plasma", None]])
@@ -576,3 +576,52 @@ def test_a_shuffle_whose_registration_and_commits_are_still_on_their_way_is_wait
         locate(registry, request)
     with pytest.raises(ShuffleReleasedError, match="released"):
         _range(registry, (0, 5), (0, 4))
+
+
+def test_a_jvm_grant_of_a_tier_manager_that_died_changes_nothing_at_its_successor(tmp_path):
+    """A JVM writer's grants crossed to Java without the books that granted them, so a
+    tier manager started again after one died counted the dead one's settlements and
+    frees as its own: a stale lease given back freed room live leases held (the memory
+    budget overshot), a stale disk grant dropped a live grant's bytes in flight (found by
+    a review). Grants, settlements and committed segments now name their books."""
+    from hybrid_ray import ShuffleConfig, TierName
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.spark_jvm import lease, reserve, settle
+    from hybrid_ray.tier_manager import TierManager
+
+    config = ShuffleConfig(memory_fraction=0.3, spill_dirs=[str(tmp_path / "spill")])
+    sessions = lambda token: config  # noqa: E731 - the session lookup
+    request = {"shuffle": SHUFFLE, "config": {"session_token": "tok"}}
+    dead = TierManager("n1", object_store_bytes=1000)  # memory budget 300
+    stale = lease(dead, {**request, "bytes": 200}, sessions)["lease"]
+    assert stale["books"] == dead.books_id
+    stale_disk = reserve(dead, {**request, "sizes": [400]}, sessions)["placements"][0]
+    assert stale_disk["tier"] == "disk" and stale_disk["books"] == dead.books_id
+    successor = TierManager("n1", object_store_bytes=1000)  # started under the same name
+    live = lease(successor, {**request, "bytes": 250}, sessions)["lease"]
+    assert live["books"] == successor.books_id != dead.books_id
+    settle(successor, SHUFFLE, [["memory", stale["granted"], stale["target"], None,
+                                 stale["books"]]])
+    assert successor.memory.used_by(SHUFFLE) == 250  # the live lease still counted
+    assert lease(successor, {**request, "bytes": 250}, sessions)["lease"] is None  # full
+    live_disk = reserve(successor, {**request, "sizes": [400]}, sessions)["placements"][0]
+    disk = successor._tier(SHUFFLE, TierName.DISK)
+    in_flight = dict(disk._in_flight)
+    settle(successor, SHUFFLE, [[stale_disk["tier"], 400, stale_disk["target"], None,
+                                 stale_disk["books"]]])
+    assert disk._in_flight == in_flight and live_disk["books"] == successor.books_id
+    # A committed JVM segment written under the dead one, freed at its successor.
+    registry = _registry()
+    commit(registry, {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": 0, "map_id": 7,
+                      "node": "n1", "final": True,
+                      "segments": [[0, 0, "memory", 200, "ref", stale["books"]]]},
+           lambda token: None)
+    meta = registry.state(SHUFFLE).maps[0].segments[0][0][0]
+    assert meta.granted_by == dead.books_id
+    successor.free_segments(SHUFFLE, [meta.without_object_ref()])  # as the master sends it
+    assert successor.memory.used_by(SHUFFLE) == 250
+    # Without books (an older writer): counted by whichever tier manager gets it, as before.
+    settle(successor, SHUFFLE, [["memory", 50, live["target"], None]])
+    assert successor.memory.used_by(SHUFFLE) == 200
+    with pytest.raises(ConfigError, match="books id must be a string"):
+        settle(successor, SHUFFLE, [["memory", 1, live["target"], None, 7]])

@@ -562,7 +562,7 @@ public final class HybridRayContext {
   }
 
   /** The {@code spark_settle} request giving back the whole grant of a lease answer
-   *  ({@code {"lease": {"granted", "target"}}}) with nothing written; null for a refused
+   *  ({@code {"lease": {"granted", "target", "books"}}}) with nothing written; null for a refused
    *  lease (nothing granted, nothing to give back). */
   static ObjectNode lateLeaseSettlement(ObjectMapper json, JsonNode answer, String shuffleKey) {
     JsonNode granted = answer.get("lease");
@@ -572,7 +572,7 @@ public final class HybridRayContext {
     ObjectNode request = json.createObjectNode();
     request.put("shuffle", shuffleKey);
     request.putArray("settle").addArray().add("memory").add(granted.get("granted").asLong())
-        .add(granted.get("target").asText()).addNull();
+        .add(granted.get("target").asText()).addNull().add(granted.path("books").asText(""));
     return request;
   }
 

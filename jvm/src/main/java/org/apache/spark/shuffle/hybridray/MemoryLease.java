@@ -13,15 +13,29 @@ package org.apache.spark.shuffle.hybridray;
 final class MemoryLease {
   private final long granted;
   private final String target;
+  private final String books;
   private long used;
   private boolean closed;
 
   MemoryLease(long granted, String target) {
+    this(granted, target, "");
+  }
+
+  /**
+   * A lease of {@code granted} bytes at {@code target}, granted by the tier manager books
+   * {@code books} (its {@code books_id}; "" if unnamed), which its settlements name.
+   */
+  MemoryLease(long granted, String target, String books) {
     if (granted <= 0) {
       throw new IllegalArgumentException("a memory lease must be positive, got " + granted);
     }
     this.granted = granted;
     this.target = target;
+    this.books = books == null ? "" : books;
+  }
+
+  String books() {
+    return books;
   }
 
   String target() {
@@ -62,6 +76,6 @@ final class MemoryLease {
     }
     closed = true;
     long rest = granted - used;
-    return rest == 0 ? null : new RaySegmentSink.Settlement("memory", rest, target, -1);
+    return rest == 0 ? null : new RaySegmentSink.Settlement("memory", rest, target, -1, books);
   }
 }

@@ -116,7 +116,8 @@ final class RaySegmentSink implements SegmentSink {
     try {
       JsonNode granted = ctx.parse(ctx.awaitWithin(pending, "spark_lease", waitMs)).get("lease");
       if (granted != null && !granted.isNull()) {
-        lease = new MemoryLease(granted.get("granted").asLong(), granted.get("target").asText());
+        lease = new MemoryLease(granted.get("granted").asLong(), granted.get("target").asText(),
+            granted.path("books").asText(""));
       }
     } catch (IOException | RuntimeException e) {
       // No lease (the reservation that follows reports a real problem with its own error).
@@ -169,7 +170,7 @@ final class RaySegmentSink implements SegmentSink {
         ArrayNode local = ctx.json.createArrayNode();
         for (int i = 0; i < n; i++) {
           local.addObject().put("tier", "memory").put("target", leased.target())
-              .put("settle_if_written", false);
+              .put("settle_if_written", false).put("books", leased.books());
         }
         placements = local;
         hasRemote = false;
@@ -236,8 +237,11 @@ final class RaySegmentSink implements SegmentSink {
       batchUsed = used;
       for (int i = 0; i < n; i++) {
         PartitionSegmenter.Segment s = segments.get(i);
+        // The books that granted its space (none for the remote tier): a tier manager
+        // started again frees it without giving back bytes it never counted.
+        String books = "remote".equals(tiers[i]) ? "" : placements.get(i).path("books").asText("");
         stored.addArray().add(s.partition()).add(s.index()).add(tiers[i])
-            .add(s.frame().length).add(locations[i]);
+            .add(s.frame().length).add(locations[i]).add(books);
       }
     }
     ObjectNode commit = ctx.json.createObjectNode();
@@ -343,7 +347,7 @@ final class RaySegmentSink implements SegmentSink {
         continue;
       }
       settlements.add(new Settlement(tier, granted, p.get("target").asText(),
-          used[i] ? granted : -1));
+          used[i] ? granted : -1, p.path("books").asText("")));
     }
   }
 
@@ -352,9 +356,11 @@ final class RaySegmentSink implements SegmentSink {
     return HybridRayContext.causedBy(e, RayTimeoutException.class);
   }
 
-  /** What became of a grant: its tier, size and target as granted, and the bytes written
-   *  (-1: none, the space goes back). The tier manager keeps no record of its grants. */
-  record Settlement(String tier, long granted, String target, long written) {
+  /** What became of a grant: its tier, size and target as granted, the bytes written
+   *  (-1: none, the space goes back) and the books that granted it (the tier manager's
+   *  {@code books_id}; "" if unnamed: a tier manager started again after one died ignores
+   *  its predecessor's). The tier manager keeps no record of its grants. */
+  record Settlement(String tier, long granted, String target, long written, String books) {
   }
 
   @Override
@@ -425,6 +431,7 @@ final class RaySegmentSink implements SegmentSink {
       } else {
         entry.add(s.written());
       }
+      entry.add(s.books() == null ? "" : s.books());
     }
     return out;
   }

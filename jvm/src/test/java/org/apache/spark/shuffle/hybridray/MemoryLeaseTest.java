@@ -25,10 +25,14 @@ class MemoryLeaseTest {
     MemoryLease lease = new MemoryLease(100, "plasma");
     assertTrue(lease.take(new int[] {30}));
     RaySegmentSink.Settlement rest = lease.leftover();
-    assertEquals(new RaySegmentSink.Settlement("memory", 70, "plasma", -1), rest);
+    assertEquals(new RaySegmentSink.Settlement("memory", 70, "plasma", -1, ""), rest);
     assertNull(lease.leftover());  // given back once
     assertFalse(lease.take(new int[] {1}));  // a closed lease places nothing
     assertEquals(0, lease.remaining());
+    // The leftover names the books that granted the lease.
+    MemoryLease named = new MemoryLease(100, "plasma", "books-1");
+    assertEquals(new RaySegmentSink.Settlement("memory", 100, "plasma", -1, "books-1"),
+        named.leftover());
   }
 
   @Test

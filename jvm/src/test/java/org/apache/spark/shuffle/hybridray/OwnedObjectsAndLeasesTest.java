@@ -34,8 +34,10 @@ class OwnedObjectsAndLeasesTest {
   @Test
   void aLateLeaseIsGivenBackWholeAsNothingWrittenAndARefusedOneNotAtAll() throws Exception {
     ObjectNode granted = (ObjectNode) json.readTree(
-        "{\"lease\": {\"granted\": 4194304, \"target\": \"plasma\"}}");
-    assertEquals("{\"shuffle\":\"spark-a-0\",\"settle\":[[\"memory\",4194304,\"plasma\",null]]}",
+        "{\"lease\": {\"granted\": 4194304, \"target\": \"plasma\", \"books\": \"b1\"}}");
+    // Named by the books that granted it: a tier manager started since ignores it.
+    assertEquals("{\"shuffle\":\"spark-a-0\",\"settle\":[[\"memory\",4194304,\"plasma\",null,"
+        + "\"b1\"]]}",
         json.writeValueAsString(HybridRayContext.lateLeaseSettlement(json, granted, "spark-a-0")));
     assertNull(HybridRayContext.lateLeaseSettlement(json, json.readTree("{\"lease\": null}"),
         "spark-a-0"));
