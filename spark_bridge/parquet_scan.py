@@ -76,9 +76,11 @@ class ParquetPiece:
 
 
 def file_identity(stat: os.stat_result) -> tuple[int, ...]:
-    """What tells a file from one that replaced it or was written over it: device, inode,
-    size and modification time (ns)."""
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    """What tells a file from one that replaced it or was written over it: its size and
+    modification time (ns). Not its device or inode: the maps run on every node, reading
+    the files through a shared filesystem, and an NFS mount's device number, or the inode
+    numbers a FUSE mount (gcsfuse, s3fs-fuse) makes up, differ from node to node."""
+    return (stat.st_size, stat.st_mtime_ns)
 
 
 @dataclasses.dataclass
