@@ -6,8 +6,9 @@ from hybrid_ray.config import (
 )
 from hybrid_ray.errors import (
     ActorStartError, ConfigError, CorruptSegmentError, HybridRayError, InputChangedError,
-    OutOfSpaceError, RemoteTierError, SegmentNotFoundError, ShuffleFailedError, ShuffleMasterLostError,
-    ShuffleNotFoundError, ShuffleReleasedError, ShuffleStalledError, UnknownTierError,
+    OutOfSpaceError, RemoteTierError, SegmentNotFoundError, ShuffleFailedError,
+    ShuffleMasterLostError, ShuffleNotFoundError, ShuffleReleasedError, ShuffleStalledError,
+    UnknownTierError,
 )
 from hybrid_ray.segment import SegmentId, SegmentMeta, decode_segment, encode_segment
 from hybrid_ray.tier_manager import TierManager, build_io_tiers

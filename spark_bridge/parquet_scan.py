@@ -263,22 +263,22 @@ def open_planned_file(piece: ParquetPiece) -> Any:
     returned, and reads its input again: a file removed or written over since (the result
     written over its own input path) would fail with a bare FileNotFoundError, or give
     the rows of another file to row groups planned on this one."""
-    why = "was removed"
     try:
         handle = open(piece.path, "rb")  # noqa: SIM115 - the caller closes it
     except FileNotFoundError:
-        handle = None
-    if handle is not None:
-        if piece.file_identity is None or \
-                file_identity(os.fstat(handle.fileno())) == piece.file_identity:
-            return handle
-        handle.close()
-        why = "was replaced or written over"
-    raise InputChangedError(
-        f"{piece.path} {why} after spark_bridge.repartition planned its maps on it, so "
-        "its rows are not the planned ones (a map whose writer died is run again from its "
-        "input file). Keep a direct-path repartition's input files unchanged until its "
-        "result is consumed: write the result to a new path, not over its own input")
+        raise InputChangedError(_input_changed(piece, "was removed")) from None
+    if piece.file_identity is None or \
+            file_identity(os.fstat(handle.fileno())) == piece.file_identity:
+        return handle
+    handle.close()
+    raise InputChangedError(_input_changed(piece, "was replaced or written over"))
+
+
+def _input_changed(piece: ParquetPiece, what: str) -> str:
+    return (f"{piece.path} {what} after spark_bridge.repartition planned its maps on it, so "
+            "its rows are not the planned ones (a map whose writer died is run again from "
+            "its input file). Keep a direct-path repartition's input files unchanged until "
+            "its result is consumed: write the result to a new path, not over its own input")
 
 
 def map_parquet_piece(shuffle_id: str, map_index: int, piece: ParquetPiece, schema: pa.Schema,
