@@ -133,10 +133,17 @@ def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> P
     """Marked shuffle directories under ``<spill dir>/hybrid_ray`` of every spill dir
     (``{node_id}`` patterns expanded)."""
     plan = plan or Plan()
+    # One data dir reached under two names (a spill dir given twice, once through a
+    # symlink or a bind mount's alias) is swept once: twice, each removal was reported
+    # twice, the second one of a directory already gone.
+    seen: set[str] = set()
     for spill_dir in expand_spill_dirs(spill_dirs):
         data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
         if os.path.islink(data_dir) or not os.path.isdir(data_dir):
             continue  # not ours, or nothing there (a symlinked data dir is not followed)
+        if os.path.realpath(data_dir) in seen:
+            continue
+        seen.add(os.path.realpath(data_dir))
         unsafe = unsafe_spill_dir(spill_dir)
         if unsafe is not None:
             # Another user could swap a shuffle directory for a symlink while it is being

@@ -186,14 +186,14 @@ def _connect_unscrubbed(address: str | None, timeout_s: float) -> None:
         target = address
         # host:port after any user part, before any query
         hostport = address.removeprefix("ray://").rsplit("@", 1)[-1].split("?", 1)[0]
-        host, _, port = hostport.partition(":")
+        host, port = _host_and_port(hostport)
     else:
         try:
             target = canonicalize_bootstrap_address_or_die(address or "auto")
         except (ConnectionError, ValueError) as exc:
             raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown}: {exc}. {advice}.",
                            2) from None
-        host, _, port = target.rpartition(":")
+        host, port = _host_and_port(target)
     try:
         socket.create_connection((host, int(port or 10001)), timeout=timeout_s).close()
     except (OSError, ValueError) as exc:
@@ -210,6 +210,18 @@ def _connect_unscrubbed(address: str | None, timeout_s: float) -> None:
     except BaseException as exc:  # ray.init's own failure, whatever its type
         raise CliError(f"hybrid-ray: cannot connect to the Ray cluster at {shown} ({target}): "
                        f"{type(exc).__name__}: {exc}. {advice}.", 2) from None
+
+
+def _host_and_port(hostport: str) -> tuple[str, str]:
+    """``host:port`` split, an IPv6 host in brackets (``[::1]:10001``) without them: its
+    colons split by the first (or last) one gave host ``[`` and port ``:1]:10001``."""
+    if hostport.startswith("["):
+        host, _, rest = hostport[1:].partition("]")
+        return host, rest.removeprefix(":")
+    if ":" not in hostport:
+        return hostport, ""
+    host, _, port = hostport.rpartition(":")
+    return host, port
 
 
 def _get(ref: Any, what: str, timeout_s: float) -> Any:
@@ -348,6 +360,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from hybrid_ray import cleanup
     from hybrid_ray.config import default_spill_dir
     from hybrid_ray.errors import ConfigError
+    from hybrid_ray.tiers.disk import DATA_DIR_NAME
 
     options = _storage_options(args.storage_options)
     if args.remote_path is not None and not args.remote_path.strip():
@@ -369,6 +382,18 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         raise CliError("hybrid-ray cleanup: " + "; ".join(
             f"--spill-dir {d} {why}" for d, why in missing.items())
             + "; check the path (nothing was removed)", 2)
+    for given in args.spill_dir or ():
+        for d in cleanup.expand_spill_dirs([given]):
+            # The directory a user sees the shuffle directories in is the data dir inside
+            # the spill dir: given as the spill dir, it was searched for a data dir of its
+            # own, nothing was found, and the cleanup reported success.
+            if os.path.basename(os.path.normpath(d)) == DATA_DIR_NAME \
+                    and not os.path.isdir(os.path.join(d, DATA_DIR_NAME)):
+                raise CliError(
+                    f"hybrid-ray cleanup: --spill-dir {given} is the {DATA_DIR_NAME} "
+                    "directory inside a spill dir, not a spill dir; give the spill dir "
+                    f"itself: --spill-dir {os.path.dirname(os.path.normpath(d))} "
+                    "(nothing was removed)", 2)
     for given, why in missing.items():
         print(f"hybrid-ray cleanup: skipped --spill-dir {given}: it {why} here",
               file=sys.stderr)

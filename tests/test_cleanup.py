@@ -53,6 +53,19 @@ def _snapshot_fs(fs, root: str) -> dict[str, bytes]:
 
 
 # ---- spill dirs ---------------------------------------------------------------------------
+def test_a_spill_dir_named_twice_through_a_symlink_is_swept_once(tmp_path):
+    """Was: deduplicated by its given path only, the same data dir reached through an alias
+    was swept twice, and each removal reported twice (once for a directory already gone)."""
+    from hybrid_ray.cleanup import sweep_spill_dirs
+
+    spill = str(tmp_path / "spill")
+    _write_disk(spill, "shf-orphan")
+    os.symlink(spill, str(tmp_path / "alias"))
+    result = sweep_spill_dirs([spill, str(tmp_path / "alias")], 0)
+    assert [os.path.basename(r) for r in result.removed] == ["shf-orphan"]
+    assert not os.path.exists(os.path.join(spill, "hybrid_ray", "shf-orphan"))
+
+
 def test_spill_sweep_removes_only_marked_shuffle_dirs(tmp_path):
     """Was: every entry of ``spill/hybrid_ray`` older than the cut-off was removed."""
     from hybrid_ray.cleanup import sweep_spill_dirs

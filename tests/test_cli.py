@@ -248,6 +248,52 @@ def test_cleanup_refuses_arguments_that_would_examine_nothing_or_the_wrong_place
     assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))
 
 
+
+def test_cleanup_refuses_the_data_dir_given_as_the_spill_dir(tmp_path, capsys):
+    """Was: ``--spill-dir <spill>/hybrid_ray`` (the directory the shuffle directories are
+    seen in) was searched for a ``hybrid_ray`` dir of its own, found none, removed nothing
+    and exited 0, the orphan kept."""
+    from hybrid_ray.cli import main
+
+    spill = str(tmp_path / "spill")
+    orphan = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(spill, orphan)
+    data_dir = os.path.join(spill, "hybrid_ray")
+    capsys.readouterr()
+    assert main(["cleanup", "--no-cluster", "--older-than", "0",
+                 "--spill-dir", data_dir]) == 2
+    assert (f"--spill-dir {data_dir} is the hybrid_ray directory inside a spill dir, not a "
+            f"spill dir; give the spill dir itself: --spill-dir {spill} (nothing was "
+            "removed)") in capsys.readouterr().err
+    assert os.path.isdir(os.path.join(data_dir, orphan))
+    # A spill dir that happens to be named hybrid_ray (its own data dir inside) is fine.
+    named = str(tmp_path / "hybrid_ray")
+    _write_disk(named, orphan)
+    assert main(["cleanup", "--no-cluster", "--older-than", "0", "--spill-dir", named]) == 0
+    assert not os.path.exists(os.path.join(named, "hybrid_ray", orphan))
+
+
+@pytest.mark.parametrize("address, host, port", [
+    ("ray://[::1]:10001", "::1", "10001"), ("ray://[::1]", "::1", ""),
+    ("ray://user@[fe80::2]:10002?x=1", "fe80::2", "10002"),
+    ("ray://headnode:10003", "headnode", "10003"), ("ray://headnode", "headnode", "")])
+def test_a_ray_client_address_s_host_and_port_are_found_also_for_ipv6(monkeypatch, address,
+                                                                      host, port):
+    """Was: ``[::1]:10001`` split at its first colon: host ``[``, port ``:1]:10001``, and
+    "no Ray cluster reachable ... invalid literal for int()"."""
+    from hybrid_ray import cli
+
+    asked = []
+
+    def refuse(target, timeout):
+        asked.append(target)
+        raise OSError("refused")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    with pytest.raises(cli.CliError, match="no Ray cluster reachable"):
+        cli._connect(address, 1)
+    assert asked == [(host, int(port or 10001))]
+
 def test_cleanup_reads_storage_options_from_a_file_or_the_environment(tmp_path, monkeypatch):
     """Credentials in --storage-options were readable by every local user (``ps``): the
     options also come from @FILE or $HYBRID_RAY_STORAGE_OPTIONS, and a malformed one is
