@@ -57,6 +57,10 @@ class Partitioner(abc.ABC):
         partitioner cannot work with, before anything runs (``run_shuffle`` calls it).
         The default accepts every schema."""
 
+    def check_partition_count(self, num_partitions: int) -> None:
+        """Refuse (``ConfigError``) a partition count this partitioner cannot label rows
+        for, before anything runs (``run_shuffle`` calls it). The default accepts any."""
+
 
 def _mix64_inplace(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser applied to ``x`` (uint64) in place; returns ``x``.
@@ -569,6 +573,17 @@ class RangePartitioner(Partitioner):
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError,
                 ValueError, OverflowError) as exc:
             raise ConfigError(self._foreign_boundaries(t, str(exc))) from None
+
+    def check_partition_count(self, num_partitions: int) -> None:
+        """N boundaries make N + 1 ranges: more than ``num_partitions`` labelled rows
+        beyond the last partition. Each map refused those labels, after the actors had
+        started; where no row fell beyond, the extra boundaries went unnoticed."""
+        if len(self.boundaries) > num_partitions - 1:
+            raise ConfigError(
+                f"RangePartitioner has {len(self.boundaries)} boundaries, which make "
+                f"{len(self.boundaries) + 1} key ranges, but the shuffle has "
+                f"{num_partitions} partitions: give at most {num_partitions - 1} "
+                f"boundaries, or ask for {len(self.boundaries) + 1} partitions")
 
     def _foreign_boundaries(self, t: pa.DataType, why: str) -> str:
         return (f"RangePartitioner's boundaries (NumPy {self.boundaries.dtype}) are not "

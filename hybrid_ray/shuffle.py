@@ -471,6 +471,7 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     if untakeable:
         raise ConfigError(untakeable)
     partitioner.check_schema(schema)
+    partitioner.check_partition_count(num_partitions)
     if not ray.is_initialized():
         ray.init()
     window = _reducer_window(config)

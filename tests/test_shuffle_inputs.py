@@ -509,5 +509,12 @@ def test_keys_and_columns_that_failed_inside_the_maps_are_handled_up_front(ray_l
     with pytest.raises(ConfigError, match="boundaries .* are not values of its key column"):
         hybrid_ray.run_shuffle([ray_local.put(table)], 3, RangePartitioner("k", ["10", "20"]),
                                table.schema, cfg)
+    # More boundaries than partitions: refused before anything runs (the rows beyond the
+    # last partition were caught only inside a map, or not at all if none fell there).
+    with pytest.raises(ConfigError, match=r"RangePartitioner has 4 boundaries, which make 5 "
+                                          r"key ranges, but the shuffle has 3 partitions: "
+                                          r"give at most 2 boundaries, or ask for 5"):
+        hybrid_ray.run_shuffle([ray_local.put(table)], 3,
+                               RangePartitioner("k", [100, 200, 300, 400]), table.schema, cfg)
     assert_no_leftovers(cfg, ray_local)
 
