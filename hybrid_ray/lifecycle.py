@@ -779,6 +779,13 @@ class _HeldShuffles:
             if self.unhold(lifecycle.shuffle_id) is not None:
                 self._note(lifecycle, f"the master no longer knows it: {exc}")
             return
+        except ray.exceptions.ActorDiedError as exc:
+            # The master is never restarted (its books went with it): holding on, the
+            # shuffle was beaten for, and noted as failing, every turn for the session.
+            if self.unhold(lifecycle.shuffle_id) is not None:
+                self._note(lifecycle, "let go: its shuffle master is gone (its node died or "
+                                      f"it was killed), and its books with it: {exc}")
+            return
         except Exception as exc:  # noqa: BLE001 - Ray going down, master restarting: retry
             self._note(lifecycle, describe_cause(exc))
             return

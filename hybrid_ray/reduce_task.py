@@ -159,12 +159,21 @@ def read_subpartition(shuffle_id: str, subpartition: int, config: ShuffleConfig,
             if now - missing_since > missing_wait_s and not (
                     now - missing_since <= config.stall_timeout_s
                     and _awaiting_rerun(master, shuffle_id, missing, rerun_checked)):
+                # Say how long it really waited and which setting bounded it: past
+                # missing_wait_s a map the master still counted unfinished was waited for
+                # up to stall_timeout_s, and the message quoted missing_wait_s.
+                held = rerun_checked.get(key, False)
+                bound = (f"the master still counted the map unfinished but its re-run did "
+                         f"not start within stall_timeout_s={config.stall_timeout_s:g} s; "
+                         "raise it if maps queue that long for a writer") if held else \
+                    f"no re-run was under way after {missing_wait_s:g} s"
                 raise SegmentNotFoundError(
                     f"subpartition {subpartition} of {shuffle_id}: {missing.meta.id} is gone "
                     f"from the {missing.meta.tier.value} tier "
                     f"({missing.meta.location or 'object store'}) and no new attempt of map "
-                    f"{missing.meta.id.map_partition} started within {missing_wait_s:.0f} s "
-                    f"({missing.error})") from missing.error
+                    f"{missing.meta.id.map_partition} started in the "
+                    f"{now - missing_since:.0f} s this reader waited ({bound}; "
+                    f"{missing.error})") from missing.error
             with waiting:
                 time.sleep(POLL_RETRY_S)
             continue

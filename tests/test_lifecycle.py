@@ -399,6 +399,27 @@ def test_a_held_shuffle_stays_held_when_the_master_is_slow_to_answer():
     assert len(held.errors) == 2 and "take_lost got no answer" in held.errors[-1]
 
 
+
+def test_a_held_shuffle_whose_master_died_is_let_go_once():
+    """Was: a dead master's ActorDiedError was taken for a master restarting, so the held
+    shuffle was beaten for and noted as failing every turn for the rest of the session
+    (the master is never restarted: its books are gone)."""
+    class DeadMaster:
+        shuffle_id, beats = "shf-deadmaster0", 0
+
+        def heartbeat(self):
+            self.beats += 1
+            raise ray.exceptions.ActorDiedError()
+
+    held = lifecycle._HeldShuffles()
+    dead = DeadMaster()
+    with held._lock:  # held without starting the keeper's thread: turns run by hand
+        held._held[dead.shuffle_id] = (dead, None)
+    held._tend(dead, None)
+    held._tend(dead, None)  # a turn that was already under way when it was let go
+    assert held.ids() == [] and len(held.errors) == 1
+    assert "let go: its shuffle master is gone" in held.errors[0]
+
 def test_a_re_run_that_found_its_map_finished_keeps_the_map_s_result(monkeypatch):
     """A lost map queued again after Ray's own retry already re-ran it writes nothing and
     returns "skipped"; the map's result (its rows and bytes, for the report) stays the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 
 import numpy as np
@@ -197,7 +198,8 @@ def test_a_re_run_that_waits_long_for_a_writer_is_still_waited_for(
 def test_a_re_run_that_never_begins_fails_the_reader_at_the_stall_bound(
         ray_local, tmp_path, reduce_task):
     """The longer wait is bounded: a map that never runs again fails the reader once the
-    shuffle's stall_timeout_s has passed, naming the segment."""
+    shuffle's stall_timeout_s has passed, naming the segment, the time it waited and the
+    setting that bounded it (it said "within 0 s", missing_wait_s, after waiting 1.5 s)."""
     import time
 
     from hybrid_ray.errors import SegmentNotFoundError
@@ -205,9 +207,13 @@ def test_a_re_run_that_never_begins_fails_the_reader_at_the_stall_bound(
     master = _LostMapsMaster(rerun_s=3600)
     config = dataclasses.replace(base_config(tmp_path), stall_timeout_s=1.5)
     started = time.monotonic()
-    with pytest.raises(SegmentNotFoundError, match="no new attempt of map 0 started"):
+    with pytest.raises(SegmentNotFoundError) as info:
         reduce_task.read_subpartition("shf-lost", 0, config, master, missing_wait_s=0.5)
     assert 1.5 <= time.monotonic() - started < 10
+    assert re.search(r"no new attempt of map 0 started in the [2-9] s this reader waited "
+                     r"\(the master still counted the map unfinished but its re-run did not "
+                     r"start within stall_timeout_s=1\.5 s; raise it if maps queue that long",
+                     str(info.value)), str(info.value)
 
 
 def test_a_read_ahead_whose_tier_manager_died_falls_back_to_the_recovering_fetch(
