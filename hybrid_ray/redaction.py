@@ -18,6 +18,7 @@ The rule, in one place:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -58,6 +59,23 @@ def split_userinfo(url: str) -> tuple[str, str, str] | None:
     return scheme.group(0), rest[:at], rest[at + 1:]
 
 
+def _userinfo_parts(url: str) -> tuple[str, str, str] | None:
+    """``split_userinfo``, failing safe for strings that are not well-formed URLs: fsspec
+    chains (``simplecache::s3://user:pw@bucket``), a typo (``s3//user:pw@bucket``), a
+    pasted leading space or a scheme with "_". Those were quoted whole in the very errors
+    that refuse them. In such a string everything before its last "@" (after its last
+    "://", if any) counts as the user part."""
+    if _SCHEME.match(url):
+        return split_userinfo(url)
+    if "@" not in url or url.startswith("/"):  # an absolute local path holds no credential
+        return None
+    start = url.rfind("://") + 3 if "://" in url else 0
+    at = url.rfind("@")
+    if at < start:
+        return None
+    return url[:start], url[start:at], url[at + 1:]
+
+
 def is_secret_key(name: Any) -> bool:
     """Whether a storage option named ``name`` holds a credential (see the module rule)."""
     lowered = str(name).lower()
@@ -65,15 +83,21 @@ def is_secret_key(name: Any) -> bool:
 
 
 def redact_url(url: Any) -> Any:
-    """``url`` with its ``user:password@`` part and query string replaced by ``***``;
-    anything that is not a string is returned unchanged."""
+    """``url`` with its ``user:password@`` part and query string replaced by ``***``
+    (in a string that is not a well-formed URL, everything before its last "@": see
+    ``_userinfo_parts``); bytes and paths are decoded first, anything else that is not a
+    string is returned unchanged."""
+    if isinstance(url, bytes):
+        url = url.decode(errors="replace")
+    elif isinstance(url, os.PathLike):
+        url = os.fspath(url)
+        url = url.decode(errors="replace") if isinstance(url, bytes) else url
     if not isinstance(url, str):
         return url
     out = url
-    if "://" in out:
-        parts = split_userinfo(out)
-        if parts is not None:
-            out = parts[0] + MASK + "@" + parts[2]
+    parts = _userinfo_parts(out)
+    if parts is not None:
+        out = parts[0] + MASK + "@" + parts[2]
     if "?" in out:
         out = out.split("?", 1)[0] + "?" + MASK
     return out
@@ -120,7 +144,7 @@ def _secret_strings(value: Any, under_secret_key: bool, out: set[str]) -> None:
 
 
 def _url_secrets(url: str, out: set[str]) -> None:
-    parts = split_userinfo(url)
+    parts = _userinfo_parts(url)
     # "file:///home/me@corp/x" has no authority: its "@" is in the path, not a credential
     # (scrubbing "/home/me" from every message would garble them).
     if parts is not None:

@@ -838,6 +838,34 @@ def test_connection_strings_and_passwords_with_an_at_sign_are_hidden():
                  "sv=2024&sig=SIGNATURE123456") == "login *** failed; key *** sig ***"
 
 
+
+@pytest.mark.parametrize("url", [
+    f"simplecache::s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x",  # fsspec's URL chaining
+    f"s3//AKIAEXAMPLE:{URL_SECRET}@bucket/x",  # a typo: no ":"
+    f" s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x",  # pasted with a leading space
+    f"s3_x://AKIAEXAMPLE:{URL_SECRET}@bucket/x",  # no protocol of that name
+    f"s3://AKIAEXAMPLE:{URL_SECRET}@bucket/x".encode()])  # bytes
+def test_a_remote_path_that_is_refused_is_never_quoted_with_its_secret(url, tmp_path, capsys):
+    """Was: the redaction knew only well-formed URLs and returned anything else whole, so
+    the errors refusing exactly these quoted key and secret (and `hybrid-ray cleanup`
+    printed them)."""
+    from hybrid_ray.cli import main
+    from hybrid_ray.redaction import Redactor, redact_url
+
+    with pytest.raises(ConfigError) as info:
+        ShuffleConfig(remote_path=url)
+    assert URL_SECRET not in str(info.value) and "***@bucket/x" in str(info.value)
+    text = url.decode() if isinstance(url, bytes) else url
+    assert URL_SECRET not in redact_url(url)
+    assert Redactor(text).scrub(f"cannot open {text}") == f"cannot open {redact_url(text)}"
+    if isinstance(url, str):
+        assert main(["cleanup", "--no-cluster", "--spill-dir", str(tmp_path),
+                     "--remote-path", url]) == 2
+        assert URL_SECRET not in capsys.readouterr().err
+    # A key holding "@" in a well-formed URL, and a local path, stay as they are.
+    assert redact_url("s3://bucket/pre@fix") == "s3://bucket/pre@fix"
+    assert redact_url("/home/me@corp/x") == "/home/me@corp/x"
+
 def test_tier_manager_serves_only_files_inside_its_own_data_dirs(tmp_path):
     """A reader on another node (Python or a Spark JVM) names the file to serve. A
     segment-shaped path outside this node's spill dirs, or a symlink in the data dir
