@@ -155,6 +155,19 @@ def _send(calls: list[tuple[str, float, dict[str, str]]]) -> None:
             _failed(f"recording {name}", exc)
 
 
+# The ``operation`` label's values: the operations hybrid_ray and spark_bridge run. Any other
+# name a caller gives ``run_shuffle`` is counted as "custom" (it stays in the report): a
+# label taken as given made a series per name, and a name per job or per request grew
+# Prometheus' series without bound (the histogram 15 of them per name).
+OPERATION_LABELS = frozenset({"repartition", "sort", "random_shuffle", "custom",
+                              "spark_repartition"})
+
+
+def operation_label(operation: Any) -> str:
+    """The ``operation`` label a shuffle named ``operation`` is counted under."""
+    return operation if operation in OPERATION_LABELS else "custom"
+
+
 def record_shuffle(report: ShuffleReport) -> None:
     """Record a completed shuffle from its report: bytes and segments per tier (of the
     attempts that counted), spill events, tier switches, lost maps re-run, phase seconds,
@@ -172,13 +185,14 @@ def record_shuffle(report: ShuffleReport) -> None:
             if report.phases is not None:
                 for phase, seconds in dataclasses.asdict(report.phases).items():
                     calls += _count("hybrid_ray_phase_seconds", seconds, phase)
-            calls += _count("hybrid_ray_shuffles_completed", 1, report.operation)
+            label = operation_label(report.operation)
+            calls += _count("hybrid_ray_shuffles_completed", 1, label)
             wall = _totals["hybrid_ray_shuffle_wall_time_seconds"].setdefault(
-                report.operation, {"count": 0, "sum": 0.0})
+                label, {"count": 0, "sum": 0.0})
             wall["count"] += 1
             wall["sum"] += report.wall_time_s
             calls.append(("hybrid_ray_shuffle_wall_time_seconds", report.wall_time_s,
-                          {"operation": report.operation}))
+                          {"operation": label}))
             _send(calls)
     except Exception as exc:  # noqa: BLE001 - metrics must never fail a shuffle
         _failed("recording a shuffle", exc)

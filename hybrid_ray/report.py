@@ -168,6 +168,11 @@ class ShuffleReport:
             # spark_bridge.hybrid_shuffle._report); printed as 0 they read as facts.
             "  rows, input and wall time: in Spark's UI (not known to hybrid_ray)"
             if self.operation == "spark exchange" else
+            f"  rows {self.rows:,}  input not measured (run_shuffle of blocks)  "
+            f"wall {self.wall_time_s:.2f} s"
+            # run_shuffle is given block refs, not their sizes (the Dataset API fills them
+            # in): "input 0.0 MB, throughput 0.0 MB/s" read as facts.
+            if self.input_bytes == 0 and self.rows > 0 else
             f"  rows {self.rows:,}  input {self.input_bytes / 1e6:,.1f} MB  "
             f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
             f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "

@@ -448,6 +448,10 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
     """
     config = check_config(config)
     num_partitions = check_num_partitions(num_partitions)
+    if not isinstance(operation, str) or not operation.strip() or len(operation) > 64:
+        # A number was taken and reached the metrics, whose tags must be strings.
+        raise ConfigError(f"operation must be a short name for the report (a non-empty str "
+                          f"of at most 64 characters), got {operation!r:.80}")
     # Checked before any actor starts: tables, a generator or a partitioner class failed
     # only later, deep inside the dispatch or a map.
     if isinstance(blocks, (ray.ObjectRef, pa.Table)) or not isinstance(blocks, Sequence):

@@ -146,6 +146,34 @@ def test_metrics_record_exactly_the_reports_numbers(dataset, ray_local, tmp_path
     assert row_fingerprint(ray_local.get(out.to_arrow_refs())) == row_fingerprint([table])
 
 
+
+def test_run_shuffle_names_count_under_a_bounded_label_and_read_as_not_measured(ray_local,
+                                                                               tmp_path):
+    """Was: each ``operation`` name given to run_shuffle became a label value of its own (a
+    name per job grew Prometheus' series without bound), a number was taken (metrics
+    tags must be strings), and the report said "input 0.0 MB ... throughput 0.0 MB/s"
+    (run_shuffle is not given its blocks' sizes)."""
+    from hybrid_ray import ConfigError
+
+    table = pa.table({"key": np.arange(100)})
+    cfg = base_config(tmp_path)
+    before = metrics.snapshot()
+    for i in range(3):
+        result = hybrid_ray.run_shuffle([ray_local.put(table)], 2, HashPartitioner(["key"]),
+                                        table.schema, cfg, f"nightly-{i}-run")
+        assert result.report.operation == f"nightly-{i}-run"  # the report keeps its name
+    after = metrics.snapshot()
+    assert _diff(after["hybrid_ray_shuffles_completed"],
+                 before["hybrid_ray_shuffles_completed"]) == {"custom": 3}
+    assert set(after["hybrid_ray_shuffle_wall_time_seconds"]) <= metrics.OPERATION_LABELS
+    text = result.report.table()
+    assert "rows 100  input not measured (run_shuffle of blocks)" in text
+    assert "throughput" not in text
+    for bad in (123, "", "x" * 65):
+        with pytest.raises(ConfigError, match="operation must be a short name"):
+            hybrid_ray.run_shuffle([ray_local.put(table)], 2, HashPartitioner(["key"]),
+                                   table.schema, cfg, bad)
+
 class FailsInMapOne(HashPartitioner):
     def assign(self, table, map_index, num_partitions):
         if map_index == 1:
