@@ -375,10 +375,17 @@ class ShuffleConfig:
             raise ConfigError(
                 "segment_bytes must be a mapping {tier: bytes}, e.g. {'disk': 8 * MiB}"
             )
+        given: dict[TierName, Any] = {}  # tier -> its key as given
         for tier, size in self.segment_bytes.items():
             # Bounded both ways: a few bytes (someone meaning MiB) cut one segment per row,
             # millions of files; above 1 GiB the JVM's int sizes wrapped (4 GiB became 0).
             name = TierName.parse(tier)  # before the size: a misspelt tier is named as such
+            if name in given:
+                # {"disk": 8 * MiB, "DISK": 4096} name one tier: the last one silently won.
+                raise ConfigError(
+                    f"segment_bytes names the {name.value} tier twice ({given[name]!r} and "
+                    f"{tier!r}); give each tier once")
+            given[name] = tier
             sizes[name] = _require_bytes(f"segment_bytes[{tier!r}]", size, MIN_SEGMENT_BYTES)
             if size > MAX_SEGMENT_BYTES:
                 raise ConfigError(f"segment_bytes[{tier!r}] must be at most 1 GiB, got "

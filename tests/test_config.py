@@ -17,6 +17,10 @@ def test_tier_keys_accept_strings_and_merge_defaults():
     cfg = ShuffleConfig(segment_bytes={"memory": 1 * MiB})
     assert cfg.segment_bytes[TierName.MEMORY] == MiB
     assert cfg.segment_bytes[TierName.REMOTE] == 16 * MiB
+    # One tier named twice (was: the last spelling silently won, 4 KiB disk segments).
+    with pytest.raises(ConfigError, match=r"segment_bytes names the disk tier twice \('disk' "
+                                          r"and 'DISK'\); give each tier once"):
+        ShuffleConfig(segment_bytes={"disk": 8 * MiB, "DISK": 4096})
 
 
 @pytest.mark.parametrize("field,value,needle", [
