@@ -11,8 +11,10 @@ import java.util.concurrent.ConcurrentHashMap;
 /**
  * The memory-tier objects this JVM owns, by Spark shuffle and map attempt. A Ray object
  * lives while its owner holds a reference to it, so keeping the refs here is what keeps a
- * map's memory segments readable; dropping them frees the objects. Thread-safe: map tasks
- * add, the shuffle manager and the sender drop.
+ * map's memory segments readable. Dropping them does not free the objects by itself: Ray's
+ * Java runtime lets go of an object when its {@code ObjectRefImpl} is garbage collected
+ * (see {@link HybridRayContext#collectDroppedObjects}). Thread-safe: map tasks add, the
+ * shuffle manager and the sender drop.
  */
 final class OwnedObjects {
   // Spark shuffle id -> map attempt id -> refs of the memory-tier segments it wrote here.
@@ -35,18 +37,26 @@ final class OwnedObjects {
     }
   }
 
-  /** Let a map attempt's objects go (it failed, or its output will never be read). */
-  void dropAttempt(int shuffleId, long mapId) {
+  /**
+   * Let a map attempt's objects go (it failed, or its output will never be read).
+   *
+   * @return how many refs were dropped
+   */
+  int dropAttempt(int shuffleId, long mapId) {
     Map<Long, List<ObjectRef<byte[]>>> maps = refs.get(shuffleId);
-    if (maps != null) {
-      maps.remove(mapId);
-    }
+    List<ObjectRef<byte[]>> dropped = maps == null ? null : maps.remove(mapId);
+    return dropped == null ? 0 : dropped.size();
   }
 
-  /** Let a shuffle's objects go, and those its late tasks would still put. */
-  void dropShuffle(int shuffleId) {
+  /**
+   * Let a shuffle's objects go, and those its late tasks would still put.
+   *
+   * @return how many refs were dropped
+   */
+  int dropShuffle(int shuffleId) {
     droppedShuffles.add(shuffleId);
-    refs.remove(shuffleId);
+    Map<Long, List<ObjectRef<byte[]>>> dropped = refs.remove(shuffleId);
+    return dropped == null ? 0 : dropped.values().stream().mapToInt(List::size).sum();
   }
 
   void dropAll() {

@@ -20,15 +20,20 @@ class OwnedObjectsAndLeasesTest {
     // what it puts must not stay pinned until the executor exits (nobody reads it).
     OwnedObjects owned = new OwnedObjects();
     owned.own(1, 10L, null);
+    owned.own(1, 12L, null);
     owned.own(2, 20L, null);
-    assertEquals(1, owned.count(1));
-    owned.dropShuffle(1);
+    assertEquals(2, owned.count(1));
+    // The counts dropped decide whether a collection is asked for (collectDroppedObjects).
+    assertEquals(2, owned.dropShuffle(1));
     assertEquals(0, owned.count(1));
     owned.own(1, 11L, null);
     assertEquals(0, owned.count(1));
+    assertEquals(0, owned.dropShuffle(1));
     assertEquals(1, owned.count(2));  // other shuffles keep theirs
-    owned.dropAttempt(2, 20L);
+    assertEquals(0, owned.dropAttempt(2, 21L));
+    assertEquals(1, owned.dropAttempt(2, 20L));
     assertEquals(0, owned.count(2));
+    assertEquals(0, owned.dropAttempt(2, 20L));
   }
 
   @Test
