@@ -898,6 +898,14 @@ class ShuffleMasterActor:
         self._queued()
         return "ok"
 
+    def spark_executor_lost(self, request: str) -> str:
+        """Spark removed an executor: drop the map attempts it wrote (see
+        ``spark_jvm.executor_lost``); answers how many."""
+        with self._changing():
+            dropped = spark_jvm.executor_lost(self.registry, json.loads(request))
+        self._queued()
+        return json.dumps({"dropped": dropped})
+
     def spark_locate(self, request: str) -> str:
         with self._lock:
             return json.dumps(spark_jvm.locate(self.registry, json.loads(request)))

@@ -101,6 +101,8 @@ class ShuffleState:
     # master is threaded, so a last commit and the abort sent after it can run in either
     # order) is deleted instead of published (``spark_jvm.commit``).
     spark_aborted: set[int] = dataclasses.field(default_factory=set)
+    # Spark map attempt id -> the executor that wrote it (``spark_jvm.executor_lost``).
+    spark_executors: dict[int, str] = dataclasses.field(default_factory=dict)
     # What the shuffle's report must say about how it ran other than its config asked
     # (``spark_jvm.unknown_session_note``).
     notes: list[str] = dataclasses.field(default_factory=list)

@@ -67,3 +67,52 @@ def test_an_unregistered_shuffle_s_memory_objects_leave_the_object_store(tmp_pat
     finally:
         spark_bridge.stop_spark()
 
+
+
+def test_a_dead_executor_s_map_outputs_leave_the_node_s_books(tmp_path):
+    """Was: an executor died, Ray freed its memory-tier objects and Spark recomputed its
+    maps (before any reader asked for them), but the node's memory books kept counting
+    the dead objects (60 MiB against 48 MiB in the store) until the shuffle's release,
+    which Spark may not ask for while the lineage lives. The driver now tells the master
+    which executor Spark removed, and the master drops the attempts it wrote."""
+    import ray
+
+    from hybrid_ray.actors import get_tier_manager
+
+    start_local_ray()
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
+                           memory_capacity_bytes=256 * MiB, progress=False,
+                           namespace=f"dead-executor-{uuid.uuid4().hex[:6]}")
+    spark = spark_bridge.init_spark("dead-executor-books", num_executors=2, executor_cores=1,
+                                    executor_memory="1GB", shuffle_config=config,
+                                    configs={"spark.sql.adaptive.enabled": "false",
+                                             "spark.task.maxFailures": "4"})
+    spark.sparkContext.setLogLevel("OFF")
+    tm = get_tier_manager(ray.get_runtime_context().get_node_id(), config.namespace)
+
+    def books_mib() -> float:
+        usage = ray.get(tm.usage.remote(), timeout=30)
+        return sum(t.used_bytes for t in usage.tiers if t.tier.value == "memory") / MiB
+
+    try:
+        # One JVM RDD over one exchange, counted twice: the second count reuses the map
+        # outputs of the first, the dead executor's recomputed.
+        rows = spark.range(0, 400_000, numPartitions=4).selectExpr(
+            "id % 8 as k", "sha2(cast(id as string), 512) as v").repartition(8, "k")._jdf.rdd()
+        assert rows.count() == 400_000
+        time.sleep(2)
+        first = books_mib()
+        assert first >= 20, first  # the map outputs are in the memory tier
+        executors = sorted((a for a in ray.util.list_named_actors(all_namespaces=True)
+                            if a["name"].startswith("raydp-executor-")),
+                           key=lambda a: a["name"])
+        victim = executors[-1]
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
+        assert rows.count() == 400_000
+        deadline = time.monotonic() + 15
+        while books_mib() > _object_store_mib() + 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert books_mib() <= _object_store_mib() + 4, (first, books_mib(),
+                                                         _object_store_mib())
+    finally:
+        spark_bridge.stop_spark()

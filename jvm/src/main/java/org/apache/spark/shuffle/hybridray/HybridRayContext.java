@@ -106,6 +106,8 @@ public final class HybridRayContext {
    *  its task without waiting) before it takes the attempt's output as lost. */
   final long commitWaitMs;
   final String appKey;
+  /** This JVM's Spark executor id ("driver" on the driver), named in each commit. */
+  final String executorId;
   final ObjectMapper json = new ObjectMapper();
 
   private volatile JsonNode configNode;
@@ -160,6 +162,7 @@ public final class HybridRayContext {
     }
     this.configNode = config = withSession(config, isDriver(conf));
     this.appKey = appKey(conf.getAppId()) + "-" + sessionTag(config);
+    this.executorId = conf.get("spark.executor.id", "driver");
     sender.scheduleWithFixedDelay(() -> {
       try {
         reportSentCommits();

@@ -6,10 +6,14 @@ import io.ray.api.Ray;
 import java.io.IOException;
 import java.util.Set;
 import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.atomic.AtomicBoolean;
 import org.apache.spark.ShuffleDependency;
 import org.apache.spark.SparkConf;
+import org.apache.spark.SparkContext;
 import org.apache.spark.SparkEnv;
 import org.apache.spark.TaskContext;
+import org.apache.spark.scheduler.SparkListener;
+import org.apache.spark.scheduler.SparkListenerExecutorRemoved;
 import org.apache.spark.shuffle.ShuffleHandle;
 import org.apache.spark.shuffle.ShuffleReadMetricsReporter;
 import org.apache.spark.shuffle.ShuffleReader;
@@ -56,6 +60,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   private static volatile HybridRayShuffleManager driverManager;
   // The driver's calls into Ray; closed once its Ray is about to shut down (quiesceDriver).
   private final RayCallGate rayCalls = new RayCallGate();
+  // Whether this driver's listener for removed executors is added (watchExecutors).
+  private final AtomicBoolean watchingExecutors = new AtomicBoolean();
 
   public HybridRayShuffleManager(SparkConf conf) {
     super(conf);
@@ -206,6 +212,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     hybridShuffles.add(shuffleId);
     startHeartbeat();
     registerAtMaster(shuffleId, dependency, key);
+    watchExecutors(dependency.rdd().sparkContext());
     // The same writer path as Spark's would take (see HybridRayShuffleHandle).
     if (spark instanceof BypassMergeSortShuffleHandle) {
       return new HybridRayShuffleHandle.Bypass<>(shuffleId,
@@ -338,6 +345,38 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     } catch (Exception e) {
       LOG.warn("hybrid_ray: could not register shuffle {} with the master before its map "
           + "tasks ({}); its first commit registers it", shuffleId, e.toString());
+    }
+  }
+
+  /**
+   * Driver: from the first shuffle on, tell the master about every executor Spark removes,
+   * so it drops the map attempts that executor wrote. Their memory-tier objects died with
+   * it, and Spark (without an external shuffle service) recomputes all its map outputs
+   * before any reader asks, so no reader ever reports them lost: they stayed counted in
+   * the node's memory books (and their files on disk) until the shuffle's release.
+   */
+  private void watchExecutors(SparkContext sc) {
+    if (!isDriver || !watchingExecutors.compareAndSet(false, true)) {
+      return;
+    }
+    sc.addSparkListener(new SparkListener() {
+      @Override
+      public void onExecutorRemoved(SparkListenerExecutorRemoved removed) {
+        whileRayOpen(() -> sendExecutorLost(removed.executorId()));
+      }
+    });
+  }
+
+  private void sendExecutorLost(String executorId) {
+    try {
+      HybridRayContext ctx = ctx();
+      ObjectNode request = ctx.json.createObjectNode();
+      request.put("prefix", ctx.appPrefix());
+      request.put("executor", executorId);
+      ctx.callAsync(ctx.master(), "spark_executor_lost", ctx.toJson(request));
+    } catch (Exception e) {
+      LOG.warn("hybrid_ray: could not tell the master that executor {} is gone; its map "
+          + "outputs stay counted until their shuffles' release: {}", executorId, e.toString());
     }
   }
 

@@ -251,6 +251,7 @@ final class RaySegmentSink implements SegmentSink {
     commit.put("map_index", mapIndex);
     commit.put("map_id", mapId);
     commit.put("node", node);
+    commit.put("executor", ctx.executorId);  // its attempts go when Spark removes it
     commit.put("final", last);
     commit.set("segments", stored);
     commitSent = true;
