@@ -141,9 +141,10 @@ def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> P
         data_dir = os.path.join(spill_dir, DATA_DIR_NAME)
         if os.path.islink(data_dir) or not os.path.isdir(data_dir):
             continue  # not ours, or nothing there (a symlinked data dir is not followed)
-        if os.path.realpath(data_dir) in seen:
+        root = os.path.realpath(data_dir)
+        if root in seen:
             continue
-        seen.add(os.path.realpath(data_dir))
+        seen.add(root)
         unsafe = unsafe_spill_dir(spill_dir)
         if unsafe is not None:
             # Another user could swap a shuffle directory for a symlink while it is being
@@ -153,7 +154,6 @@ def find_spill_orphans(spill_dirs: Sequence[str], plan: Plan | None = None) -> P
             plan.errors.append((data_dir, f"not swept: {unsafe} (run cleanup as the user "
                                           "that ran the shuffles)"))
             continue
-        root = os.path.realpath(data_dir)
         try:
             entries = list(os.scandir(data_dir))
         except OSError as exc:
