@@ -28,6 +28,27 @@ def _object_store_mib() -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _start_spark(tmp_path, app_name: str, **configs: str):
+    """A two-executor RayDP Spark through hybrid_ray with a 256 MiB memory tier (a
+    namespace of its own) and AQE off; returns the session and its ShuffleConfig."""
+    start_local_ray()
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
+                           memory_capacity_bytes=256 * MiB, progress=False,
+                           namespace=f"{app_name}-{uuid.uuid4().hex[:6]}")
+    spark = spark_bridge.init_spark(app_name, num_executors=2, executor_cores=1,
+                                    executor_memory="1GB", shuffle_config=config,
+                                    configs={"spark.sql.adaptive.enabled": "false",
+                                             **configs})
+    spark.sparkContext.setLogLevel("OFF")
+    return spark, config
+
+
+def _wide_rows(spark):
+    """400,000 rows of a key of 8 values and a 128-character value, repartitioned by key."""
+    return spark.range(0, 400_000, numPartitions=4).selectExpr(
+        "id % 8 as k", "sha2(cast(id as string), 512) as v").repartition(8, "k")
+
+
 def test_an_unregistered_shuffle_s_memory_objects_leave_the_object_store(tmp_path):
     """Was: unregisterShuffle dropped the executors' refs, but Ray's Java runtime lets go
     of an object only when its ObjectRefImpl is garbage collected: 39 MiB stayed in the
@@ -35,20 +56,11 @@ def test_an_unregistered_shuffle_s_memory_objects_leave_the_object_store(tmp_pat
     had already given that memory back to the next shuffles."""
     import ray
 
-    start_local_ray()
-    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
-                           memory_capacity_bytes=256 * MiB, progress=False,
-                           namespace=f"object-cleanup-{uuid.uuid4().hex[:6]}")
-    spark = spark_bridge.init_spark("object-cleanup-tests", num_executors=2, executor_cores=1,
-                                    executor_memory="1GB", shuffle_config=config,
-                                    configs={"spark.sql.adaptive.enabled": "false"})
-    spark.sparkContext.setLogLevel("OFF")
+    spark, config = _start_spark(tmp_path, "object-cleanup")
     try:
         before = _object_store_mib()
-        df = spark.range(0, 400_000, numPartitions=4).selectExpr(
-            "id % 8 as k", "sha2(cast(id as string), 512) as v")
         # v is read after the exchange, so it is shuffled (with count() alone it was not).
-        total = df.repartition(8, "k").selectExpr("sum(length(v)) as n").collect()[0].n
+        total = _wide_rows(spark).selectExpr("sum(length(v)) as n").collect()[0].n
         assert total == 400_000 * 128
         written = _object_store_mib()
         reports = spark_bridge.spark_shuffle_reports()
@@ -68,7 +80,6 @@ def test_an_unregistered_shuffle_s_memory_objects_leave_the_object_store(tmp_pat
         spark_bridge.stop_spark()
 
 
-
 def test_a_dead_executor_s_map_outputs_leave_the_node_s_books(tmp_path):
     """Was: an executor died, Ray freed its memory-tier objects and Spark recomputed its
     maps (before any reader asked for them), but the node's memory books kept counting
@@ -79,15 +90,7 @@ def test_a_dead_executor_s_map_outputs_leave_the_node_s_books(tmp_path):
 
     from hybrid_ray.actors import get_tier_manager
 
-    start_local_ray()
-    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")],
-                           memory_capacity_bytes=256 * MiB, progress=False,
-                           namespace=f"dead-executor-{uuid.uuid4().hex[:6]}")
-    spark = spark_bridge.init_spark("dead-executor-books", num_executors=2, executor_cores=1,
-                                    executor_memory="1GB", shuffle_config=config,
-                                    configs={"spark.sql.adaptive.enabled": "false",
-                                             "spark.task.maxFailures": "4"})
-    spark.sparkContext.setLogLevel("OFF")
+    spark, config = _start_spark(tmp_path, "dead-executor", **{"spark.task.maxFailures": "4"})
     tm = get_tier_manager(ray.get_runtime_context().get_node_id(), config.namespace)
 
     def books_mib() -> float:
@@ -97,8 +100,7 @@ def test_a_dead_executor_s_map_outputs_leave_the_node_s_books(tmp_path):
     try:
         # One JVM RDD over one exchange, counted twice: the second count reuses the map
         # outputs of the first, the dead executor's recomputed.
-        rows = spark.range(0, 400_000, numPartitions=4).selectExpr(
-            "id % 8 as k", "sha2(cast(id as string), 512) as v").repartition(8, "k")._jdf.rdd()
+        rows = _wide_rows(spark)._jdf.rdd()
         assert rows.count() == 400_000
         time.sleep(2)
         first = books_mib()
