@@ -94,8 +94,6 @@ class WriteStats:
 def _count(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int >= ``minimum`` (NumPy integers taken), else a ConfigError: the
     config's own check (``_require_count``), naming WriteClient."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = int(value)
     return _require_count(f"WriteClient's {name}", value, minimum)
 
 

@@ -7,6 +7,7 @@ clients take explicit arguments derived from it, so they stay testable on their 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import tempfile
 import uuid
@@ -154,13 +155,26 @@ def _require_at_most(name: str, value: float, limit: float, why: str) -> None:
         raise ConfigError(f"{name} must be at most {limit:g}, got {value!r}: {why}")
 
 
+def _as_int(value: Any) -> int | None:
+    """``value`` as a plain int if it is an integer (NumPy's too, via ``__index__``), else
+    None. Callers store the plain int: a NumPy integer left in the config failed later, in
+    the JSON given to the JVM shuffle manager. A bool is not a size or count."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    number = _as_int(value)
+    if number is None or number < minimum:
         raise ConfigError(
             f"{name} must be an integer number of bytes >= {minimum} "
             f"(use hybrid_ray.MiB/GiB), got {value!r}"
         )
-    return value
+    return number
 
 
 # Remote-tier transfers in flight per process, at most (``ShuffleConfig.remote_transfers``).
@@ -168,9 +182,10 @@ MAX_REMOTE_TRANSFERS = 64
 
 
 def _require_count(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    number = _as_int(value)
+    if number is None or number < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return number
 
 
 def refuse_single_spill_dir(spill_dirs: Any) -> None:
@@ -324,13 +339,14 @@ class ShuffleConfig:
         _require_at_most("orphan_ttl_s", self.orphan_ttl_s, MAX_DURATION_S,
                          "use a long finite TTL, e.g. 30 * 86400, where 'never' is meant")
         if self.memory_capacity_bytes is not None:
-            _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes)
+            set_("memory_capacity_bytes", _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes))
         if self.disk_capacity_bytes is not None:
-            _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes)
+            set_("disk_capacity_bytes", _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes))
         # At least a few KiB: a chunk of a few bytes (someone meaning MiB) made one commit
         # per row, a shuffle that ran for hours or stalled.
-        _require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES)
-        _require_count("remote_transfers", self.remote_transfers)
+        set_("map_chunk_bytes",
+             _require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES))
+        set_("remote_transfers", _require_count("remote_transfers", self.remote_transfers))
         if self.remote_transfers > MAX_REMOTE_TRANSFERS:
             # Each is a thread and (in a writer) a segment held in memory until uploaded:
             # 10**9 was taken, and meant no bound on either.
@@ -339,7 +355,7 @@ class ShuffleConfig:
                 f"{self.remote_transfers!r}: each is an upload thread holding a segment in "
                 "memory in every writer and reader process")
         if self.memory_pack_bytes is not None:
-            _require_bytes("memory_pack_bytes", self.memory_pack_bytes)
+            set_("memory_pack_bytes", _require_bytes("memory_pack_bytes", self.memory_pack_bytes))
             if self.memory_pack_bytes > GiB:
                 raise ConfigError(
                     f"memory_pack_bytes must be at most 1 GiB ({GiB} bytes), got "
@@ -349,7 +365,8 @@ class ShuffleConfig:
         _require_at_most("stall_timeout_s", self.stall_timeout_s, MAX_DURATION_S,
                          "Ray's timeouts overflow beyond it")
         if self.max_concurrent_reducers is not None:
-            _require_count("max_concurrent_reducers", self.max_concurrent_reducers)
+            set_("max_concurrent_reducers",
+                 _require_count("max_concurrent_reducers", self.max_concurrent_reducers))
 
         refuse_single_spill_dir(self.spill_dirs)
         try:

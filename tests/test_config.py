@@ -169,3 +169,35 @@ def test_storage_options_client_kwargs_must_be_a_mapping():
         open_remote_tier(config)  # where it failed before
     ok = ShuffleConfig(storage_options={"client_kwargs": {"region_name": "eu-west-1"}})
     assert ok.storage_options["client_kwargs"] == {"region_name": "eu-west-1"}
+
+
+def test_numpy_integers_are_taken_as_plain_ints_for_sizes_and_counts():
+    # Was: every byte size refused a NumPy integer ("must be an integer number of bytes"),
+    # while num_partitions took one; counts kept the NumPy type, which json.dumps refuses
+    # when the config goes to the JVM shuffle manager.
+    import json
+
+    import numpy as np
+
+    from hybrid_ray.spark_jvm import config_to_json
+
+    cfg = ShuffleConfig(memory_capacity_bytes=np.int64(64 * MiB),
+                        disk_capacity_bytes=np.uint32(GiB),
+                        map_chunk_bytes=np.int64(8 * MiB),
+                        memory_pack_bytes=np.int32(MiB),
+                        segment_bytes={"disk": np.int64(4 * MiB)},
+                        remote_transfers=np.int8(2),
+                        max_concurrent_reducers=np.int64(3))
+    values = (cfg.memory_capacity_bytes, cfg.disk_capacity_bytes, cfg.map_chunk_bytes,
+              cfg.memory_pack_bytes, cfg.segment_bytes[TierName.DISK], cfg.remote_transfers,
+              cfg.max_concurrent_reducers)
+    assert values == (64 * MiB, GiB, 8 * MiB, MiB, 4 * MiB, 2, 3)
+    assert all(type(v) is int for v in values)
+    sent = json.loads(config_to_json(cfg))
+    assert (sent["memory_capacity_bytes"], sent["segment_bytes"]["disk"]) == (64 * MiB, 4 * MiB)
+    # Still refused: floats, bools and negative NumPy integers.
+    for field, value in (("map_chunk_bytes", np.float64(8 * MiB)),
+                         ("memory_capacity_bytes", np.bool_(True)),
+                         ("disk_capacity_bytes", np.int64(-1))):
+        with pytest.raises(ConfigError, match=f"{field} must be an integer number of bytes"):
+            ShuffleConfig(**{field: value})
