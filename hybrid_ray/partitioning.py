@@ -209,15 +209,27 @@ def _as_large_list(column: pa.Array) -> pa.Array:
                                          mask=column.is_null())
 
 
+# Ray Data's column type for Python objects Arrow cannot hold: their pickled bytes.
+PICKLED_OBJECT_EXTENSION = "ray.data.arrow_pickled_object"
+
+
 def hash_key_problem(t: pa.DataType) -> str:
     """Why values of type ``t`` cannot be a hash key ("" if they can): unions, whose
     values have no representation ``hash_column`` can hash by value (they failed inside
-    every map, after the actors started); searched through nested types."""
+    every map, after the actors started), and pickled Python objects, whose bytes are no
+    such representation; searched through nested types."""
     if pa.types.is_union(t):
         return f"{t} is a union"
     if pa.types.is_dictionary(t):
         return hash_key_problem(t.value_type)
     if isinstance(t, pa.BaseExtensionType):
+        if t.extension_name == PICKLED_OBJECT_EXTENSION:
+            # Hashed as stored, equal keys went to different partitions (a group split):
+            # frozenset([1, 9]) and frozenset([9, 1]) pickle apart, and so does a set of
+            # strings built in another process (string hashes are salted per process).
+            return ("it holds pickled Python objects (Ray Data's arrow_pickled_object), "
+                    "and equal objects (sets, or objects built in another process) pickle "
+                    "to different bytes")
         return hash_key_problem(t.storage_type)
     return next((p for p in (hash_key_problem(t.field(i).type) for i in range(t.num_fields))
                  if p), "")

@@ -373,6 +373,22 @@ def test_list_view_and_extension_keys_hash_as_their_values_and_unions_are_refuse
     HashPartitioner(["k"]).check_schema(pa.schema([("k", pa.list_view(pa.int64()))]))
 
 
+def test_pickled_python_object_keys_are_refused_before_anything_runs():
+    """Were hashed by their pickled bytes: frozenset([1, 9]) and frozenset([9, 1]) are
+    equal and pickle apart, so one key's rows went to two partitions (found by a review:
+    100 rows of one key came out as two blocks of 50)."""
+    from ray.air.util.object_extensions.arrow import ArrowPythonObjectType
+
+    from hybrid_ray import ConfigError
+
+    for t in (ArrowPythonObjectType(), pa.struct([("o", ArrowPythonObjectType())])):
+        with pytest.raises(ConfigError, match=r"cannot partition by column 'k' of type .*: it "
+                                              r"holds pickled Python objects \(Ray Data's "
+                                              r"arrow_pickled_object\).* Partition by another "
+                                              r"column, or by one derived from it"):
+            HashPartitioner(["k"]).check_schema(pa.schema([("k", t)]))
+
+
 def test_range_partitioner_takes_only_bools_for_its_order_flags():
     """A truthy non-bool ``descending`` or ``nulls_first`` ("yes", 1) was kept as is and
     compared unequal to True: nulls went to the end partition opposite to where the
