@@ -960,3 +960,79 @@ def test_private_file_written_by_two_threads_at_once_both_succeed(tmp_path, monk
     with open(target, "rb") as f:
         assert f.read() == b"A" * 1000  # the last rename wins, whole
     assert sorted(os.listdir(tmp_path)) == ["marker"]
+
+
+# ---- deletion goes on past what it cannot delete; bad arguments are named (review, s51) ----
+def test_a_local_remote_tier_s_release_goes_on_past_one_file_it_cannot_delete(
+        tmp_path, monkeypatch):
+    """Was: fsspec's local ``rm`` of a list stopped at its first failure, and every retry
+    stopped at the same file, keeping the rest of the shuffle's tree for good."""
+    import subprocess
+
+    import hybrid_ray.tiers.remote as remote_mod
+    from hybrid_ray.errors import RemoteTierError
+    monkeypatch.setattr(remote_mod.time, "sleep", lambda s: None)
+    root = tmp_path / "remote"
+    root.mkdir(mode=0o700)
+    tier = RemoteTier(1 << 20, f"file://{root}", "job-1")
+    for sub in range(3):
+        for i in range(2):
+            seg = SegmentId("shf-1", 0, sub, i)
+            tier.write(seg, _payload(sub * 2 + i, seg, rows=1)[1])
+    shuffle_path = tier.shuffle_path("shf-1")
+    stuck = os.path.join(shuffle_path, "sub-00000", "m000000-a000-s000000.seg")
+    if subprocess.run(["chattr", "+i", stuck], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i refused here: nothing fails to delete")
+    try:
+        with pytest.raises(RemoteTierError, match=r"1 of 1 object\(s\) could not be deleted, "
+                                                  r"first .*m000000-a000-s000000.seg"):
+            tier.remove_shuffle_data("shf-1")
+        left = sorted(os.path.relpath(os.path.join(r, f), shuffle_path)
+                      for r, _, names in os.walk(shuffle_path) for f in names)
+    finally:
+        subprocess.run(["chattr", "-i", stuck], check=False)
+    assert left == [".hybrid_ray_shuffle", "sub-00000/m000000-a000-s000000.seg"]
+    tier.remove_shuffle_data("shf-1")  # deletable again: all of it goes
+    assert not os.path.exists(shuffle_path)
+
+
+def test_a_disk_release_clears_the_other_spill_dirs_when_one_holds_a_symlink(tmp_path):
+    """Was: the refused link raised at once, and the spill dirs after it kept the
+    shuffle's files through every retry."""
+    from hybrid_ray.tiers.disk import shuffle_dir
+    d1, d2 = str(tmp_path / "d1"), str(tmp_path / "d2")
+    tier = DiskTier(1 << 20, [d1, d2])
+    seg = SegmentId("shf-1", 0, 0, 0)
+    for i in range(2):  # round-robin: one file in each spill dir
+        payload = _payload(i, seg, rows=1)[1]
+        tier.write(seg, payload, tier.try_reserve("shf-1", len(payload)))
+    os.makedirs(shuffle_dir(d1, "shf-other"))
+    os.rename(shuffle_dir(d1, "shf-1"), str(tmp_path / "moved"))
+    os.symlink(shuffle_dir(d1, "shf-other"), shuffle_dir(d1, "shf-1"))
+    with pytest.raises(UnsafePathError, match="it is a symlink .* Remove the link yourself"):
+        tier.remove_shuffle_data("shf-1")
+    assert not os.path.exists(shuffle_dir(d2, "shf-1"))
+    assert os.path.isdir(shuffle_dir(d1, "shf-other"))  # the link was not followed
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"min_reserve_fraction": 1.5}, r"min_reserve_fraction must be in \[0.0, 1.0\), got 1.5"),
+    ({"min_reserve_fraction": -1.0}, r"min_reserve_fraction must be in \[0.0, 1.0\)"),
+    ({"min_reserve_fraction": "0.05"}, "min_reserve_fraction must be a number, got '0.05'"),
+    ({"capacity_bytes": -1}, r"disk capacity_bytes must be an integer number of bytes >= 0"),
+])
+def test_a_disk_tier_built_directly_refuses_a_bad_reserve_or_cap(tmp_path, kwargs, needle):
+    # Was taken: every grant refused (1.5, a cap of -1), the reserve ignored (-1.0), or a
+    # string of four times the disk's size built at the first grant ("0.05").
+    with pytest.raises(ConfigError, match=needle):
+        DiskTier(1 << 20, [str(tmp_path / "d")], **kwargs)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5])
+def test_a_remote_tier_refuses_a_thread_count_that_is_not_a_positive_int(tmp_path, threads):
+    # Was: reported as a store that is not writable ("check the endpoint and credentials").
+    root = tmp_path / "remote"
+    root.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match=r"remote tier io_threads \(ShuffleConfig's "
+                                          r"remote_transfers\) must be an integer >= 1"):
+        RemoteTier(1 << 20, f"file://{root}", "job-1", io_threads=threads)

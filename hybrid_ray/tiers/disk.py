@@ -31,7 +31,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from hybrid_ray.config import TierName, refuse_single_spill_dir
+from hybrid_ray.config import (
+    TierName, refuse_single_spill_dir, require_bytes, require_number,
+)
 from hybrid_ray.errors import (
     ConfigError, OutOfSpaceError, SegmentNotFoundError, SpillDirError, UnsafePathError,
 )
@@ -424,8 +426,13 @@ class DiskTier(Tier):
         # '/mnt//spill' or '/mnt/x/../spill' wrote segments whose every deletion was refused.
         # (ShuffleConfig normalises its spill_dirs; a tier built directly did not.)
         self.spill_dirs = tuple(dict.fromkeys(os.path.normpath(d) for d in spill_dirs))
-        self.min_reserve_fraction = min_reserve_fraction
-        self._capacity = capacity_bytes
+        # Checked as ShuffleConfig checks them: 1.5 (or a negative cap) made every grant
+        # fail, the disk "full"; -1 granted until the disk was full; "0.05" multiplied
+        # the disk's size into a string.
+        self.min_reserve_fraction = require_number("min_reserve_fraction",
+                                                   min_reserve_fraction, 0.0, 1.0, False)
+        self._capacity = (None if capacity_bytes is None
+                          else require_bytes("disk capacity_bytes", capacity_bytes))
         # Bytes granted but not yet written, per (directory, shuffle): statvfs cannot see
         # them yet. Per shuffle so a dead writer's grants are dropped with its shuffle.
         # ``in_flight``: a node's book shared by all its disk tiers (one per config), so
@@ -596,17 +603,29 @@ class DiskTier(Tier):
         for key in [k for k in self._in_flight if k[1] == shuffle_id]:
             del self._in_flight[key]
         failures: list[str] = []
+        refused: UnsafePathError | None = None
         for d, data_dir in self._data_dirs.items():
-            path = require_inside(data_dir, shuffle_dir(d, shuffle_id), "remove")
-            if os.path.islink(path):
-                # hybrid_ray never makes one. Followed, a link named as this shuffle's
-                # directory and pointing at another shuffle's deleted that shuffle's
-                # segments at this one's release (found by a review).
-                raise UnsafePathError(
-                    f"refusing to remove {path}: it is a symlink (to "
-                    f"{os.readlink(path)!r}), not a shuffle directory hybrid_ray made; "
-                    "nothing was followed or removed. Remove the link yourself")
+            # Every spill dir is tried: one refused raised here and kept the shuffle's
+            # files in the other spill dirs through every retry.
+            try:
+                path = require_inside(data_dir, shuffle_dir(d, shuffle_id), "remove")
+                if os.path.islink(path):
+                    # hybrid_ray never makes one. Followed, a link named as this shuffle's
+                    # directory and pointing at another shuffle's deleted that shuffle's
+                    # segments at this one's release (found by a review).
+                    raise UnsafePathError(
+                        f"refusing to remove {path}: it is a symlink (to "
+                        f"{os.readlink(path)!r}), not a shuffle directory hybrid_ray made; "
+                        "nothing was followed or removed. Remove the link yourself")
+            except UnsafePathError as exc:
+                refused = refused or exc
+                continue
             failures += remove_marked_tree(path)
+        if refused is not None:
+            if failures:
+                refused.add_note(f"{len(failures)} path(s) elsewhere were left too: "
+                                 + "; ".join(failures[:5]))
+            raise refused
         if failures:
             # Raised, so the caller retries (the master's deletion queue, the tier
             # manager's late-files sweep); the marker stays until the rest is gone, so

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import fsspec
 import fsspec.asyn
 
-from hybrid_ray.config import TierName
+from hybrid_ray.config import TierName, require_count
 from hybrid_ray.errors import (
     ConfigError, HybridRayError, RemoteTierError, SegmentNotFoundError, ShuffleStalledError,
     UnsafePathError,
@@ -104,7 +104,10 @@ class RemoteTier(Tier):
         # The remote path as shown in messages, grants and reports: credentials hidden.
         self.display_path = redact_url(remote_path)
         self._redactor = Redactor(remote_path, storage_options)
-        self.io_threads = io_threads
+        # Checked here: 0 failed inside the reachability probe, reported as a store that
+        # is not writable ("check the endpoint and credentials").
+        self.io_threads = require_count("remote tier io_threads (ShuffleConfig's "
+                                        "remote_transfers)", io_threads)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_pid = 0
         self._pool_lock = threading.Lock()
@@ -607,10 +610,23 @@ def _delete_keys(fs: Any, keys: Sequence[str]) -> None:
     key without it, which may be another object (``job/shf-1`` beside ``job/shf-1/``,
     someone else's), while the placeholder stayed and the removal never finished."""
     plain = [k for k in keys if not k.endswith("/")]
-    if plain:
-        fs.rm(plain)
-    for folder in (k for k in keys if k.endswith("/")):
-        fs.rm_file(folder)
+    if plain and _is_object_store(fs):
+        fs.rm(plain)  # one request per 1,000 keys
+        plain = []
+    # Key by key elsewhere, every one tried: a local ``rm`` of a list stops at its first
+    # failure (EPERM, EBUSY), and each retry stopped there again, keeping all the rest.
+    errors: list[tuple[str, OSError]] = []
+    for key in plain + [k for k in keys if k.endswith("/")]:
+        try:
+            fs.rm_file(key)
+        except FileNotFoundError:
+            pass  # gone meanwhile: what was wanted
+        except OSError as exc:
+            errors.append((key, exc))
+    if errors:
+        key, exc = errors[0]
+        raise OSError(exc.errno or errno.EIO, f"{len(errors)} of {len(keys)} object(s) could "
+                      f"not be deleted, first {key}: {type(exc).__name__}: {exc}")
 
 
 def _tree_below(fs: Any, path: str) -> list[str]:
