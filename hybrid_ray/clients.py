@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from hybrid_ray.config import Compression, ShuffleConfig, TierName, _require_count
+from hybrid_ray.config import Compression, ShuffleConfig, TierName, require_count
 from hybrid_ray.errors import ConfigError, OutOfSpaceError, ShuffleStalledError
 from hybrid_ray.ids import check_id
 from hybrid_ray.segment import (
@@ -93,8 +93,8 @@ class WriteStats:
 
 def _count(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int >= ``minimum`` (NumPy integers taken), else a ConfigError: the
-    config's own check (``_require_count``), naming WriteClient."""
-    return _require_count(f"WriteClient's {name}", value, minimum)
+    config's own check (``require_count``), naming WriteClient."""
+    return require_count(f"WriteClient's {name}", value, minimum)
 
 
 class WriteClient:

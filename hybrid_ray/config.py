@@ -124,7 +124,7 @@ MAX_SEGMENT_BYTES = 1 << 30
 MAX_DURATION_S = 1e9
 
 
-def _require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: bool) -> float:
+def require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     ok = lo <= value <= hi if hi_inclusive else lo <= value < hi
@@ -150,7 +150,7 @@ def require_seconds(name: str, value: Any) -> float:
 
 
 def _require_at_most(name: str, value: float, limit: float, why: str) -> None:
-    """A number ``_require_number`` took, refused above ``limit``."""
+    """A number ``require_number`` took, refused above ``limit``."""
     if value > limit:
         raise ConfigError(f"{name} must be at most {limit:g}, got {value!r}: {why}")
 
@@ -167,7 +167,7 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
+def require_bytes(name: str, value: Any, minimum: int = 0) -> int:
     number = _as_int(value)
     if number is None or number < minimum:
         raise ConfigError(
@@ -181,11 +181,20 @@ def _require_bytes(name: str, value: Any, minimum: int = 0) -> int:
 MAX_REMOTE_TRANSFERS = 64
 
 
-def _require_count(name: str, value: Any, minimum: int = 1) -> int:
+def require_count(name: str, value: Any, minimum: int = 1) -> int:
     number = _as_int(value)
     if number is None or number < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return number
+
+
+def require_config(what: str, config: Any) -> ShuffleConfig:
+    """``config`` if it is a ``ShuffleConfig``, else a ConfigError naming ``what`` and the
+    fix (a dict failed with "'dict' object has no attribute 'segment_bytes'")."""
+    if not isinstance(config, ShuffleConfig):
+        raise ConfigError(f"{what} takes a hybrid_ray.ShuffleConfig, got "
+                          f"{type(config).__name__}: build one with ShuffleConfig(...)")
+    return config
 
 
 def refuse_single_spill_dir(spill_dirs: Any) -> None:
@@ -321,10 +330,10 @@ class ShuffleConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        _require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, True)
-        _require_number("min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False)
+        require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, True)
+        require_number("min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False)
         # Finite: an infinite weight makes every quota inf/inf = NaN on the node.
-        _require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), False)
+        require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), False)
         _require_at_most("memory_weight", self.memory_weight, 1e9,
                          "weights are relative: 1 is a fair share, 2 twice that")
         if not isinstance(self.orphan_ttl_s, bool) and isinstance(self.orphan_ttl_s, (int, float)) \
@@ -335,18 +344,18 @@ class ShuffleConfig:
                 "the master releases live shuffles whose heartbeat is merely late")
         # Finite: the JVM's JSON parser refuses Infinity, which broke every Spark exchange
         # of a session with orphan_ttl_s=inf (never expire: give a long TTL instead).
-        _require_number("orphan_ttl_s", self.orphan_ttl_s, MIN_ORPHAN_TTL_S, float("inf"), True)
+        require_number("orphan_ttl_s", self.orphan_ttl_s, MIN_ORPHAN_TTL_S, float("inf"), True)
         _require_at_most("orphan_ttl_s", self.orphan_ttl_s, MAX_DURATION_S,
                          "use a long finite TTL, e.g. 30 * 86400, where 'never' is meant")
         if self.memory_capacity_bytes is not None:
-            set_("memory_capacity_bytes", _require_bytes("memory_capacity_bytes", self.memory_capacity_bytes))
+            set_("memory_capacity_bytes", require_bytes("memory_capacity_bytes", self.memory_capacity_bytes))
         if self.disk_capacity_bytes is not None:
-            set_("disk_capacity_bytes", _require_bytes("disk_capacity_bytes", self.disk_capacity_bytes))
+            set_("disk_capacity_bytes", require_bytes("disk_capacity_bytes", self.disk_capacity_bytes))
         # At least a few KiB: a chunk of a few bytes (someone meaning MiB) made one commit
         # per row, a shuffle that ran for hours or stalled.
         set_("map_chunk_bytes",
-             _require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES))
-        set_("remote_transfers", _require_count("remote_transfers", self.remote_transfers))
+             require_bytes("map_chunk_bytes", self.map_chunk_bytes, MIN_SEGMENT_BYTES))
+        set_("remote_transfers", require_count("remote_transfers", self.remote_transfers))
         if self.remote_transfers > MAX_REMOTE_TRANSFERS:
             # Each is a thread and (in a writer) a segment held in memory until uploaded:
             # 10**9 was taken, and meant no bound on either.
@@ -355,18 +364,18 @@ class ShuffleConfig:
                 f"{self.remote_transfers!r}: each is an upload thread holding a segment in "
                 "memory in every writer and reader process")
         if self.memory_pack_bytes is not None:
-            set_("memory_pack_bytes", _require_bytes("memory_pack_bytes", self.memory_pack_bytes))
+            set_("memory_pack_bytes", require_bytes("memory_pack_bytes", self.memory_pack_bytes))
             if self.memory_pack_bytes > GiB:
                 raise ConfigError(
                     f"memory_pack_bytes must be at most 1 GiB ({GiB} bytes), got "
                     f"{self.memory_pack_bytes!r}: a reader fetches a segment's whole pack "
                     "(0 turns packing off, None packs on single-node clusters)")
-        _require_number("stall_timeout_s", self.stall_timeout_s, 1.0, float("inf"), False)
+        require_number("stall_timeout_s", self.stall_timeout_s, 1.0, float("inf"), False)
         _require_at_most("stall_timeout_s", self.stall_timeout_s, MAX_DURATION_S,
                          "Ray's timeouts overflow beyond it")
         if self.max_concurrent_reducers is not None:
             set_("max_concurrent_reducers",
-                 _require_count("max_concurrent_reducers", self.max_concurrent_reducers))
+                 require_count("max_concurrent_reducers", self.max_concurrent_reducers))
 
         refuse_single_spill_dir(self.spill_dirs)
         try:
@@ -403,7 +412,7 @@ class ShuffleConfig:
                     f"segment_bytes names the {name.value} tier twice ({given[name]!r} and "
                     f"{tier!r}); give each tier once")
             given[name] = tier
-            sizes[name] = _require_bytes(f"segment_bytes[{tier!r}]", size, MIN_SEGMENT_BYTES)
+            sizes[name] = require_bytes(f"segment_bytes[{tier!r}]", size, MIN_SEGMENT_BYTES)
             if size > MAX_SEGMENT_BYTES:
                 raise ConfigError(f"segment_bytes[{tier!r}] must be at most 1 GiB, got "
                                   f"{size!r}: segments of a few MiB (e.g. 8 * MiB) serve best")

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.config import ShuffleConfig, TierName, require_config
 from hybrid_ray.errors import (
     ConfigError, ShuffleNotFoundError, ShuffleReleasedError, ShuffleStateError,
 )
@@ -145,6 +145,12 @@ Releaser = Callable[[ShuffleState], None]
 LATE_REMOTE_SWEEP_S = 120.0
 
 
+# The most map partitions an open (Spark) shuffle takes: its map count grows to the highest
+# index a writer begins, so one wild index (2,000,000) took 4 s and 1 GiB in the master, and
+# every later poll of the namespace a tenth of a second.
+MAX_OPEN_MAPS = 1 << 20
+
+
 # A long poll answers before its deadline once new segments of 1/POLL_BATCH_DIVISOR of the
 # shuffle's maps arrived (``ShuffleRegistry.poll_batch``).
 POLL_BATCH_DIVISOR = 4
@@ -210,6 +216,9 @@ class ShuffleRegistry:
         # apart from ``pending``: a call that queues nothing must not wake the deletion
         # runner for them; it finds them due on its periodic round).
         self.late_sweeps: collections.deque[PendingDeletion] = collections.deque()
+        # Releases taken out of ``pending`` and running now (outside the caller's lock):
+        # their shuffle ids are not free for a new registration until they are done.
+        self._releasing: list[PendingDeletion] = []
         self.deletion_failures = 0
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
         # Why a recently released shuffle was released, if its driver said, and whether it
@@ -248,8 +257,17 @@ class ShuffleRegistry:
         ``begin_map`` call of its own (one round trip per map, a quarter of the master's
         calls); a map run again (a retry, a lost map) still calls ``begin_map``."""
         check_id("shuffle_id", shuffle_id)  # it names directories on every tier
+        # Checked here, not when ``expire`` first reads it: a dict taken as the config made
+        # every later registration and expiry of the namespace fail.
+        require_config(f"registering shuffle {shuffle_id!r}", config)
         if shuffle_id in self._shuffles:
             raise ShuffleStateError(f"shuffle {shuffle_id!r} is already registered")
+        if any(d.metas is None and not d.late_sweep and d.state.shuffle_id == shuffle_id
+               for d in (*self.pending, *self._releasing)):
+            # Its release is still being retried (storage down): the retry would delete the
+            # new shuffle's data on its nodes and in the remote tier.
+            raise ShuffleStateError(f"shuffle {shuffle_id!r} was released and its data is "
+                                    "still being deleted; register the shuffle under a new id")
         if maps_begun_on is not None and num_maps is None:
             raise ShuffleStateError("maps can begin at registration only with a map count")
         for name, count in (("num_maps", num_maps), ("num_subpartitions", num_subpartitions)):
@@ -278,6 +296,11 @@ class ShuffleRegistry:
         that attempt finished and no other map may have written. The other attempts'
         segments are deleted."""
         state = self._get(shuffle_id)
+        if state.sealed:
+            # Sealing again cut every map of a sealed shuffle (its maps have no finished
+            # attempts left to choose from) and reported it complete without rows.
+            raise ShuffleStateError(f"shuffle {shuffle_id!r} is sealed already (at "
+                                    f"{state.num_maps} maps)")
         if isinstance(num_maps, bool) or not isinstance(num_maps, numbers.Integral) \
                 or num_maps < 0:
             # (A negative count sliced maps off the end of the list below.)
@@ -322,6 +345,11 @@ class ShuffleRegistry:
         its segments are deleted and readers that followed it start over on the new attempt.
         """
         state = self._get(shuffle_id)
+        if not state.sealed and isinstance(map_index, numbers.Integral) \
+                and map_index >= MAX_OPEN_MAPS:
+            raise ShuffleStateError(f"map index {map_index!r} of shuffle {shuffle_id!r} is "
+                                    f"beyond the {MAX_OPEN_MAPS} map partitions a shuffle "
+                                    "takes: use fewer, larger map partitions")
         if map_index >= len(state.maps) and not state.sealed:
             state.maps.extend(MapState() for _ in range(map_index + 1 - len(state.maps)))
             state.num_maps = len(state.maps)
@@ -356,8 +384,10 @@ class ShuffleRegistry:
         names its writer first here)."""
         state = self._get(shuffle_id)
         m = self._map(state, map_index)
+        self._check_attempt(state, map_index, m, attempt)
         for meta in metas:
             self._check_subpartition(state, meta.id.subpartition)
+            self._check_owner(state, map_index, attempt, meta)
         live = (attempt in m.segments and attempt not in m.done_attempts) if not state.sealed \
             else (attempt == m.current_attempt and m.finished_attempt is None)
         if not live:
@@ -397,6 +427,7 @@ class ShuffleRegistry:
             return False
         state = self._get(shuffle_id)
         m = self._map(state, map_index)
+        self._check_attempt(state, map_index, m, attempt)
         if not state.sealed:  # open shuffle: seal chooses among the finished attempts
             if attempt not in m.segments or attempt in m.done_attempts:
                 return False
@@ -631,6 +662,31 @@ class ShuffleRegistry:
         return state.maps[map_index]
 
     @staticmethod
+    def _check_attempt(state: ShuffleState, map_index: int, m: MapState, attempt: int) -> None:
+        """A ShuffleStateError unless ``attempt`` is one ``begin_map`` handed out for the
+        map (current or earlier): finishing attempt -1 of a map never begun marked it
+        finished with no attempt to read, and its readers waited until the stall bound."""
+        if isinstance(attempt, bool) or not isinstance(attempt, numbers.Integral) \
+                or not 0 <= attempt <= m.current_attempt:
+            raise ShuffleStateError(
+                f"attempt {attempt!r} of map {map_index} of shuffle {state.shuffle_id!r} was "
+                f"never begun (begun: 0..{m.current_attempt}); call begin_map first")
+
+    @staticmethod
+    def _check_owner(state: ShuffleState, map_index: int, attempt: int,
+                     meta: SegmentMeta) -> None:
+        """A ShuffleStateError unless ``meta`` names the shuffle, map and attempt it is
+        committed under: one filed under another map was served as that map's rows (read
+        twice), and one of another shuffle was deleted with this one's attempt."""
+        sid = meta.id
+        if (sid.shuffle_id, sid.map_partition, sid.attempt) != (state.shuffle_id, map_index,
+                                                                  attempt):
+            raise ShuffleStateError(
+                f"segment {sid.shuffle_id}/m{sid.map_partition}/a{sid.attempt} committed as "
+                f"map {map_index} attempt {attempt} of shuffle {state.shuffle_id!r}: a writer "
+                "commits only the segments it wrote under the attempt begin_map gave it")
+
+    @staticmethod
     def _check_subpartition(state: ShuffleState, subpartition: int) -> None:
         """A ShuffleStateError unless ``subpartition`` is one of the shuffle's: a segment
         of another is read by nobody (its rows lost), a reader of one reads no rows."""
@@ -690,6 +746,7 @@ class ShuffleRegistry:
         now = self._clock()
         due = [d for d in self.pending if d.not_before <= now]
         self.pending = collections.deque(d for d in self.pending if d.not_before > now)
+        self._releasing.extend(d for d in due if d.metas is None)
         while self.late_sweeps and self.late_sweeps[0].not_before <= now:
             due.append(self.late_sweeps.popleft())
         return due
@@ -714,6 +771,7 @@ class ShuffleRegistry:
         """Record a deletion's outcome: on ``error`` it is queued again with backoff. A
         release that succeeded queues its remote tree's late sweep."""
         deletion.tried.set()
+        self._releasing = [d for d in self._releasing if d is not deletion]
         if error is None:
             if deletion.metas is None and not deletion.late_sweep \
                     and self._sweep_remote_io is not None \

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hybrid_ray.config import ShuffleConfig, TierName
+from hybrid_ray.config import ShuffleConfig, TierName, require_config
 from hybrid_ray.errors import (
     ConfigError, ShuffleNotFoundError, ShuffleReleasedError, UnsafePathError,
 )
@@ -83,15 +83,6 @@ class NodeUsage:
     # TierManager._deletable_segment_file), and the last refusal.
     refused_deletions: int = 0
     last_refused_deletion: str = ""
-
-
-def require_config(what: str, config: Any) -> ShuffleConfig:
-    """``config`` if it is a ``ShuffleConfig``, else a ConfigError naming ``what`` and the
-    fix (a dict failed with "'dict' object has no attribute 'segment_bytes'")."""
-    if not isinstance(config, ShuffleConfig):
-        raise ConfigError(f"{what} takes a hybrid_ray.ShuffleConfig, got "
-                          f"{type(config).__name__}: build one with ShuffleConfig(...)")
-    return config
 
 
 def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,

@@ -667,3 +667,82 @@ def test_a_failed_deletion_s_error_never_shows_the_shuffle_s_credentials():
     [pending] = reg.pending_deletions()
     assert pending["last_error"] == ("OSError: cannot remove s3://bucket/prefix/x with "
                                      "key=*** secret=***")
+
+
+# ---- entry points refuse what would corrupt the books (review, stop 51) --------------------
+def test_a_commit_of_segments_of_another_map_attempt_or_shuffle_is_refused(registry):
+    # Was accepted: poll then served map 1's (or another shuffle's) segments as map 0's
+    # rows, and dropping the attempt deleted the other shuffle's segment.
+    a = registry.begin_map("s", 0, "n1")
+    for wrong in (meta("s", 1, 0, 0, a), meta("s", 0, 0, 0, a + 5), meta("other", 0, 0, 0, a)):
+        with pytest.raises(ShuffleStateError, match=r"committed as map 0 attempt 0 of shuffle "
+                                                    r"'s': a writer commits only the segments"):
+            registry.commit("s", 0, a, [meta("s", 0, 1, 0, a), wrong])
+        with pytest.raises(ShuffleStateError, match="committed as map 0 attempt 0"):
+            registry.finish_map("s", 0, a, last_segments=[wrong])
+    assert registry.poll("s", 0, {}).updates == [] or \
+        all(not x for *_, x in registry.poll("s", 0, {}).updates)
+    assert registry.deleted == []
+
+
+def test_an_attempt_never_begun_cannot_commit_or_finish(registry):
+    # Was: finish_map("s", 0, -1) returned True; begin_map then said "finished" and no
+    # reader ever saw the shuffle complete.
+    for attempt in (-1, 1, True, 0.0):
+        with pytest.raises(ShuffleStateError, match=r"attempt .* of map 0 of shuffle 's' was "
+                                                    r"never begun \(begun: 0..-1\)"):
+            registry.finish_map("s", 0, attempt)
+        with pytest.raises(ShuffleStateError, match="never begun"):
+            registry.commit("s", 0, attempt, [])
+    a = registry.begin_map("s", 0, "n1")
+    assert a == 0 and registry.finish_map("s", 0, a)
+
+
+def test_sealing_a_sealed_shuffle_is_refused(registry):
+    # Was: seal("s", 0) of a shuffle registered with its map count cut both maps and
+    # readers saw it complete with no rows.
+    with pytest.raises(ShuffleStateError, match=r"shuffle 's' is sealed already \(at 2 maps\)"):
+        registry.seal("s", 0)
+    assert registry.state("s").num_maps == 2 and not registry.poll("s", 0, {}).done
+
+
+def test_a_registration_without_a_shuffle_config_is_refused(registry):
+    # Was accepted; the next expire() then raised AttributeError, and the master's
+    # register (which expires first) failed for every shuffle of the namespace.
+    from hybrid_ray import ConfigError
+    with pytest.raises(ConfigError, match=r"registering shuffle 'bad' takes a "
+                                          r"hybrid_ray.ShuffleConfig, got dict"):
+        registry.register("bad", 1, 1, {"orphan_ttl_s": 60})
+    assert registry.expire() == [] and registry.shuffle_ids() == ["s"]
+
+
+def test_an_id_whose_release_is_still_retrying_cannot_register_again():
+    calls, fail, now = [], [True], [0.0]
+
+    def release_io(state):
+        calls.append(state.shuffle_id)
+        if fail[0]:
+            raise OSError("storage down")
+    reg = ShuffleRegistry(lambda s, m: None, release_io, clock=lambda: now[0])
+    reg.register("s", 1, 1, ShuffleConfig())
+    reg.release("s")
+    # Was accepted, and the release's retry then deleted the new shuffle's data.
+    with pytest.raises(ShuffleStateError, match="was released and its data is still being "
+                                                "deleted; register the shuffle under a new id"):
+        reg.register("s", 1, 1, ShuffleConfig())
+    fail[0], now[0] = False, now[0] + 10
+    reg.run_deletions()
+    assert calls == ["s", "s"] and reg.shuffle_ids() == []
+    reg.register("s", 1, 1, ShuffleConfig())  # its data gone: the id may be used again
+
+
+def test_an_open_shuffle_refuses_a_map_index_beyond_its_limit():
+    from hybrid_ray.master import MAX_OPEN_MAPS
+    reg = ShuffleRegistry(lambda s, m: None, lambda s: None)
+    reg.register("spk", None, 2, ShuffleConfig())
+    # Was: the map list grew to 2,000,001 entries (4 s, 1 GiB in the master).
+    with pytest.raises(ShuffleStateError, match=r"map index 2000000 of shuffle 'spk' is "
+                                                r"beyond the 1048576 map partitions"):
+        reg.begin_map("spk", 2_000_000, "n1")
+    assert len(reg.state("spk").maps) == 0
+    assert reg.begin_map("spk", MAX_OPEN_MAPS - 1, "n1") == 0
