@@ -760,7 +760,12 @@ class _HeldShuffles:
             with self._lock:
                 held = list(self._held.values())
             for lifecycle, rerun in held:
-                self._tend(lifecycle, rerun)
+                try:
+                    self._tend(lifecycle, rerun)
+                except Exception as exc:  # noqa: BLE001 - kept; the other shuffles go on
+                    # This one thread beats for every held shuffle: ended by one error, it
+                    # left them all to the master's orphan expiry, data still in use.
+                    self._note(lifecycle, f"tending it failed: {describe_cause(exc)}")
 
     def _tend(self, lifecycle: ShuffleLifecycle,
               rerun: Callable[[list[int]], Any] | None) -> None:
@@ -793,8 +798,15 @@ class _HeldShuffles:
             return
         with self._lock:
             self._rerunning.add(lifecycle.shuffle_id)
-        threading.Thread(target=self._rerun, args=(lifecycle, rerun, lost), daemon=True,
-                         name=f"hybrid_ray-rerun-{lifecycle.shuffle_id}").start()
+        try:
+            threading.Thread(target=self._rerun, args=(lifecycle, rerun, lost), daemon=True,
+                             name=f"hybrid_ray-rerun-{lifecycle.shuffle_id}").start()
+        except Exception as exc:  # noqa: BLE001 - no thread (the process is out of them)
+            # The lost maps were taken from the master: not re-run, their readers would
+            # wait until the stall bound. Failed like a re-run that failed, loudly.
+            def cannot_start(_lost: list[int]) -> None:
+                raise exc
+            self._rerun(lifecycle, cannot_start, lost)
 
     def _rerun(self, lifecycle: ShuffleLifecycle, rerun: Callable[[list[int]], Any],
                lost: list[int]) -> None:

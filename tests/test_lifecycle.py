@@ -735,3 +735,51 @@ def test_a_heartbeat_that_runs_after_the_shuffle_s_own_release_is_no_failure(con
     shuffle._unchecked.append(ran_after_the_release.remote(shuffle.shuffle_id))
     summary = shuffle.summarize_and_release()
     assert summary.maps_finished == 1 and not _known(shuffle)
+
+
+def test_a_re_run_that_cannot_start_fails_its_shuffle_and_the_others_keep_their_beat(
+        monkeypatch):
+    """Was: the re-run thread's failed start ended the one thread that heartbeats every
+    held shuffle (the others then expired at the master, data still in use); the shuffle
+    with the lost maps stayed marked as re-running and its readers waited for maps
+    nobody re-ran."""
+    class Shuffle:
+        def __init__(self, sid, lost):
+            self.shuffle_id, self.lost, self.beats, self.released = sid, lost, 0, None
+
+        def heartbeat(self):
+            self.beats += 1
+
+        def take_lost(self):
+            lost, self.lost = self.lost, []
+            return lost
+
+        def release(self, reason="", failed=False):
+            self.released = (reason, failed)
+            return True
+
+    real_thread = threading.Thread
+
+    class NoRerunThread(real_thread):
+        def start(self):
+            if self.name.startswith("hybrid_ray-rerun"):
+                raise RuntimeError("can't start new thread")
+            return super().start()
+
+    monkeypatch.setattr(lifecycle.threading, "Thread", NoRerunThread)
+    monkeypatch.setattr(lifecycle, "RECOVERY_POLL_S", 0.02)
+    held = lifecycle._HeldShuffles()
+    lossy, healthy = Shuffle("shf-lossy0", [3]), Shuffle("shf-healthy0", [])
+    held.hold(lossy, rerun=lambda maps: None)
+    held.hold(healthy, rerun=None)
+    deadline = time.monotonic() + 10
+    while healthy.beats < 20 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert held._thread.is_alive() and healthy.beats >= 20
+    assert lossy.released is not None and lossy.released[1] is True
+    assert "re-running maps [3]" in lossy.released[0]
+    assert "can't start new thread" in lossy.released[0]
+    assert held._rerunning == set()
+    assert any("can't start new thread" in e for e in held.errors)
+    for sid in held.ids():
+        held.unhold(sid)
