@@ -52,9 +52,10 @@ def _check_dataframe(df: Any) -> None:
         raise TypeError(f"expected a pyspark.sql.DataFrame, got {type(df).__name__}")
 
 
-def _check_partitions(num_partitions: int | None) -> None:
-    if num_partitions is not None:
-        check_num_partitions(num_partitions)
+def _check_partitions(num_partitions: Any) -> int | None:
+    """``num_partitions`` checked, as a plain int (None stays None): a NumPy integer passed
+    on as given was refused by PySpark ("should be a Column or str, got int64")."""
+    return None if num_partitions is None else check_num_partitions(num_partitions)
 
 
 def _case_sensitive(df: Any) -> bool:
@@ -166,7 +167,7 @@ def repartition(df: Any, num_partitions: int, *cols: str,
     session's shuffle manager (its report in ``spark_shuffle_reports()``).
     """
     _check_dataframe(df)
-    check_num_partitions(num_partitions)
+    num_partitions = check_num_partitions(num_partitions)
     if not cols:
         raise ConfigError("repartition needs at least one column to partition by")
     if not isinstance(direct_scan, bool):  # "no", 0.0, a column name: taken as truthy
@@ -234,7 +235,7 @@ def sort(df: Any, *cols: str, ascending: bool | Sequence[bool] = True,
         raise ConfigError(f"ascending must be a bool or one bool per sort column "
                           f"({len(keys)}), got {given!r}")
     ascending = [bool(a) for a in ascending]
-    _check_partitions(num_partitions)
+    num_partitions = _check_partitions(num_partitions)
     _through_manager(df, config, "sort")
     order = [_column(k).asc() if a else _column(k).desc() for k, a in zip(keys, ascending)]
     if num_partitions is None:
@@ -306,7 +307,7 @@ def aggregate(df: Any, by: str | Sequence[str], aggs: Mapping[str, tuple[str, st
                               "unless spark.sql.caseSensitive is on); rename it")
         taken[fold(alias)] = alias
         columns.append(_agg_column(col, fn).alias(alias))
-    _check_partitions(num_partitions)
+    num_partitions = _check_partitions(num_partitions)
     _through_manager(df, config, "aggregate")
     by = [_column(k) for k in keys]
     if num_partitions is not None:
@@ -342,7 +343,7 @@ def join(left: Any, right: Any, on: str | Sequence[str], how: str = "inner",
     _check_columns(right, keys, "join keys (right side)")
     if not isinstance(how, str) or how.lower() not in JOIN_TYPES:
         raise ConfigError(f"unknown join type {how!r}; use one of {list(JOIN_TYPES)}")
-    _check_partitions(num_partitions)
+    num_partitions = _check_partitions(num_partitions)
     _through_manager(left, config, "join")
     if num_partitions is not None:
         left = left.repartition(num_partitions, *[_column(k) for k in keys])

@@ -254,6 +254,9 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise ConfigError(f"configs must be a dict of Spark configs, got {type(configs).__name__}")
     if not isinstance(hybrid_shuffle, bool):
         raise ConfigError(f"hybrid_shuffle must be True or False, got {hybrid_shuffle!r}")
+    if ray_address is not None and (not isinstance(ray_address, str) or not ray_address):
+        raise ConfigError(f"ray_address must be a Ray address such as '10.0.0.5:6379' or "
+                          f"'auto', got {ray_address!r}")
     from hybrid_ray.config import ShuffleConfig
 
     if shuffle_config is None:
@@ -308,6 +311,15 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         check_remote_tier(shuffle_config)
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    elif ray_address not in (None, "auto"):
+        # Connected already: the address given was silently dropped, and Spark started on
+        # the cluster this process happened to be connected to.
+        connected = ray.get_runtime_context().gcs_address
+        if ray_address != connected:
+            raise ConfigError(
+                f"init_spark(ray_address={ray_address!r}): this process is connected to the "
+                f"Ray cluster at {connected} already; leave ray_address out to use that "
+                "cluster, or call ray.shutdown() first to connect to another")
     _check_executor_memory_fits(num_executors, executor_memory)
     if hybrid_shuffle:
         from hybrid_ray.actors import get_master

@@ -5,6 +5,7 @@ cleanup and bad input. One Spark session for the module: starting it costs ~40 s
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -321,6 +322,23 @@ def test_bad_input_is_explained(spark, orders, tmp_path):
     assert spark_bridge.held_shuffles() == []
 
 
+def test_numpy_partition_counts_are_taken_by_every_operation(spark):
+    """Was: checked, then passed on as np.int64, which PySpark refused ("Argument
+    `numPartitions` should be a Column or str, got int64") on the manager's path."""
+    import numpy as np
+
+    df = spark.range(0, 200, numPartitions=2).selectExpr("id", "id % 7 as k")
+    n = np.int64(3)
+    out = spark_bridge.repartition(df, n, "k")
+    assert out.rdd.getNumPartitions() == 3 and sorted(out.collect()) == sorted(df.collect())
+    assert spark_bridge.sort(df, "id", num_partitions=n).collect() == df.orderBy("id").collect()
+    agg = spark_bridge.aggregate(df, "k", {"n": ("*", "count")}, num_partitions=n)
+    assert sorted((r.k, r.n) for r in agg.collect()) == \
+        sorted((k, sum(1 for i in range(200) if i % 7 == k)) for k in range(7))
+    joined = spark_bridge.join(df, df.select("k").distinct(), "k", num_partitions=n)
+    assert sorted(joined.collect()) == sorted(df.join(df.select("k").distinct(), "k").collect())
+
+
 def test_init_spark_validates_and_explains(spark, monkeypatch):
     with pytest.raises(ConfigError, match="num_executors"):
         spark_bridge.init_spark("x", num_executors=0)
@@ -328,6 +346,13 @@ def test_init_spark_validates_and_explains(spark, monkeypatch):
         spark_bridge.init_spark("x", executor_memory="lots")
     with pytest.raises(spark_bridge.SparkSetupError, match="already running"):
         spark_bridge.init_spark("again")
+    # Was dropped silently, Spark started on the cluster this process is connected to.
+    with pytest.raises(ConfigError, match=r"init_spark\(ray_address='10.255.255.1:6379'\): "
+                                          r"this process is connected to the Ray cluster at "
+                                          + re.escape(ray.get_runtime_context().gcs_address)):
+        spark_bridge.init_spark("x", ray_address="10.255.255.1:6379")
+    with pytest.raises(ConfigError, match="ray_address must be a Ray address"):
+        spark_bridge.init_spark("x", ray_address=6379)
     monkeypatch.setenv("JAVA_HOME", "/nonexistent-jdk")
     with pytest.raises(spark_bridge.SparkSetupError, match="JAVA_HOME"):
         spark_bridge.init_spark("x")
