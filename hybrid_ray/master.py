@@ -228,6 +228,11 @@ class ShuffleRegistry:
         # ``spark_jvm.abort``): applied when it is registered.
         self.spark_early_aborts: collections.OrderedDict[str, set[int]] = \
             collections.OrderedDict()
+        # Spark executors removed, by (application prefix, executor id): the highest map
+        # attempt id launched there (``spark_jvm.executor_lost``); a later commit of one of
+        # those attempts is dropped.
+        self.spark_lost_executors: collections.OrderedDict[tuple[str, str], int] = \
+            collections.OrderedDict()
 
     def _get(self, shuffle_id: str) -> ShuffleState:
         try:

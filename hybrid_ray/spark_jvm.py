@@ -226,6 +226,11 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     executor = request.get("executor")
     if isinstance(executor, str) and 0 < len(executor) <= MAX_EXECUTOR_ID_CHARS:
         state.spark_executors.setdefault(map_id, executor)
+        if _written_before_loss(registry, shuffle_id, executor, map_id):
+            # Sent before its executor died, delivered after the loss was handled: kept,
+            # nobody read it (Spark recomputed the executor's maps) and its files and
+            # books stayed until the shuffle's release. Dropped as an abort drops one.
+            abort(registry, {"shuffle": shuffle_id, "map_id": map_id})
     if map_id in state.spark_finished:
         # A commit of an attempt already finished can only be its last commit delivered
         # again (a retried call): its segments are the published ones. Taken as a refused
@@ -257,6 +262,18 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
 
 # Longest executor id a commit may name (``executor_lost``); Spark's are short numbers.
 MAX_EXECUTOR_ID_CHARS = 128
+# Removed executors the master remembers (``ShuffleRegistry.spark_lost_executors``).
+LOST_EXECUTORS_KEPT = 4096
+
+
+def _written_before_loss(registry: ShuffleRegistry, shuffle_id: str, executor: str,
+                         map_id: int) -> bool:
+    """Whether Spark map attempt ``map_id`` ran on ``executor`` before Spark removed it.
+    Task attempt ids grow through an application, so an executor RayDP restarted under
+    the same id runs attempts above the last one launched before the removal."""
+    return any(shuffle_id.startswith(prefix) and map_id <= last
+               for (prefix, lost), last in registry.spark_lost_executors.items()
+               if lost == executor)
 
 
 def executor_lost(registry: ShuffleRegistry, request: Mapping[str, Any]) -> int:
@@ -268,12 +285,25 @@ def executor_lost(registry: ShuffleRegistry, request: Mapping[str, Any]) -> int:
     before any reader asks, so nobody reads them again. Kept, the dead attempts stayed
     in the node's books until the shuffle's release (a review measured 60 MiB counted
     against 48 MiB in the store), shrinking the memory tier for the rest of the session,
-    and their disk files stayed too."""
+    and their disk files stayed too.
+
+    ``last_task``: the highest task attempt id Spark launched on the executor (-1 if
+    unknown); a commit of one of its attempts that arrives later is dropped too."""
     executor, prefix = request.get("executor"), request.get("prefix")
     if not isinstance(executor, str) or not executor or not isinstance(prefix, str) \
             or not prefix.startswith("spark-"):
         raise ValueError(f"spark_executor_lost needs an executor id and a Spark application "
                          f"prefix, got executor={executor!r} prefix={prefix!r}")
+    last_task = request.get("last_task", -1)
+    if isinstance(last_task, bool) or not isinstance(last_task, int):
+        raise ValueError(f"spark_executor_lost's last_task must be a task attempt id, got "
+                         f"{last_task!r}")
+    if last_task >= 0:
+        lost = registry.spark_lost_executors
+        lost[(prefix, executor)] = max(last_task, lost.get((prefix, executor), -1))
+        lost.move_to_end((prefix, executor))
+        while len(lost) > LOST_EXECUTORS_KEPT:
+            lost.popitem(last=False)
     dropped = 0
     for shuffle_id in matching(registry, {"prefix": prefix}):
         state = registry.state(shuffle_id)

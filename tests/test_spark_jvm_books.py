@@ -325,6 +325,38 @@ def test_an_executor_spark_removed_takes_the_attempts_it_wrote_with_it() -> None
         with pytest.raises(ValueError, match="needs an executor id and a Spark application"):
             executor_lost(registry, bad)
 
+def test_a_commit_sent_before_its_executor_was_removed_and_delivered_after_is_dropped(
+        ) -> None:
+    """Was kept as a finished attempt (found by a review): Spark had dropped the executor's
+    outputs, so nobody read it, and its files and books stayed until the release. The
+    driver names the last task it launched there; an executor RayDP restarts under the
+    same id runs higher task ids, and those commits count."""
+    from hybrid_ray.spark_jvm import executor_lost
+
+    registry, deleted = _deleting_registry()
+
+    def commit_from(map_index: int, map_id: int, executor: str, where: str) -> None:
+        commit(registry, {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": map_index,
+                          "map_id": map_id, "node": "n1", "final": True,
+                          "executor": executor, "segments": [_seg(0, 0, where)]},
+               lambda token: None)
+
+    commit_from(0, 100, "7", "a")
+    assert executor_lost(registry, {"prefix": "spark-app-", "executor": "7",
+                                    "last_task": 101}) == 1
+    commit_from(1, 101, "7", "late")  # launched before the removal, delivered after it
+    commit_from(2, 102, "7", "restarted")  # the same id, restarted: a later task
+    commit_from(3, 99, "8", "other")  # another executor's, below that id: counts
+    assert sorted(deleted) == ["a", "late"]
+    assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[101, 0], [102, 0], [99, 0]]}
+                  )["blocks"] == [None, [["memory", 10, "n1", "restarted"]],
+                                  [["memory", 10, "n1", "other"]]]
+    for bad in ("9", 1.5, True):
+        with pytest.raises(ValueError, match="last_task must be a task attempt id"):
+            executor_lost(registry, {"prefix": "spark-app-", "executor": "7",
+                                     "last_task": bad})
+
+
 def test_the_tier_manager_s_remote_io_for_the_jvm_is_bounded(tmp_path, monkeypatch) -> None:
     """A JVM segment is written to and read from the remote tier by the node's tier
     manager (``spark_jvm.write_remote`` / ``read_remote``), an actor that runs one call at

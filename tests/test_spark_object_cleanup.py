@@ -116,5 +116,11 @@ def test_a_dead_executor_s_map_outputs_leave_the_node_s_books(tmp_path):
             time.sleep(0.5)
         assert books_mib() <= _object_store_mib() + 4, (first, books_mib(),
                                                          _object_store_mib())
+        # The driver named the last task it launched on the removed executor (a late
+        # commit of one of its attempts is dropped: test_spark_jvm_books).
+        from hybrid_ray.actors import get_master
+        lost = ray.get(get_master(config.namespace).__ray_call__.remote(
+            lambda master: dict(master.registry.spark_lost_executors)), timeout=30)
+        assert len(lost) == 1 and min(lost.values()) >= 0, lost
     finally:
         spark_bridge.stop_spark()

@@ -14,6 +14,7 @@ import org.apache.spark.SparkEnv;
 import org.apache.spark.TaskContext;
 import org.apache.spark.scheduler.SparkListener;
 import org.apache.spark.scheduler.SparkListenerExecutorRemoved;
+import org.apache.spark.scheduler.SparkListenerTaskStart;
 import org.apache.spark.shuffle.ShuffleHandle;
 import org.apache.spark.shuffle.ShuffleReadMetricsReporter;
 import org.apache.spark.shuffle.ShuffleReader;
@@ -62,6 +63,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   private final RayCallGate rayCalls = new RayCallGate();
   // Whether this driver's listener for removed executors is added (watchExecutors).
   private final AtomicBoolean watchingExecutors = new AtomicBoolean();
+  /** Driver: the highest task attempt id Spark launched on each live executor. */
+  private final ConcurrentHashMap<String, Long> lastTaskByExecutor = new ConcurrentHashMap<>();
 
   public HybridRayShuffleManager(SparkConf conf) {
     super(conf);
@@ -361,18 +364,34 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     }
     sc.addSparkListener(new SparkListener() {
       @Override
+      public void onTaskStart(SparkListenerTaskStart started) {
+        lastTaskByExecutor.merge(started.taskInfo().executorId(), started.taskInfo().taskId(),
+            Math::max);
+      }
+
+      @Override
       public void onExecutorRemoved(SparkListenerExecutorRemoved removed) {
-        whileRayOpen(() -> sendExecutorLost(removed.executorId()));
+        // The listener bus delivers in order: every task start on this executor came first.
+        Long lastTask = lastTaskByExecutor.remove(removed.executorId());
+        whileRayOpen(() -> sendExecutorLost(removed.executorId(),
+            lastTask == null ? -1L : lastTask));
       }
     });
   }
 
-  private void sendExecutorLost(String executorId) {
+  /**
+   * {@code lastTask}: the highest task attempt id (a map attempt's id) Spark launched on the
+   * executor. A commit of one of those reaching the master after this (sent before the
+   * executor died) is dropped; an executor RayDP restarts under the same id runs tasks
+   * with higher ids, whose commits count.
+   */
+  private void sendExecutorLost(String executorId, long lastTask) {
     try {
       HybridRayContext ctx = ctx();
       ObjectNode request = ctx.json.createObjectNode();
       request.put("prefix", ctx.appPrefix());
       request.put("executor", executorId);
+      request.put("last_task", lastTask);
       ctx.callAsync(ctx.master(), "spark_executor_lost", ctx.toJson(request));
     } catch (Exception e) {
       LOG.warn("hybrid_ray: could not tell the master that executor {} is gone; its map "
