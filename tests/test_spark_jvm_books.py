@@ -357,6 +357,18 @@ def test_a_commit_sent_before_its_executor_was_removed_and_delivered_after_is_dr
                                      "last_task": bad})
 
 
+def test_a_commit_whose_segment_entries_are_malformed_is_refused() -> None:
+    # Was: entries of seven elements and more were taken, the rest dropped silently.
+    registry, deleted = _deleting_registry()
+    for bad in ([0, 0, "memory", 10, "a", None, "extra"], [0, 0, "memory", 10], "0,0"):
+        with pytest.raises(ValueError, match=r"a segment of a Spark commit is \[partition, "
+                                             r"index, tier, nbytes, location\]"):
+            commit(registry, {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": 0,
+                              "map_id": 100, "node": "n1", "final": True,
+                              "segments": [_seg(0, 0, "ok"), bad]}, lambda token: None)
+    assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[100, 0]]})["blocks"] == [None]
+
+
 def test_the_tier_manager_s_remote_io_for_the_jvm_is_bounded(tmp_path, monkeypatch) -> None:
     """A JVM segment is written to and read from the remote tier by the node's tier
     manager (``spark_jvm.write_remote`` / ``read_remote``), an actor that runs one call at
