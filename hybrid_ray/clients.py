@@ -704,6 +704,10 @@ class ReadClient:
         if tier is None:
             raise ValueError(f"{meta.id} is in the {meta.tier.value} tier, which this read "
                              "client was not configured with")
+        if isinstance(tier, RemoteTier):
+            # Bounded as a read-ahead is: a sync store's call (NFS through file://) has no
+            # deadline of its own, and a hung server held this read forever.
+            return tier.outcome(tier.read_async(meta), f"the read of {meta.id}", meta.nbytes)
         return tier.read(meta)
 
     def read(self, meta: SegmentMeta) -> pa.Table:

@@ -441,12 +441,14 @@ def test_a_read_ahead_from_a_hung_sync_store_fails_within_its_bound(tmp_path, mo
     monkeypatch.setattr(RemoteTier, "read", hung_read)
     monkeypatch.setattr(remote_module, "RESULT_WAIT_S", 1.0)
     reader = ReadClient({tier.name: tier}, "n1")
-    thread, outcome = _in_thread(lambda: list(reader.read_in_order([meta])))
-    thread.join(10)
-    assert not thread.is_alive(), "still waiting on the hung store"
-    error = outcome.get("error")
-    assert isinstance(error, ShuffleStalledError), outcome
-    assert f"the read of {sid}" in str(error) and "did not finish within" in str(error)
+    # Also the public one-segment read (was: no bound at all).
+    for read in (lambda: list(reader.read_in_order([meta])), lambda: reader.read(meta)):
+        thread, outcome = _in_thread(read)
+        thread.join(10)
+        assert not thread.is_alive(), "still waiting on the hung store"
+        error = outcome.get("error")
+        assert isinstance(error, ShuffleStalledError), outcome
+        assert f"the read of {sid}" in str(error) and "did not finish within" in str(error)
 
 
 def test_an_abort_waits_for_hung_uploads_within_one_bound_not_one_each(tmp_path,
