@@ -459,14 +459,17 @@ class ActorNodeStorage:
 
 
 def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,
-                  **options: Any) -> Any:
-    """The named actor, started (detached) if it is not running yet."""
+                  detached: bool = True, **options: Any) -> Any:
+    """The named actor, started if it is not running yet: detached (it outlives its
+    driver), or with ``detached=False`` owned by the caller and ended with it."""
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
         pass
-    return actor_class.options(name=name, namespace=namespace, lifetime="detached",
-                               get_if_exists=True, **options).remote(*args)
+    if detached:
+        options["lifetime"] = "detached"
+    return actor_class.options(name=name, namespace=namespace, get_if_exists=True,
+                               **options).remote(*args)
 
 
 def get_tier_manager(node_id: str, namespace: str) -> Any:
@@ -1054,15 +1057,57 @@ def _alive_cpu_nodes() -> list[dict]:
     return sorted(nodes, key=lambda n: n["NodeID"])
 
 
+def _job_worker_tag() -> str:
+    """"" for a caller in Ray's default runtime environment, else ``job<id>_``: a job
+    with a runtime environment of its own (a working_dir, pip packages, env_vars) gets
+    writers and readers of its own, ended with it. Shared, the namespace's kept workers ran
+    every later job's maps with the first job's code and environment variables: a later
+    job's partitioner was not found ("No module named ..."), or ran as the first job's
+    version, and the first job's credentials served the later job's remote tier."""
+    env = dict(ray.get_runtime_context().runtime_env or {})
+    if env.get("env_vars") == WORKER_ENV:  # called inside one of our own workers
+        env.pop("env_vars")
+    return f"job{ray.get_runtime_context().get_job_id()}_" if env else ""
+
+
+def worker_name(prefix: str, node: str, k: int) -> str:
+    """The name of writer or reader ``k`` of ``node`` for the calling job (see
+    ``_job_worker_tag``)."""
+    return f"{prefix}{_job_worker_tag()}{node}_{k}"
+
+
 def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
     # Hard affinity: with soft affinity Ray placed a new node's writer on the driver's node
     # about half the time on a fresh two-node cluster (its view of the new node lagging),
     # leaving that node's CPUs idle and its tier manager unused. If the node dies, the
     # worker dies with it, as does the node's tier manager and every segment on it: the
     # shuffle in flight fails loudly, and later ones use only the alive nodes.
-    return _get_or_start(ShuffleWorkerActor, f"{prefix}{node}_{k}", namespace,
-                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                         runtime_env={"env_vars": WORKER_ENV})
+    name = worker_name(prefix, node, k)
+    options = dict(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                   runtime_env={"env_vars": WORKER_ENV})
+    if name == f"{prefix}{node}_{k}":
+        return _get_or_start(ShuffleWorkerActor, name, namespace, **options)
+    # A job's own worker. Ray ends an actor that is not detached once its creator's handle
+    # is gone (a handle from get_actor does not keep it): the handle that created it is
+    # held here for the job's later shuffles, for this Ray session.
+    session = ray.get_runtime_context().gcs_address
+    if _job_workers.get("session") != session:
+        _job_workers.clear()
+        _job_workers["session"] = session
+    try:
+        found = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        found = None
+    if found is not None:
+        return _job_workers.get((namespace, name), found)
+    handle = _get_or_start(ShuffleWorkerActor, name, namespace, detached=False, **options)
+    _job_workers[(namespace, name)] = handle
+    return handle
+
+
+# A job's own writers and readers (``_job_worker_tag``) by (namespace, name), held for the
+# life of the process's Ray session ("session": its GCS address).
+_job_workers: dict[Any, Any] = {}
 
 
 def _worker_nodes(nodes: list[dict]) -> list[str]:
@@ -1216,10 +1261,10 @@ def start_actors(namespace: str, num_readers: int, *, wait: bool = False,
     tier_managers = tuple(ActorSlot(TIER_MANAGER_PREFIX + node, node,
                                     get_tier_manager(node, namespace))
                           for node in _worker_nodes(nodes))
-    writers = tuple(ActorSlot(f"{WRITER_PREFIX}{node}_{k}", node,
+    writers = tuple(ActorSlot(worker_name(WRITER_PREFIX, node, k), node,
                               _worker(WRITER_PREFIX, node, k, namespace))
                     for node, k in _writer_slots(nodes))
-    readers = tuple(ActorSlot(f"{READER_PREFIX}{node}_{k}", node,
+    readers = tuple(ActorSlot(worker_name(READER_PREFIX, node, k), node,
                               _worker(READER_PREFIX, node, k, namespace))
                     for node, k in _reader_slots(nodes, num_readers))
     actors = ShuffleActors(namespace, master, tier_managers, writers, readers)

@@ -106,3 +106,64 @@ def test_a_disk_segment_is_served_after_its_node_s_tier_manager_died(cluster, tm
 
     assert ray.get(read_ahead_from_head.options(**on(head)).remote(), timeout=120) == payload
     ray.kill(get_tier_manager(other, cfg.namespace), no_restart=True)  # it knows no shuffle
+
+
+_JOB_B = '''
+import json, sys
+import numpy as np, pyarrow as pa, ray
+import hybrid_ray
+from hybrid_ray import ShuffleConfig
+address, wd, namespace, spill = sys.argv[1:5]
+sys.path.insert(0, wd)
+import jobpart  # noqa: E402  (only in this job's working_dir)
+ray.init(address=address, log_to_driver=False,
+         runtime_env={"working_dir": wd, "env_vars": {"HR_JOB_MARK": "job-b"}})
+table = pa.table({"key": np.arange(5000, dtype=np.int64)})
+result = hybrid_ray.run_shuffle([ray.put(table)], 4, jobpart.ModPartitioner(), table.schema,
+                                ShuffleConfig(namespace=namespace, spill_dirs=[spill],
+                                              progress=False))
+keys = sorted(k for ref in result.refs for k in ray.get(ref).column("key").to_pylist())
+marks = ray.get([w.run.remote(lambda: __import__("os").environ.get("HR_JOB_MARK"))
+                 for _, w in hybrid_ray.actors.get_writers(namespace)])
+print(json.dumps({"exact": keys == list(range(5000)), "marks": marks,
+                  "job": ray.get_runtime_context().get_job_id()}))
+'''
+
+
+def test_a_job_with_its_own_runtime_env_runs_its_maps_in_workers_of_its_own(cluster, tmp_path):
+    """Was: the namespace's kept writers were started by the first job and served every
+    later one: a job's partitioner from its working_dir was not found ("No module named
+    'jobpart'"), and its env_vars (credentials too) were the first job's. A job with a
+    runtime environment of its own gets workers of its own, ended with it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import ray
+
+    namespace = "hr_job_envs"
+    get_writers(namespace)  # this job's workers exist first (before: the namespace's)
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "jobpart.py").write_text(
+        "import numpy as np\nfrom hybrid_ray import Partitioner\n\n\n"
+        "class ModPartitioner(Partitioner):\n"
+        "    def assign(self, table, map_index, num_partitions):\n"
+        "        return (table['key'].to_numpy() % num_partitions).astype(np.int64)\n")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    out = subprocess.run([sys.executable, "-c", _JOB_B, cluster.address, str(wd), namespace,
+                          str(tmp_path / "spill")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    assert answer["exact"] and answer["marks"] and set(answer["marks"]) == {"job-b"}, answer
+    # Its workers ended with it; this job's never saw its environment.
+    deadline = time.monotonic() + 30
+    while any(f"job{answer['job']}_" in a["name"]
+              for a in ray.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() < deadline, "job B's workers outlived it"
+        time.sleep(0.5)
+    assert {ray.get(w.run.remote(lambda: os.environ.get("HR_JOB_MARK")))
+            for _, w in get_writers(namespace)} == {None}

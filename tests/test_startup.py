@@ -14,7 +14,8 @@ import hybrid_ray
 from conftest import base_config, row_fingerprint, start_local_ray
 from hybrid_ray import ActorStartError, ConfigError, ShuffleConfig
 from hybrid_ray.actors import (
-    MASTER_NAME, READER_PREFIX, TIER_MANAGER_PREFIX, WRITER_PREFIX, writers_per_node,
+    MASTER_NAME, READER_PREFIX, TIER_MANAGER_PREFIX, WRITER_PREFIX, worker_name,
+    writers_per_node,
 )
 
 
@@ -46,10 +47,10 @@ def _expected(head: str, cpus_per_node: dict[str, int], readers: int
     for node in nodes:
         expected[TIER_MANAGER_PREFIX + node] = node
         for k in range(writers_per_node(cpus_per_node[node])):
-            expected[f"{WRITER_PREFIX}{node}_{k}"] = node
+            expected[worker_name(WRITER_PREFIX, node, k)] = node
     for i in range(readers):
         node = nodes[i % len(nodes)]
-        expected[f"{READER_PREFIX}{node}_{i // len(nodes)}"] = node
+        expected[worker_name(READER_PREFIX, node, i // len(nodes))] = node
     return expected
 
 
@@ -90,8 +91,11 @@ def test_init_starts_exactly_the_actors_a_shuffle_needs_on_their_nodes(started):
     assert actors.master.name == MASTER_NAME
     assert [s.name for s in actors.tier_managers] == [TIER_MANAGER_PREFIX + node]
     # Two CPUs: a writer per CPU and a spare (actors.SPARE_WRITERS_PER_NODE).
-    assert [s.name for s in actors.writers] == [f"{WRITER_PREFIX}{node}_{k}" for k in (0, 1, 2)]
-    assert [s.name for s in actors.readers] == [f"{READER_PREFIX}{node}_{k}" for k in (0, 1)]
+    # (Named for this job: the tests' Ray has a runtime environment, see _job_worker_tag.)
+    assert [s.name for s in actors.writers] == [worker_name(WRITER_PREFIX, node, k)
+                                                for k in (0, 1, 2)]
+    assert [s.name for s in actors.readers] == [worker_name(READER_PREFIX, node, k)
+                                                for k in (0, 1)]
     # The writers and readers ran the warm-up: their answers are their own processes.
     pids = ray.get([s.handle.run.remote(os.getpid) for s in actors.writers + actors.readers])
     assert pids == [processes[s.name][0] for s in actors.writers + actors.readers]
