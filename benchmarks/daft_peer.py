@@ -31,6 +31,9 @@ CHILD_REQUIREMENTS = ("xxhash==4.1.0",)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = os.path.join(ROOT, ".venv-daft")
 READY_MARKER = ".hr-bench-ready"
+# Written as soon as ``python -m venv`` made the directory: this suite made it, and may
+# remove it (``READY_MARKER`` comes only once everything is installed).
+MADE_MARKER = ".hr-bench-made"
 RESULT_PREFIX = "HR_DAFT_RESULT "
 # Daft strategy -> the shuffle node its physical plan must show.
 STRATEGIES = {"map_reduce": "RayShuffle", "flight_shuffle": "FlightShuffle"}
@@ -58,7 +61,11 @@ def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable
                      timeout: float = 1200) -> str:
     """The python of a virtualenv with ``spec`` and ``CHILD_REQUIREMENTS`` installed, made
     on first use; a ready venv (its marker names them) is reused as is. Raises
-    ``DaftUnavailable`` with the failing step and its last line of output."""
+    ``DaftUnavailable`` with the failing step and its last line of output.
+
+    Only a directory this function made (its marker present, whatever it names) or an
+    empty one is ever removed: any other directory at ``venv`` is refused, untouched
+    (``--daft-venv .venv`` once deleted the project's own virtualenv)."""
     marker = os.path.join(venv, READY_MARKER)
     python = venv_python(venv)
     requirements = [spec, *CHILD_REQUIREMENTS]
@@ -67,7 +74,10 @@ def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable
         with open(marker) as f:
             if f.read().strip() == ready:
                 return python
-    shutil.rmtree(venv, ignore_errors=True)  # partial or for another spec: start over
+    problem = venv_path_problem(venv)
+    if problem:
+        raise DaftUnavailable(problem)
+    shutil.rmtree(venv, ignore_errors=True)  # ours, partial or for another spec: start over
     steps = [
         ("create the venv", [base_python, "-m", "venv", venv]),
         (f"pip install {ready}", [python, "-m", "pip", "install", "--quiet",
@@ -79,13 +89,45 @@ def ensure_daft_venv(venv: str = DEFAULT_VENV, base_python: str = sys.executable
         try:
             proc = run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.SubprocessError) as exc:
+            _forget_unmarked(venv)
             raise DaftUnavailable(f"cannot {what}: {type(exc).__name__}: {exc}") from exc
         if proc.returncode != 0:
+            _forget_unmarked(venv)
             raise DaftUnavailable(f"cannot {what} (exit {proc.returncode}): "
                                   f"{_last_line(proc.stderr) or _last_line(proc.stdout)}")
+        if what == "create the venv" and os.path.isdir(venv):
+            # Marked as ours at once: a later pip failure leaves a venv the next run may
+            # remove and make again (not one it must refuse as someone else's).
+            with open(os.path.join(venv, MADE_MARKER), "w") as f:
+                f.write(ready + "\n")
     with open(marker, "w") as f:
         f.write(ready + "\n")
     return python
+
+
+def venv_path_problem(venv: str) -> str | None:
+    """Why ``venv`` must not be (re)made by ``ensure_daft_venv``, or None: something is
+    there that this suite did not make (no marker) and that is not an empty directory."""
+    if not os.path.lexists(venv):
+        return None
+    if os.path.isdir(venv) and not os.path.islink(venv):
+        if _made_here(venv) or not os.listdir(venv):
+            return None
+    return (f"refusing to replace {venv}: it is not a Daft virtualenv this suite made (no "
+            f"{READY_MARKER} or {MADE_MARKER} in it) and not an empty directory; choose "
+            f"another --daft-venv path (default {DEFAULT_VENV})")
+
+
+def _forget_unmarked(venv: str) -> None:
+    """Remove what a failed ``python -m venv`` left at ``venv`` before the marker was
+    written (this call made it: the path was free or empty), so the next run does not
+    refuse it as someone else's."""
+    if os.path.isdir(venv) and not _made_here(venv):
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def _made_here(venv: str) -> bool:
+    return any(os.path.exists(os.path.join(venv, m)) for m in (READY_MARKER, MADE_MARKER))
 
 
 def child_command(python: str, strategy: str, workload: str, size: int, seed: int,

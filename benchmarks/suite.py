@@ -1268,6 +1268,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     args.workload = args.workload or ["gensort"]
     selected = args.scenario or [s.name for s in SCENARIOS.values() if s.default]
+    problem = daft_peer.venv_path_problem(args.daft_venv) \
+        if any(SCENARIOS[s].group == "daft" for s in selected) else None
+    if problem:  # said before any case runs, not after an hour of them
+        print(f"benchmarks: --daft-venv: {problem}", file=sys.stderr)
+        return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or os.path.join("benchmarks", "results", stamp)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": args.cpus,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -840,3 +841,53 @@ def test_idle_timeline_removes_its_work_dir_when_tracing_fails(monkeypatch, caps
     assert capsys.readouterr().err == (
         "idle_timeline: perf record ended at once (exit 1): no tracefs\n")
     assert not work.exists()
+
+
+# ---- review fixes ----------------------------------------------------------------------------
+def test_a_daft_venv_path_holding_something_else_is_refused_untouched(tmp_path):
+    """``--daft-venv .venv`` deleted the project's own virtualenv (no marker: removed
+    before pip ran). Only a directory the suite made (its marker, any version) or an empty
+    one may be removed; anything else is refused, named, with the fix."""
+    from benchmarks.daft_peer import READY_MARKER, DaftUnavailable, ensure_daft_venv
+    from benchmarks.suite import main
+
+    theirs = tmp_path / ".venv"
+    (theirs / "bin").mkdir(parents=True)
+    (theirs / "bin" / "python").write_text("")
+    (theirs / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    ran = []
+
+    def no_network(cmd, **kwargs):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network")
+    with pytest.raises(DaftUnavailable, match=rf"refusing to replace {re.escape(str(theirs))}"
+                       r": .*choose another --daft-venv"):
+        ensure_daft_venv(str(theirs), run=no_network)
+    assert ran == [] and (theirs / "pyvenv.cfg").read_text() == "home = /usr/bin\n"
+    # Refused before any case runs, too.
+    assert main(["--scenario", "daft_map_reduce", "--daft-venv", str(theirs),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert (theirs / "bin" / "python").exists() and not (tmp_path / "out").exists()
+    # Ours (a marker, even of another version or not yet ready) and empty dirs are remade.
+    ours, empty = tmp_path / "ours", tmp_path / "empty"
+    (ours / "lib").mkdir(parents=True)
+    (ours / READY_MARKER).write_text("daft==0.1\n")
+    empty.mkdir()
+    for venv in (ours, empty):
+        ran.clear()
+        with pytest.raises(DaftUnavailable, match="cannot create the venv"):
+            ensure_daft_venv(str(venv), run=no_network)
+        assert len(ran) == 1 and not venv.exists()  # nothing half-made is left behind
+
+    def pip_fails(cmd, **kwargs):
+        if cmd[1:3] == ["-m", "venv"]:
+            os.makedirs(cmd[3], exist_ok=True)
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network")
+    with pytest.raises(DaftUnavailable, match="cannot pip install"):
+        ensure_daft_venv(str(ours), run=pip_fails)
+    # Marked as ours before pip ran (not as ready), so the next run may make it again.
+    from benchmarks.daft_peer import MADE_MARKER
+    assert (ours / MADE_MARKER).exists() and not (ours / READY_MARKER).exists()
+    with pytest.raises(DaftUnavailable, match="cannot pip install"):
+        ensure_daft_venv(str(ours), run=pip_fails)
