@@ -508,13 +508,23 @@ def _spawn(mode: str, args: argparse.Namespace, paths: dict[str, str], **capped:
            "--paths", json.dumps(paths), "--rounds", str(args.rounds), "--result", result_path]
     for key, value in capped.items():
         cmd += [f"--{key.replace('_', '-')}", value]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    from benchmarks.procs import run_own_group
+
     try:
-        with open(result_path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {"mode": mode, "error": (proc.stderr or proc.stdout).strip()[-1500:],
-                "queries": {}}
+        # In a session of its own: a timeout kills the child's whole process group (its
+        # local Ray and JVMs too), and is this mode's failure, not the run's end.
+        try:
+            proc = run_own_group(cmd, args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"mode": mode, "queries": {},
+                    "error": f"the {mode} child took over {args.timeout:.0f} s (killed "
+                             "with its process group)"}
+        try:
+            with open(result_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {"mode": mode, "error": (proc.stderr or proc.stdout).strip()[-1500:],
+                    "queries": {}}
     finally:
         os.unlink(result_path)
 

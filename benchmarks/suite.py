@@ -39,7 +39,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from benchmarks import daft_peer
+from benchmarks import daft_peer, procs
 from benchmarks.workloads import WORKLOADS, checksum, generate
 
 GiB = 1024**3
@@ -49,6 +49,8 @@ MB = 1_000_000
 RAYDP_CONVERT_MAX_BYTES = 256 * MB
 DAFT_VERSION = daft_peer.DAFT_SPEC.split("==")[1]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A Daft case's time limit: this for start-up and warm-up, plus every round at 2 MB/s.
+DAFT_TIMEOUT_BASE_S = 300
 
 
 def ray_runtime_env() -> dict:
@@ -535,14 +537,17 @@ class Bench:
                                       self.args.partitions, self.args.rounds, self.args.cpus,
                                       self._object_store_bytes(), shuffle_dir)
         # Generous: start-up, warm-up and every round at no less than 2 MB/s.
-        timeout = 300 + self.args.rounds * size / MB / 2
+        timeout = DAFT_TIMEOUT_BASE_S + self.args.rounds * size / MB / 2
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                  env=daft_peer.child_env(), cwd=self.workdir)
+            # In a session of its own: a timeout kills the child's whole process group,
+            # its Ray too (killed alone, the child left its Ray running under PID 1).
+            proc = procs.run_own_group(cmd, timeout, env=daft_peer.child_env(),
+                                       cwd=self.workdir)
             data = daft_peer.parse_daft_output(proc.stdout)
         except subprocess.TimeoutExpired:
             return CaseResult(name, "daft", workload, size,
-                              error=f"the Daft subprocess took over {timeout:.0f} s")
+                              error=f"the Daft subprocess took over {timeout:.0f} s "
+                                    "(killed with its process group)")
         except ValueError as exc:
             tail = daft_peer._last_line(proc.stderr)
             return CaseResult(name, "daft", workload, size,

@@ -891,3 +891,79 @@ def test_a_daft_venv_path_holding_something_else_is_refused_untouched(tmp_path):
     assert (ours / MADE_MARKER).exists() and not (ours / READY_MARKER).exists()
     with pytest.raises(DaftUnavailable, match="cannot pip install"):
         ensure_daft_venv(str(ours), run=pip_fails)
+
+
+def _group_leaver(tmp_path, sleep_s):
+    """A fake child: starts a grandchild (as a child's Ray would, its output elsewhere),
+    writes its pid, then sleeps ``sleep_s``. Returns (script, pid file)."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = tmp_path / "child.sh"
+    script.write_text(f"#!/bin/sh\nsleep 120 >/dev/null 2>&1 </dev/null &\n"
+                      f"echo $! > {pid_file}\nsleep {sleep_s}\n")
+    script.chmod(0o755)
+    return str(script), pid_file
+
+
+def _alive(pid):
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone_soon(pid, within=5.0):
+    import time
+
+    deadline = time.monotonic() + within
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)  # not left behind by a failing test either
+    return not alive
+
+
+def test_a_daft_child_that_times_out_is_killed_with_everything_it_started(monkeypatch,
+                                                                          tmp_path):
+    """A timed-out Daft child left its Ray (re-parented to PID 1) running: the child runs
+    in a session of its own and a timeout kills its whole process group."""
+    from benchmarks import suite
+    from benchmarks.suite import Bench, add_arguments
+
+    python, pid_file = _group_leaver(tmp_path, sleep_s=8)
+    monkeypatch.setattr(suite, "DAFT_TIMEOUT_BASE_S", 1, raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--size", "1MB", "--rounds", "1"])
+    args.scaling, args.workload = [], ["gensort"]
+    bench = Bench(args)
+    try:
+        result = bench._daft_case(python, "daft_map_reduce", "gensort", 1_000_000)
+    finally:
+        bench.close()
+        gone = _gone_soon(int(pid_file.read_text()))  # (and killed if not)
+    assert gone
+    assert not result.verified and "took over 2 s (killed with its process group)" in \
+        result.error
+
+
+def test_a_sql_child_that_times_out_is_a_failed_mode_and_is_killed_with_its_group(
+        monkeypatch, tmp_path):
+    """``spark_sql._spawn`` let TimeoutExpired end the whole run, and left the child's
+    Ray and JVMs running: a timeout is that mode's failure, its process group killed."""
+    from benchmarks import spark_sql
+
+    python, pid_file = _group_leaver(tmp_path, sleep_s=60)
+    monkeypatch.setattr(sys, "executable", python)
+    args = argparse.Namespace(rounds=1, timeout=1.0)
+    try:
+        result = spark_sql._spawn("hybrid_ray", args, {}, capped_disk=str(tmp_path))
+    finally:
+        gone = _gone_soon(int(pid_file.read_text()))  # (and killed if not)
+    assert gone
+    assert result == {"mode": "hybrid_ray", "queries": {},
+                      "error": "the hybrid_ray child took over 1 s (killed with its process "
+                               "group)"}
+    assert spark_sql._capped_outcome(result).startswith("failed: the hybrid_ray child took")
