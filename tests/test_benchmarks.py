@@ -967,3 +967,30 @@ def test_a_sql_child_that_times_out_is_a_failed_mode_and_is_killed_with_its_grou
                       "error": "the hybrid_ray child took over 1 s (killed with its process "
                                "group)"}
     assert spark_sql._capped_outcome(result).startswith("failed: the hybrid_ray child took")
+
+
+def test_sql_goals_are_not_met_when_either_mode_failed_a_query():
+    """A failed query was left out of the totals and the worst speed-up, so both speed
+    goals read "met" while hybrid_ray had failed a query: they are not met, and the
+    report says which queries failed in which mode."""
+    from benchmarks.spark_sql import QUERIES, markdown, summarize
+
+    def mode(seconds):
+        return {"queries": {q: {"seconds": list(seconds), "rows": 3, "fingerprint": "x",
+                                "fingerprints": ["x"] * len(seconds)} for q in QUERIES}}
+    first, *_ = QUERIES
+    for failing in ("hybrid_ray", "spark"):
+        own, ours = mode([10.0, 5.0]), mode([9.0, 4.0])
+        (ours if failing == "hybrid_ray" else own)["queries"][first] = {
+            "seconds": [], "error": "ShuffleFailedError: boom"}
+        summary = summarize(own, ours)
+        assert summary["goals"] == {
+            "total at least as fast as Spark's own shuffle (warm)": False,
+            "no query slower than 0.8x (first calls and warm)": False,
+            "same rows for every query": False}
+        assert summary["failed"] == {first: f"{failing}: ShuffleFailedError: boom"}
+    text = markdown(summary, {"command": "c", "date": "d", "cpus": 2, "scale": 0.1,
+                              "lineitems": 1, "rounds": 2, "startup_spark_s": 1.0,
+                              "startup_ours_s": 1.0}, None)
+    assert (f"- no query slower than 0.8x (first calls and warm): NOT met; failed queries, "
+            f"left out of the totals: {first} (spark: ShuffleFailedError: boom)") in text
