@@ -994,3 +994,23 @@ def test_sql_goals_are_not_met_when_either_mode_failed_a_query():
                               "startup_ours_s": 1.0}, None)
     assert (f"- no query slower than 0.8x (first calls and warm): NOT met; failed queries, "
             f"left out of the totals: {first} (spark: ShuffleFailedError: boom)") in text
+
+
+def test_the_simulated_nodes_goal_is_not_met_when_a_node_count_failed():
+    """A failed hybrid_nodes_N row was dropped and the others judged alone ("met");
+    the goal is not met and names the failed case, also with one node count left."""
+    def node_case(n, mb_s=None, error=None):
+        return CaseResult(f"hybrid_nodes_{n}", "hybrid_ray", "gensort", 2**31, n,
+                          seconds=1.0 if mb_s else None, mb_s=mb_s, verified=error is None,
+                          error=error)
+    for results in ([node_case(1, 100), node_case(2, 95), node_case(4, error="boom")],
+                    [node_case(1, 100), node_case(2, error="boom")]):
+        judged = [g for g in goals(results) if g["goal"].startswith("simulated nodes")]
+        assert len(judged) == 1 and judged[0]["met"] is False
+        assert judged[0]["detail"] == f"{results[-1].case} failed: boom"
+        assert judged[0]["goal"].startswith(
+            "simulated nodes " + "/".join(str(r.nodes) for r in results) + ": ")
+    text = markdown(results, {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31,
+                              "partitions": 16, "command": "c"})
+    assert "| simulated nodes 1/2: slowest vs fastest (within 20%) | 0.80x | " \
+           "hybrid_nodes_2 failed: boom | no |" in text
