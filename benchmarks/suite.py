@@ -1235,6 +1235,13 @@ def write_outputs(results: list[CaseResult], meta: dict[str, Any], out_dir: str)
 
 
 # ---- command line -----------------------------------------------------------------------------------
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container or taskset may
+    allow fewer than ``os.cpu_count()``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=parse_size, default=parse_size("256MB"),
                    help="data size per case, e.g. 256MB or 2GiB (default 256MB)")
@@ -1245,7 +1252,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scaling", default="",
                    help="extra sizes for hybrid_memory_disk, e.g. 0.25GiB,4GiB")
     p.add_argument("--partitions", type=int, default=16)
-    p.add_argument("--cpus", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--cpus", type=int, default=usable_cores(),
+                   help="CPUs for each case's Ray and the floor's cores, at most the cores "
+                        "this process may run on (default: all of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2,
                    help="timed runs of every case, on the same cluster and data; the "
@@ -1275,6 +1284,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.partitions <= 0 or args.cpus <= 0 or args.rounds <= 0:
         print("benchmarks: --partitions, --cpus and --rounds must be positive",
               file=sys.stderr)
+        return 2
+    if args.cpus > usable_cores():
+        # More CPUs than cores would oversubscribe them and divide the floor's CPU-seconds
+        # over cores that are not there (a higher floor, every case a smaller fraction).
+        print(f"benchmarks: --cpus {args.cpus} is more than the {usable_cores()} cores this "
+              "process may run on", file=sys.stderr)
         return 2
     try:
         args.scaling = [parse_size(s) for s in args.scaling.split(",") if s.strip()]

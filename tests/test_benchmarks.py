@@ -1014,3 +1014,18 @@ def test_the_simulated_nodes_goal_is_not_met_when_a_node_count_failed():
                               "partitions": 16, "command": "c"})
     assert "| simulated nodes 1/2: slowest vs fastest (within 20%) | 0.80x | " \
            "hybrid_nodes_2 failed: boom | no |" in text
+
+
+def test_bench_refuses_more_cpus_than_usable_cores_before_any_case_runs(monkeypatch, capsys,
+                                                                        tmp_path):
+    """--cpus above the cores this process may run on was accepted and divided the floor
+    over cores that are not there: it is refused before anything runs."""
+    from benchmarks import suite
+
+    ran = []
+    monkeypatch.setattr(suite.Bench, "run", lambda self, selected: ran.append(selected) or [])
+    cores = len(os.sched_getaffinity(0))
+    assert suite.main(["--cpus", str(cores + 1), "--scenario", "machine_hash_key",
+                       "--out", str(tmp_path / "out")]) == 2
+    assert ran == [] and f"--cpus {cores + 1} is more than the {cores} cores" in \
+        capsys.readouterr().err
