@@ -1271,6 +1271,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed cases")
 
 
+def out_dir_problem(out_dir: str) -> str | None:
+    """Why the results could not be written to ``out_dir`` (made here if missing), or
+    None: a file is written there and removed, as ``write_outputs`` will write."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return (f"cannot write the results to {out_dir}: {type(exc).__name__}: "
+                f"{exc.strerror or exc}; choose another --out directory")
+    return None
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     if args.list:
         for s in SCENARIOS.values():
@@ -1305,6 +1318,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or os.path.join("benchmarks", "results", stamp)
+    problem = out_dir_problem(out_dir)
+    if problem:  # found before the cases run: afterwards it cost the whole run
+        print(f"benchmarks: --out: {problem}", file=sys.stderr)
+        return 2
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": args.cpus,
             "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB,
             "size_bytes": args.size, "partitions": args.partitions, "seed": args.seed,

@@ -1029,3 +1029,18 @@ def test_bench_refuses_more_cpus_than_usable_cores_before_any_case_runs(monkeypa
                        "--out", str(tmp_path / "out")]) == 2
     assert ran == [] and f"--cpus {cores + 1} is more than the {cores} cores" in \
         capsys.readouterr().err
+
+
+# /proc/self: a directory that exists and that no one, root included, can write to.
+@pytest.mark.parametrize("out", ["a_file", "a_file/results", "/proc/self"])
+def test_a_bad_out_dir_is_refused_before_any_case_runs(monkeypatch, capsys, tmp_path, out):
+    """A bad --out (a file, under a file, not writable) was found only when every case had
+    run, losing the run: it is checked, with a write, before."""
+    from benchmarks import suite
+
+    ran = []
+    monkeypatch.setattr(suite.Bench, "run", lambda self, selected: ran.append(selected) or [])
+    (tmp_path / "a_file").write_text("")
+    assert suite.main(["--scenario", "machine_hash_key", "--out", str(tmp_path / out)]) == 2
+    assert ran == []
+    assert f"--out: cannot write the results to {tmp_path / out}: " in capsys.readouterr().err
