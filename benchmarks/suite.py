@@ -796,10 +796,13 @@ class Bench:
 def best_round(results: list[CaseResult], what: str = "rounds") -> CaseResult:
     """The fastest verified round of one case (else its first failure), noting every
     round's speed. A failed round is never hidden: it makes the case count as failed
-    (a shuffle that loses rows once is broken, however fast its other rounds)."""
+    (a shuffle that loses rows once is broken, however fast its other rounds), and a
+    failed case has no speed or time (a verified round's warm MB/s showed on it)."""
     failed = [r for r in results if not r.verified]
     best = failed[0] if failed else max(results, key=lambda r: r.mb_s or 0.0)
     best.first_mb_s, best.warm_mb_s = first_and_warm(results)
+    if failed:
+        best.mb_s = best.seconds = best.first_mb_s = best.warm_mb_s = None
     if len(results) > 1:
         speeds = " / ".join(f"{r.mb_s:.1f}" if r.verified and r.mb_s else "failed"
                             for r in results)
@@ -1120,7 +1123,7 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
     def vs(r, **baseline):
         """r's speed over the baseline's of the same workload and size ("-" if none: a
         scaling row or a 256 MB conversion row has no baseline of its own size)."""
-        if r.family == "machine" or not r.mb_s:
+        if r.family == "machine" or not r.verified or not r.mb_s:
             return "-"
         pool = [b for b in results if b.verified and b.mb_s and b.workload == r.workload
                 and b.size_bytes == r.size_bytes and b.family not in ("scaling", "machine")
@@ -1129,10 +1132,12 @@ def markdown(results: list[CaseResult], meta: dict[str, Any]) -> str:
     for r in results:
         tiers = (" / ".join(f"{r.tier_bytes.get(t, 0) / MB:.0f}" for t in
                             ("memory", "disk", "remote")) if r.tier_bytes else "-")
+        # A row that did not verify shows no speed or time ("-"), whatever it holds.
+        speeds = (f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | {_speed(r.first_mb_s)} | "
+                  f"{_speed(r.warm_mb_s)}") if r.verified else "- | - | - | -"
         lines.append(
             f"| {r.case} | {r.workload} | {r.size_bytes / MB:.0f} | {r.nodes} | "  # noqa
-            f"{r.mb_s or 0:.1f} | {r.seconds or 0:.2f} | {_speed(r.first_mb_s)} | "
-            f"{_speed(r.warm_mb_s)} | "
+            f"{speeds} | "
             f"{'yes' if r.verified else r.error if r.skipped else 'NO: ' + (r.error or '')}"
             f" | {tiers} | "
             f"{vs(r, case='raydata_shuffle_v2')} | {vs(r, family='ray_data')} | "

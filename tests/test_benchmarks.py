@@ -1044,3 +1044,29 @@ def test_a_bad_out_dir_is_refused_before_any_case_runs(monkeypatch, capsys, tmp_
     assert suite.main(["--scenario", "machine_hash_key", "--out", str(tmp_path / out)]) == 2
     assert ran == []
     assert f"--out: cannot write the results to {tmp_path / out}: " in capsys.readouterr().err
+
+
+def test_a_failed_case_shows_no_speed_or_time():
+    """A case whose second round failed showed the first round's MB/s as first call and
+    its seconds (in results.json and the table): a row that did not verify has none."""
+    import dataclasses
+
+    def case(mb_s, verified=True):
+        return CaseResult("c", "hybrid_ray", "gensort", 2**31, 1, seconds=1.0,
+                          mb_s=mb_s if verified else None, verified=verified,
+                          error=None if verified else "checksum mismatch")
+    for rounds in ([case(2147.5), case(None, False)], [case(None, False), case(2147.5)],
+                   [case(None, False), case(100.0), case(2147.5)]):
+        failed = best_round(rounds)
+        row = dataclasses.asdict(failed)
+        assert not row["verified"] and row["error"] == "checksum mismatch"
+        assert [row[k] for k in ("mb_s", "seconds", "first_mb_s", "warm_mb_s")] == [None] * 4
+    text = markdown([failed], {"date": "d", "cpus": 2, "memory_gib": 24,
+                               "size_bytes": 2**31, "partitions": 16, "command": "c"})
+    assert "| c | gensort | 2147 | 1 | - | - | - | - | NO: checksum mismatch |" in text
+    # Whatever a row that did not verify holds, the table shows no speed for it.
+    odd = CaseResult("d", "daft", "gensort", 2**31, 1, seconds=3.0, mb_s=9.0,
+                     first_mb_s=9.0, warm_mb_s=9.0, error="boom")
+    assert "| d | gensort | 2147 | 1 | - | - | - | - | NO: boom |" in markdown(
+        [odd], {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31,
+                "partitions": 16, "command": "c"})
