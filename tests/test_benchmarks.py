@@ -1070,3 +1070,26 @@ def test_a_failed_case_shows_no_speed_or_time():
     assert "| d | gensort | 2147 | 1 | - | - | - | - | NO: boom |" in markdown(
         [odd], {"date": "d", "cpus": 2, "memory_gib": 24, "size_bytes": 2**31,
                 "partitions": 16, "command": "c"})
+
+
+def test_the_fastest_ray_data_goal_names_the_strategies_it_is_the_fastest_of():
+    """"vs fastest Ray Data" read met when one Ray Data strategy had run: the goal names
+    the strategies that verified, and is not measured when none did."""
+    results = [_case("raydata_shuffle_v2", "ray_data", 100),
+               _case("raydata_hash", "ray_data", error="boom"),
+               _case("hybrid_memory_disk", "hybrid_ray", 200)]
+    fastest = next(g for g in goals(results) if "fastest Ray Data" in g["goal"])
+    assert fastest["goal"] == ("hybrid_memory_disk vs fastest Ray Data (raydata_shuffle_v2, "
+                               "fastest of 1: raydata_shuffle_v2)")
+    assert fastest["met"] is True  # 2.0x, judged against what ran
+    results.append(_case("raydata_sort_pull", "ray_data", 150))
+    fastest = next(g for g in goals(results) if "fastest Ray Data" in g["goal"])
+    assert fastest["goal"].endswith("(raydata_sort_pull, fastest of 2: raydata_shuffle_v2, "
+                                    "raydata_sort_pull)")
+    none = next(g for g in goals(results[1:2] + results[2:3])
+                if "fastest Ray Data" in g["goal"])
+    assert none["goal"].endswith("(no Ray Data case verified)") and none["met"] is None
+    text = markdown(results[1:3], {"date": "d", "cpus": 2, "memory_gib": 24,
+                                   "size_bytes": 2**31, "partitions": 16, "command": "c"})
+    assert "| hybrid_memory_disk vs fastest Ray Data (no Ray Data case verified) | 1.50x | - " \
+           "| not measured |" in text
