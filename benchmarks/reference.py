@@ -36,8 +36,10 @@ def polars_partition_by(blocks: Sequence[pa.Table], num_partitions: int, key: st
 
     Each round is timed from the DataFrame (Arrow data already converted once: the
     conversion is in the note) to the list of partitions, and checked afterwards against
-    the input's order-independent checksum, so a round that lost or invented rows does not
-    count. Raises ``ImportError`` naming the fix if Polars is not installed.
+    the input's order-independent checksum and for at most ``num_partitions`` partitions,
+    so a round that lost or invented rows does not count (which partition a key went to is
+    Polars's own hash, not checked). Raises ``ImportError`` naming the fix if Polars is
+    not installed.
     """
     if num_partitions < 1 or rounds < 1:
         raise ValueError(f"num_partitions and rounds must be >= 1, got {num_partitions} "

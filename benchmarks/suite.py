@@ -414,6 +414,9 @@ class Bench:
         spill = spill or os.path.join(self.workdir, "spill")
 
         def verify_refs(refs) -> Callable[[], bool]:
+            # Ray Data's cases: the output's rows only (count and checksum). Neither the
+            # block count nor where a key went is checked: Ray Data hashes with its own
+            # function and may split or merge blocks.
             return lambda: checksum(ray.get(r) for r in refs) == expected
 
         if name.startswith("raydata_"):
@@ -438,6 +441,8 @@ class Bench:
                 return out, verify_refs(refs), None, note
             family = "ray_data"
         else:
+            from hybrid_ray.partitioning import HashPartitioner
+
             config_name = "hybrid_memory_disk" if name.startswith("hybrid_nodes_") else name
             config = self._hybrid_config(config_name, size, spill, nodes)
 
@@ -445,8 +450,11 @@ class Bench:
                 out = hybrid_ray.repartition(ds, n, keys=["key"], config=config)
                 report = hybrid_ray.last_report()
                 refs = out.to_arrow_refs()
+                # What repartition(keys=["key"]) partitions with: every row is checked to
+                # be in the block its own hash names.
                 return out, lambda: verify_partitions(
-                    (ray.get(r) for r in refs), n, expected, keys_repeat=workload == "zipf"), \
+                    (ray.get(r) for r in refs), n, expected, keys_repeat=workload == "zipf",
+                    partitioner=HashPartitioner(["key"])), \
                     report.bytes_per_tier(), f"{report.spill_events} spill events"
             family = "hybrid_ray"
         results = []
@@ -855,22 +863,40 @@ class VerificationError(Exception):
 
 
 def verify_partitions(tables: Iterable[pa.Table], partitions: int, expected: tuple[int, int],
-                      keys_repeat: bool, key: str = "key") -> bool:
-    """True if ``tables`` (a repartition's output blocks, one per partition, as
-    hybrid_ray returns them) are exactly ``partitions`` blocks holding exactly the input
-    rows (``expected``: ``checksum`` of the input), and, where keys repeat
-    (``keys_repeat``: zipf; gensort keys are all distinct), no key is in two blocks.
-    Raises ``VerificationError`` saying which promise was broken: an operation that
-    handed its input back, or coalesced it without partitioning by key, would keep the
-    rows and pass a checksum alone."""
+                      keys_repeat: bool, key: str = "key", partitioner: Any = None) -> bool:
+    """True if ``tables`` (a repartition's output blocks, one per partition, in partition
+    order, as hybrid_ray returns them) are exactly ``partitions`` blocks holding exactly
+    the input rows (``expected``: ``checksum`` of the input), and:
+
+    - with ``partitioner`` (the partitioner the shuffle ran: hybrid_ray's cases pass
+      ``HashPartitioner([key])``, what ``hybrid_ray.repartition(keys=[key])`` uses), every
+      row of block i is one that ``partitioner.assign`` puts in partition i. This checks
+      the partitioning itself, also for gensort, whose keys are all distinct (a coalesce
+      in input order passed every other check there). Vectorised: 0.02 s per 256 MiB of
+      gensort here, against 0.27 s for the checksum;
+    - where keys repeat (``keys_repeat``: zipf), no key is in two blocks.
+
+    Without ``partitioner``, which partition a key went to is not checked. The peers are
+    not checked here: each hashes keys with its own function (their checks, rows and not
+    placement, are in ``Bench._ray_case``, ``daft_peer.rounds_from_result`` and
+    ``reference.polars_partition_by``). Raises ``VerificationError`` saying which promise
+    was broken: an operation that handed its input back, or coalesced it without
+    partitioning by key, would keep the rows and pass a checksum alone."""
+    import numpy as np
     import pyarrow.compute as pc
 
     blocks = 0
     distinct_keys: list[pa.Array] = []
+    misplaced: list[tuple[int, int, int]] = []  # (block, rows elsewhere, one's partition)
 
     def counted() -> Iterator[pa.Table]:
         nonlocal blocks
         for table in tables:
+            if partitioner is not None and table.num_rows and not misplaced:
+                parts = np.asarray(partitioner.assign(table, 0, partitions))
+                wrong = parts != blocks
+                if wrong.any():
+                    misplaced.append((blocks, int(wrong.sum()), int(parts[wrong][0])))
             blocks += 1
             if keys_repeat and table.num_rows:
                 distinct_keys.append(pc.unique(table[key].combine_chunks()))
@@ -880,6 +906,11 @@ def verify_partitions(tables: Iterable[pa.Table], partitions: int, expected: tup
     if blocks != partitions:
         raise VerificationError(f"{blocks} output blocks, not the {partitions} partitions "
                                 "asked for")
+    if misplaced:
+        block, count, other = misplaced[0]
+        raise VerificationError(
+            f"output block {block} holds {count} rows the partitioner puts in other "
+            f"partitions (one in partition {other}): not partitioned by {key!r}")
     if distinct_keys:
         every = pa.concat_arrays(distinct_keys)
         if len(pc.unique(every)) != len(every):

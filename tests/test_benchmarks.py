@@ -1093,3 +1093,36 @@ def test_the_fastest_ray_data_goal_names_the_strategies_it_is_the_fastest_of():
                                    "size_bytes": 2**31, "partitions": 16, "command": "c"})
     assert "| hybrid_memory_disk vs fastest Ray Data (no Ray Data case verified) | 1.50x | - " \
            "| not measured |" in text
+
+
+def test_hybrid_ray_output_is_checked_row_by_row_against_its_own_partitioner():
+    """For gensort (distinct keys) a coalesce in input order kept the rows and the block
+    count and passed: with hybrid_ray's partitioner every row must be in the block its
+    key's hash names."""
+    import numpy as np
+
+    from benchmarks.suite import VerificationError, verify_partitions
+    from hybrid_ray.partitioning import HashPartitioner
+
+    table = pa.concat_tables(generate("gensort", 2_000_000))
+    expected, partitioner = checksum([table]), HashPartitioner(["key"])
+    parts = partitioner.assign(table, 0, 4)
+    shuffled = [table.filter(pa.array(parts == i)) for i in range(4)]
+    assert verify_partitions(iter(shuffled), 4, expected, False, partitioner=partitioner)
+    # A zipf output partitioned as hybrid_ray does passes too (keys repeat).
+    zipf = pa.concat_tables(generate("zipf", 1_000_000))
+    zparts = partitioner.assign(zipf, 0, 3)
+    assert verify_partitions([zipf.filter(pa.array(zparts == i)) for i in range(3)], 3,
+                             checksum([zipf]), True, partitioner=partitioner)
+    rows = np.array_split(np.arange(table.num_rows), 4)
+    coalesced = [table.take(pa.array(r)) for r in rows]  # the rows, 4 blocks, no key order
+    with pytest.raises(VerificationError, match=r"output block 0 holds \d+ rows the "
+                       r"partitioner puts in other partitions .*not partitioned by 'key'"):
+        verify_partitions(iter(coalesced), 4, expected, False, partitioner=partitioner)
+    swapped = [shuffled[1], shuffled[0], *shuffled[2:]]  # right groups, wrong blocks
+    with pytest.raises(VerificationError, match="output block 0 holds"):
+        verify_partitions(iter(swapped), 4, expected, False, partitioner=partitioner)
+    # Rows still come first: a lost row is a checksum mismatch, however it is placed.
+    with pytest.raises(VerificationError, match="checksum mismatch"):
+        verify_partitions(iter([shuffled[0].slice(1), *shuffled[1:]]), 4, expected, False,
+                          partitioner=partitioner)
