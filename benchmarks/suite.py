@@ -493,11 +493,13 @@ class Bench:
         import ray
 
         for name, workload, size in cases:
-            ray.init(address="local", num_cpus=self.args.cpus,
-                     object_store_memory=self._object_store_bytes(),
-                     include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     runtime_env=ray_runtime_env())
             try:
+                # In the try: a Ray that does not start fails this case, not the run (and
+                # the results of the cases before it).
+                ray.init(address="local", num_cpus=self.args.cpus,
+                         object_store_memory=self._object_store_bytes(),
+                         include_dashboard=False, log_to_driver=False,
+                         configure_logging=False, runtime_env=ray_runtime_env())
                 self._start_up(name, size, os.path.join(self.workdir, "spill"))
                 ds, expected = self._dataset(workload, size)
                 self._ray_case(name, workload, size, ds, expected)
@@ -588,9 +590,11 @@ class Bench:
             nodes = int(name.rsplit("_", 1)[1])
             per_node = max(1, self.args.cpus // nodes)
             store = max(512 * 1024**2, self._object_store_bytes() // nodes)
-            cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": per_node, "object_store_memory": store})
+            cluster = None
             try:
+                # In the try: a cluster that does not start fails this case, not the run.
+                cluster = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": per_node, "object_store_memory": store})
                 for _ in range(nodes - 1):
                     cluster.add_node(num_cpus=per_node, object_store_memory=store)
                 ray.init(address=cluster.address, log_to_driver=False,
@@ -606,7 +610,8 @@ class Bench:
                                        error=f"cluster: {type(exc).__name__}: {exc}"))
             finally:
                 ray.shutdown()
-                cluster.shutdown()
+                if cluster is not None:
+                    cluster.shutdown()
 
     # RayDP Spark
     def _parquet_input(self, workload: str, size: int) -> tuple[str, tuple[int, int]]:

@@ -1126,3 +1126,31 @@ def test_hybrid_ray_output_is_checked_row_by_row_against_its_own_partitioner():
     with pytest.raises(VerificationError, match="checksum mismatch"):
         verify_partitions(iter([shuffled[0].slice(1), *shuffled[1:]]), 4, expected, False,
                           partitioner=partitioner)
+
+
+def test_a_ray_or_cluster_that_does_not_start_is_a_failed_case_not_the_end_of_the_run(
+        monkeypatch):
+    """ray.init and Cluster(...) ran outside the cases' try: one that failed ended the
+    run and lost the results of the cases before it."""
+    import ray
+    import ray.cluster_utils
+
+    from benchmarks.suite import Bench, add_arguments
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no Ray today")
+    monkeypatch.setattr(ray, "init", fails)
+    monkeypatch.setattr(ray.cluster_utils, "Cluster", fails)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--size", "1MB"])
+    args.scaling, args.workload = [], ["gensort"]
+    bench = Bench(args)
+    try:
+        results = bench.run(["raydata_hash", "hybrid_memory", "hybrid_nodes_2"])
+    finally:
+        bench.close()
+    assert [(r.case, r.verified, r.error) for r in results] == [
+        ("raydata_hash", False, "set-up: RuntimeError: no Ray today"),
+        ("hybrid_memory", False, "set-up: RuntimeError: no Ray today"),
+        ("hybrid_nodes_2", False, "cluster: RuntimeError: no Ray today")]
