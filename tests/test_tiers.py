@@ -157,6 +157,34 @@ class TestMemoryTier(TierConformance):
         assert bytes(MemoryTier(MiB, 0).read(meta)) == payload
 
 
+    def test_a_segment_whose_writer_died_names_the_writer_not_the_node(self, ray_local):
+        """Was: every lost object was blamed on "its tier manager or node"; in a Ray
+        shuffle the usual cause is the writer process that owned it dying."""
+        ray = ray_local
+        from hybrid_ray.errors import SegmentNotFoundError
+
+        @ray.remote
+        class Writer:  # owns what it puts, as a writer actor does
+            def put(self):
+                sid = SegmentId("lost", 3, 0, 0, 2)
+                return MemoryTier(MiB, 64 * MiB).write_many(
+                    [(sid, _payload(1, sid, rows=10)[1])], node_id="node-A")
+
+        writer = Writer.remote()
+        [meta] = ray.get(writer.put.remote())
+        ray.kill(writer)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                MemoryTier(MiB, 0).read(meta)
+            except SegmentNotFoundError as exc:
+                error = exc
+                break
+            assert time.monotonic() < deadline, "the dead writer's object is still readable"
+            time.sleep(0.2)
+        assert "its owner, the writer process of map 3 attempt 2 (or that process's node), " \
+               "died; use spilling='full'" in str(error), str(error)
+
     def test_a_flush_s_segments_share_objects_up_to_the_pack_bound(self, tier):
         """``pack_bytes``: consecutive segments go into shared objects of at most that
         many bytes (a larger one alone); each reads back as itself, alone or in a batch."""

@@ -121,6 +121,14 @@ class MemoryTier(Tier):
                 f"{meta.id} could not be fetched from the memory tier of node "
                 f"{meta.node_id} within {READ_TIMEOUT_S:g} s: the node or its object store "
                 "stopped answering; check the node's health (ray status)") from exc
+        except ray.exceptions.OwnerDiedError as exc:
+            # The usual loss in a Ray shuffle: the object lives with the writer process
+            # that put it (was blamed on "its tier manager or node").
+            raise SegmentNotFoundError(
+                f"{meta.id} was lost from the memory tier of node {meta.node_id}: its "
+                f"owner, the writer process of map {meta.id.map_partition} attempt "
+                f"{meta.id.attempt} (or that process's node), died; use spilling='full' to "
+                "make segments outlive their writer") from exc
         except ray.exceptions.ObjectLostError as exc:
             raise SegmentNotFoundError(
                 f"{meta.id} was lost from the memory tier of node {meta.node_id} "
