@@ -93,8 +93,21 @@ def config_to_json(config: ShuffleConfig, session_file: str = "") -> str:
 
 
 def config_from_json(data: Mapping[str, Any] | None) -> ShuffleConfig:
-    """A validated ShuffleConfig from what ``config_to_json`` produced ({} = defaults)."""
-    fields = {k: v for k, v in (data or {}).items() if k in JVM_CONFIG_FIELDS}
+    """A validated ShuffleConfig from what ``config_to_json`` produced ({} = defaults).
+    A key it does not know is a ConfigError: spark.hybridray.config may be written by
+    hand (README), and a misspelt key ("spill_dir") or a remote tier given there was
+    dropped silently, the shuffles running on the defaults."""
+    data = data or {}
+    unknown = sorted(set(data) - set(JVM_CONFIG_FIELDS)
+                     - {SESSION_FIELD, SESSION_FILE_FIELD, REMOTE_TIER_FIELD})
+    if unknown:
+        remote = [k for k in unknown if k in ("remote_path", "storage_options")]
+        raise ConfigError(
+            f"spark.hybridray.config has key(s) {unknown} it does not take; it takes "
+            f"{sorted(JVM_CONFIG_FIELDS)}"
+            + ("; a remote tier is given to spark_bridge.init_spark(shuffle_config=...), "
+               "which keeps its credentials out of Spark's configuration" if remote else ""))
+    fields = {k: v for k, v in data.items() if k in JVM_CONFIG_FIELDS}
     return ShuffleConfig(progress=False, **fields)
 
 

@@ -265,6 +265,16 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise ConfigError("shuffle_config must be a hybrid_ray.ShuffleConfig, got "
                           f"{type(shuffle_config).__name__}")
     owned = sorted(k for k in (configs or {}) if k in SHUFFLE_CONFIG_KEYS)
+    manager = (configs or {}).get("spark.shuffle.manager")
+    if hybrid_shuffle and manager is not None:
+        from spark_bridge.hybrid_shuffle import MANAGER_CLASS
+
+        if str(manager) != MANAGER_CLASS:
+            # It won over hybrid_ray's: every exchange went through it, the session's
+            # shuffle_config (spill dirs, remote tier) unused, and no report said so.
+            raise ConfigError(
+                f"configs sets spark.shuffle.manager={manager!r}, which replaces hybrid_ray's "
+                f"shuffle manager; leave it out, or pass hybrid_shuffle=False for another one")
     if hybrid_shuffle and owned:
         # They carry shuffle_config and the session token the driver and the JVM both
         # derive shuffle ids from: a copy of them from elsewhere would split the two, and

@@ -37,6 +37,25 @@ def test_config_round_trips_without_remote_tier_or_credentials(tmp_path):
     assert back == config.replace(remote_path=None, storage_options={})
 
 
+def test_a_config_key_the_jvm_path_does_not_take_is_refused(tmp_path):
+    """spark.hybridray.config may be written by hand (README): a misspelt key or a remote
+    tier there was dropped silently, and the shuffles ran on the default spill dir."""
+    from hybrid_ray import ConfigError
+
+    with pytest.raises(ConfigError, match=r"spark.hybridray.config has key\(s\) "
+                                          r"\['spill_dir'\] it does not take; it takes "
+                                          r"\[.*'spill_dirs'"):
+        config_from_json({"spill_dir": [str(tmp_path)]})
+    with pytest.raises(ConfigError, match=r"\['remote_path'\].*a remote tier is given to "
+                                          r"spark_bridge.init_spark\(shuffle_config=...\)"):
+        config_from_json({"remote_path": "s3://bucket/x"})
+    # What init_spark writes (and the session fields the JVM adds) is taken.
+    sent = json.loads(config_to_json(ShuffleConfig(spill_dirs=[str(tmp_path)],
+                                                   progress=False), "/tmp/token-file"))
+    sent["session_token"] = "s0123"
+    assert config_from_json(sent).spill_dirs == (str(tmp_path),)
+
+
 def test_missing_jar_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.delenv("HYBRID_RAY_SPARK_JAR", raising=False)
     monkeypatch.setattr(hybrid_shuffle, "JAR_DIRS", (str(tmp_path),))

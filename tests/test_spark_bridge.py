@@ -353,6 +353,10 @@ def test_init_spark_validates_and_explains(spark, monkeypatch):
         spark_bridge.init_spark("x", ray_address="10.255.255.1:6379")
     with pytest.raises(ConfigError, match="ray_address must be a Ray address"):
         spark_bridge.init_spark("x", ray_address=6379)
+    # Was taken, and won: every exchange went through Spark's sort shuffle, silently.
+    with pytest.raises(ConfigError, match=r"configs sets spark.shuffle.manager='sort', which "
+                                          r"replaces hybrid_ray's shuffle manager"):
+        spark_bridge.init_spark("x", configs={"spark.shuffle.manager": "sort"})
     monkeypatch.setenv("JAVA_HOME", "/nonexistent-jdk")
     with pytest.raises(spark_bridge.SparkSetupError, match="JAVA_HOME"):
         spark_bridge.init_spark("x")
