@@ -19,6 +19,9 @@ def test_cluster_yaml_is_valid_for_ray_up():
     validate_config(prepare_config(config))
     assert config["provider"]["type"] == "aws"
     assert set(config["available_node_types"]) == {"head", "worker"}
+    # The head's autoscaler needs boto3; the list replaces Ray's default that installs it.
+    assert any("boto3" in c and ".venv/bin/python -m pip install" in c
+               for c in config["head_setup_commands"])
 
 
 def test_cluster_yaml_has_no_keys_and_uses_an_instance_profile():
@@ -34,9 +37,6 @@ def test_local_cluster_yaml_is_valid_and_installs_the_project():
     validate_config(prepare_config(config))
     assert config["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []}
     assert any("./dev setup" in c for c in config["setup_commands"])
-    # The head's autoscaler needs boto3; the list replaces Ray's default that installs it.
-    assert any("boto3" in c and ".venv/bin/python -m pip install" in c
-               for c in config["head_setup_commands"])
     assert ".venv" in config["rsync_exclude"]
 
 
