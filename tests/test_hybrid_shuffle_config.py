@@ -178,3 +178,48 @@ def test_a_spark_exchange_report_gives_what_was_stored_and_no_made_up_throughput
     table = report.table()
     assert "rows 0" not in table and "throughput" not in table, table
     assert "Spark's UI" in table
+
+
+_LOCAL_SPARK = '''
+import os, sys
+import ray
+from pyspark import SparkConf, SparkContext
+from spark_bridge.hybrid_shuffle import MANAGER_CLASS, shuffle_manager_jar
+ray_jar = os.path.join(os.path.dirname(ray.__file__), "jars", "ray_dist.jar")
+conf = (SparkConf().setMaster("local[1]").setAppName("bad-setting")
+        .set("spark.shuffle.manager", MANAGER_CLASS)
+        .set("spark.driver.extraClassPath", shuffle_manager_jar() + ":" + ray_jar)
+        .set("spark.local.dir", sys.argv[1])
+        .set("spark.hybridray.segmentBytes", sys.argv[2]))
+try:
+    sc = SparkContext(conf=conf)
+except Exception as exc:
+    print("START FAILED:", str(exc).replace(chr(10), " ")[:3000])
+    sys.exit(0)
+env = sc._jvm.org.apache.spark.SparkEnv.get()
+manager = env.shuffleManager()
+sc.stop()
+manager.stop()  # again: must not throw either
+rpc = env.rpcEnv()
+field = rpc.getClass().getDeclaredField("stopped")
+field.setAccessible(True)
+print("STOPPED:", field.get(rpc).get())
+'''
+
+
+@pytest.mark.spark
+def test_a_bad_manager_setting_fails_spark_s_start_and_stop_never_throws(tmp_path):
+    """Was: spark.hybridray.segmentBytes=2g was accepted at start; the first shuffle failed
+    (naming it), and then the manager's stop threw, so Spark's shutdown skipped its block
+    manager and RPC env. Local-mode Spark, no Ray: a process of its own."""
+    import subprocess
+    import sys
+
+    def run(segment_bytes: str) -> str:
+        out = subprocess.run([sys.executable, "-c", _LOCAL_SPARK, str(tmp_path), segment_bytes],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+    assert "START FAILED:" in (bad := run("2g"))
+    assert "spark.hybridray.segmentBytes=2g is 2147483648 bytes" in bad, bad
+    assert "STOPPED: True" in run("4m")

@@ -144,15 +144,14 @@ public final class HybridRayContext {
   HybridRayContext(SparkConf conf) {
     this.namespace = conf.get(CONF_NAMESPACE, "hybrid_ray");
     this.configJson = conf.get(CONF_CONFIG, "{}");
-    // Checked here, each naming its setting: a segment size cast to int from "4g" was 0,
-    // from "2g" negative, and failed later with an error that named no setting.
-    this.segmentBytes = (int) sizeSetting(conf, CONF_SEGMENT_BYTES, "4m", 1, MAX_SEGMENT_BYTES);
-    this.flushBytes = sizeSetting(conf, CONF_FLUSH_BYTES, "32m", 1, Long.MAX_VALUE);
-    this.packBytes = sizeSetting(conf, CONF_PACK_BYTES, "512k", 0, MAX_SEGMENT_BYTES);
-    this.leaseBytes = sizeSetting(conf, CONF_LEASE_BYTES, "4m", 0, Long.MAX_VALUE);
-    this.fetchTimeoutMs = timeSetting(conf, CONF_FETCH_TIMEOUT_MS, "10min", 1);
-    this.callTimeoutMs = timeSetting(conf, CONF_CALL_TIMEOUT_MS, "2min", 1);
-    this.commitWaitMs = timeSetting(conf, CONF_COMMIT_WAIT_MS, "30s", 0);
+    Settings settings = new Settings(conf);
+    this.segmentBytes = settings.segmentBytes;
+    this.flushBytes = settings.flushBytes;
+    this.packBytes = settings.packBytes;
+    this.leaseBytes = settings.leaseBytes;
+    this.fetchTimeoutMs = settings.fetchTimeoutMs;
+    this.callTimeoutMs = settings.callTimeoutMs;
+    this.commitWaitMs = settings.commitWaitMs;
     // Parsed once here: the session tag needs it, and requests embed it (configNode()).
     JsonNode config;
     try {
@@ -173,6 +172,39 @@ public final class HybridRayContext {
         LOG.warn("hybrid_ray: checking sent calls failed: {}", e.toString());
       }
     }, SENT_COMMITS_CHECK_MS, SENT_COMMITS_CHECK_MS, TimeUnit.MILLISECONDS);
+  }
+
+  /**
+   * Check every {@code spark.hybridray.*} size and time setting, as a context reads them:
+   * an IllegalArgumentException names the first bad one. The shuffle manager calls this
+   * when Spark starts, so a bad setting fails the start (checked only when the first
+   * shuffle built a context, it later made the manager's stop throw, which skipped the
+   * rest of Spark's shutdown).
+   */
+  static void checkSettings(SparkConf conf) {
+    new Settings(conf);
+  }
+
+  /** The size and time settings, each checked and naming itself: a segment size cast to
+   *  int from "4g" was 0, from "2g" negative, and failed later naming no setting. */
+  private static final class Settings {
+    final int segmentBytes;
+    final long flushBytes;
+    final long packBytes;
+    final long leaseBytes;
+    final long fetchTimeoutMs;
+    final long callTimeoutMs;
+    final long commitWaitMs;
+
+    Settings(SparkConf conf) {
+      segmentBytes = (int) sizeSetting(conf, CONF_SEGMENT_BYTES, "4m", 1, MAX_SEGMENT_BYTES);
+      flushBytes = sizeSetting(conf, CONF_FLUSH_BYTES, "32m", 1, Long.MAX_VALUE);
+      packBytes = sizeSetting(conf, CONF_PACK_BYTES, "512k", 0, MAX_SEGMENT_BYTES);
+      leaseBytes = sizeSetting(conf, CONF_LEASE_BYTES, "4m", 0, Long.MAX_VALUE);
+      fetchTimeoutMs = timeSetting(conf, CONF_FETCH_TIMEOUT_MS, "10min", 1);
+      callTimeoutMs = timeSetting(conf, CONF_CALL_TIMEOUT_MS, "2min", 1);
+      commitWaitMs = timeSetting(conf, CONF_COMMIT_WAIT_MS, "30s", 0);
+    }
   }
 
   /**

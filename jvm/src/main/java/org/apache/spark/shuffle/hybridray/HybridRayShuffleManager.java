@@ -69,6 +69,7 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   public HybridRayShuffleManager(SparkConf conf) {
     super(conf);
     this.conf = conf;
+    HybridRayContext.checkSettings(conf);  // a bad setting fails Spark's start, named
     this.isDriver = "driver".equals(conf.get("spark.executor.id", "driver"));
     if (isDriver) {
       driverManager = this;
@@ -118,7 +119,8 @@ public class HybridRayShuffleManager extends SortShuffleManager {
   public static void quiesceDriver() {
     HybridRayShuffleManager manager = driverManager;
     if (manager != null) {
-      long waitMs = manager.ctx().callTimeoutMs;  // a call in flight ends within it
+      // A call in flight ends within the call timeout; with no context no call was made.
+      long waitMs = HybridRayContext.exists() ? manager.ctx().callTimeoutMs : 0;
       try {
         if (!manager.rayCalls.closeAndDrain(waitMs)) {
           LOG.warn("hybrid_ray: a driver call into Ray still runs after {} ms; Ray shuts "
@@ -128,7 +130,9 @@ public class HybridRayShuffleManager extends SortShuffleManager {
         Thread.currentThread().interrupt();
       }
       manager.stopHeartbeat();
-      manager.ctx().drainSender(waitMs);  // the registrations it still had to send
+      if (HybridRayContext.exists()) {
+        manager.ctx().drainSender(waitMs);  // the registrations it still had to send
+      }
     }
   }
 
@@ -312,17 +316,28 @@ public class HybridRayShuffleManager extends SortShuffleManager {
     try {
       super.stop();
     } finally {
-      HybridRayContext ctx = ctx();
-      ctx.dropAll();
-      stopHeartbeat();
-      if (isDriver) {
-        hybridShuffles.clear();
-        whileRayOpen(() -> release(ctx, null, ctx.appPrefix()));
-        if (driverManager == this) {
+      // Never throws: SparkEnv.stop() calls this first, and an exception here skipped the
+      // rest of Spark's shutdown (block manager, RPC env). No context is made just for
+      // this: without one, this JVM never stored or registered anything.
+      try {
+        stopHeartbeat();
+        if (HybridRayContext.exists()) {
+          HybridRayContext ctx = ctx();
+          ctx.dropAll();
+          if (isDriver) {
+            hybridShuffles.clear();
+            whileRayOpen(() -> release(ctx, null, ctx.appPrefix()));
+          }
+        }
+      } catch (RuntimeException e) {
+        LOG.warn("hybrid_ray: stopping the shuffle manager failed: {}; the shuffle master "
+            + "releases this application's data after its orphan TTL", e.toString());
+      } finally {
+        if (isDriver && driverManager == this) {
           driverManager = null;
         }
+        HybridRayContext.reset();
       }
-      HybridRayContext.reset();
     }
   }
 
