@@ -22,9 +22,11 @@ from hybrid_ray.report import ShuffleReport
 MANAGER_CLASS = "org.apache.spark.shuffle.hybridray.HybridRayShuffleManager"
 JAR_GLOB = "hybrid-ray-spark-*.jar"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# Where the jar is looked for: packaged next to the bridge, or this checkout's Maven build.
-JAR_DIRS = (os.path.join(_PACKAGE_DIR, "jars"),
-            os.path.join(os.path.dirname(_PACKAGE_DIR), "jvm", "target"))
+# Where the jar is looked for: this checkout's Maven build first (rebuilt by hand with mvn,
+# the copy below is stale until ./dev runs), then the copy packaged beside the bridge (what
+# an installed wheel has; ./dev's build puts it there).
+JAR_DIRS = (os.path.join(os.path.dirname(_PACKAGE_DIR), "jvm", "target"),
+            os.path.join(_PACKAGE_DIR, "jars"))
 
 
 class ShuffleJarMissingError(HybridRayError, RuntimeError):
@@ -44,8 +46,9 @@ def shuffle_manager_jar() -> str:
             return found[-1]
     raise ShuffleJarMissingError(
         "hybrid_ray's Spark shuffle manager jar is not built (looked for "
-        f"{JAR_GLOB} in {', '.join(JAR_DIRS)}): run `./dev setup` (Maven and a JDK 17 "
-        "build it from jvm/), or start Spark with hybrid_shuffle=False")
+        f"{JAR_GLOB} in {', '.join(JAR_DIRS)}): run `./dev setup` in a checkout (Maven and "
+        "a JDK 17 build it from jvm/; a wheel built after that ships it), set "
+        "HYBRID_RAY_SPARK_JAR to a built jar, or start Spark with hybrid_shuffle=False")
 
 
 def shuffle_manager_configs(config: ShuffleConfig, jar: str,

@@ -223,3 +223,32 @@ def test_a_bad_manager_setting_fails_spark_s_start_and_stop_never_throws(tmp_pat
     assert "START FAILED:" in (bad := run("2g"))
     assert "spark.hybridray.segmentBytes=2g is 2147483648 bytes" in bad, bad
     assert "STOPPED: True" in run("4m")
+
+
+def test_a_wheel_built_from_the_checkout_ships_the_jar_and_finds_it(tmp_path):
+    """Was: the wheel held no jar, so init_spark() (hybrid_shuffle=True by default) failed
+    after `pip install .` with advice (./dev setup) a wheel user cannot follow."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not glob.glob(os.path.join(root, "spark_bridge", "jars", "hybrid-ray-spark-*.jar")):
+        pytest.skip("the jar was not built by ./dev here (it copies it into spark_bridge/jars)")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(tmp_path / "dist"), root], check=True, timeout=300,
+                   capture_output=True)
+    [wheel] = glob.glob(str(tmp_path / "dist" / "*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        z.extractall(tmp_path / "site")
+    assert any(n.startswith("spark_bridge/jars/hybrid-ray-spark-") for n in names), names
+    assert not any(n.startswith("benchmarks/") for n in names)
+    found = subprocess.run(
+        [sys.executable, "-c", "from spark_bridge.hybrid_shuffle import shuffle_manager_jar;"
+                               "print(shuffle_manager_jar())"],
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}, cwd=str(tmp_path),
+        capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    assert found.startswith(str(tmp_path / "site" / "spark_bridge" / "jars")), found
