@@ -1090,7 +1090,10 @@ def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
     # A job's own worker. Ray ends an actor that is not detached once its creator's handle
     # is gone (a handle from get_actor does not keep it): the handle that created it is
     # held here for the job's later shuffles, for this Ray session.
-    session = ray.get_runtime_context().gcs_address
+    try:
+        session = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - a client-mode driver may not know it: one session
+        session = ""
     if _job_workers.get("session") != session:
         _job_workers.clear()
         _job_workers["session"] = session
