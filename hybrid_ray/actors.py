@@ -66,6 +66,9 @@ WORKER_ENV = {"MIMALLOC_PURGE_DELAY": "1000"}
 # (microseconds for hundreds of shuffles) and the background loop wakes every second
 # anyway, so checking as often as drivers heartbeat (shuffle.HEARTBEAT_S) costs nothing.
 EXPIRY_CHECK_INTERVAL_S = 5.0
+# How often the master ends the writers and readers of jobs that ended
+# (``end_workers_of_ended_jobs``): one GCS listing of named actors each time.
+JOB_WORKER_SWEEP_S = 10.0
 # Tier managers release shuffles the master no longer holds (see sweep_orphans).
 ORPHAN_SWEEP_INTERVAL_S = 30.0
 ORPHAN_SWEEP_GRACE = 2
@@ -459,17 +462,14 @@ class ActorNodeStorage:
 
 
 def _get_or_start(actor_class: Any, name: str, namespace: str, *args: Any,
-                  detached: bool = True, **options: Any) -> Any:
-    """The named actor, started if it is not running yet: detached (it outlives its
-    driver), or with ``detached=False`` owned by the caller and ended with it."""
+                  **options: Any) -> Any:
+    """The named actor, started (detached) if it is not running yet."""
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
         pass
-    if detached:
-        options["lifetime"] = "detached"
-    return actor_class.options(name=name, namespace=namespace, get_if_exists=True,
-                               **options).remote(*args)
+    return actor_class.options(name=name, namespace=namespace, lifetime="detached",
+                               get_if_exists=True, **options).remote(*args)
 
 
 def get_tier_manager(node_id: str, namespace: str) -> Any:
@@ -649,7 +649,7 @@ class ShuffleMasterActor:
         """Expire orphans every ``EXPIRY_CHECK_INTERVAL_S``; run queued and failed
         deletions as they come due. An error is counted and kept for ``status``, never
         allowed to end the loop."""
-        last_expiry = time.monotonic()
+        last_expiry = last_job_sweep = time.monotonic()
         while True:
             self._wake.wait(DELETION_CHECK_INTERVAL_S)
             self._wake.clear()
@@ -659,6 +659,9 @@ class ShuffleMasterActor:
                     with self._changing():
                         self.registry.expire()
                 self._run_deletions()
+                if time.monotonic() - last_job_sweep >= JOB_WORKER_SWEEP_S:
+                    last_job_sweep = time.monotonic()
+                    end_workers_of_ended_jobs(self.namespace)
             except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
                 self._loop_failed(exc)
 
@@ -1060,7 +1063,8 @@ def _alive_cpu_nodes() -> list[dict]:
 def _job_worker_tag() -> str:
     """"" for a caller in Ray's default runtime environment, else ``job<id>_``: a job
     with a runtime environment of its own (a working_dir, pip packages, env_vars) gets
-    writers and readers of its own, ended with it. Shared, the namespace's kept workers ran
+    writers and readers of its own, ended by the master after the job ended
+    (``end_workers_of_ended_jobs``). Shared, the namespace's kept workers ran
     every later job's maps with the first job's code and environment variables: a later
     job's partitioner was not found ("No module named ..."), or ran as the first job's
     version, and the first job's credentials served the later job's remote tier."""
@@ -1082,35 +1086,37 @@ def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
     # leaving that node's CPUs idle and its tier manager unused. If the node dies, the
     # worker dies with it, as does the node's tier manager and every segment on it: the
     # shuffle in flight fails loudly, and later ones use only the alive nodes.
-    name = worker_name(prefix, node, k)
-    options = dict(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                   runtime_env={"env_vars": WORKER_ENV})
-    if name == f"{prefix}{node}_{k}":
-        return _get_or_start(ShuffleWorkerActor, name, namespace, **options)
-    # A job's own worker. Ray ends an actor that is not detached once its creator's handle
-    # is gone (a handle from get_actor does not keep it): the handle that created it is
-    # held here for the job's later shuffles, for this Ray session.
-    try:
-        session = ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001 - a client-mode driver may not know it: one session
-        session = ""
-    if _job_workers.get("session") != session:
-        _job_workers.clear()
-        _job_workers["session"] = session
-    try:
-        found = ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        found = None
-    if found is not None:
-        return _job_workers.get((namespace, name), found)
-    handle = _get_or_start(ShuffleWorkerActor, name, namespace, detached=False, **options)
-    _job_workers[(namespace, name)] = handle
-    return handle
+    return _get_or_start(ShuffleWorkerActor, worker_name(prefix, node, k), namespace,
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                         runtime_env={"env_vars": WORKER_ENV})
 
 
-# A job's own writers and readers (``_job_worker_tag``) by (namespace, name), held for the
-# life of the process's Ray session ("session": its GCS address).
-_job_workers: dict[Any, Any] = {}
+def end_workers_of_ended_jobs(namespace: str) -> list[str]:
+    """Kill the writers and readers of jobs that ended (``_job_worker_tag``); returns
+    their names. They are detached like the shared ones (owned by whichever process asked
+    first, a task's or an actor's, they died with it, and a second thread's lookup handle
+    did not keep them alive), so the master ends them once Ray's job table says their
+    job is dead. A job Ray does not list is left alone."""
+    tagged = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != namespace:
+            continue
+        for prefix in (WRITER_PREFIX, READER_PREFIX):
+            if name.startswith(prefix + "job"):
+                tagged[name] = name[len(prefix) + 3:].split("_", 1)[0]
+    if not tagged:
+        return []
+    dead = {job["JobID"] for job in ray._private.state.jobs() if job.get("IsDead")}
+    ended = []
+    for name, job in tagged.items():
+        if job in dead:
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            except ValueError:  # gone meanwhile
+                continue
+            ended.append(name)
+    return ended
 
 
 def _worker_nodes(nodes: list[dict]) -> list[str]:

@@ -271,3 +271,33 @@ def test_a_node_with_two_or_more_cpus_gets_a_spare_writer_and_a_one_cpu_node_non
     once (object store, tier manager, master); a spare fills those waits. A one-CPU node
     (usually small) keeps one writer."""
     assert [writers_per_node(cpus) for cpus in (0, 1, 2, 3, 16)] == [1, 1, 3, 4, 17]
+
+
+def test_a_job_s_own_workers_outlive_the_task_or_actor_that_asked_for_them_first(ray_local):
+    """The tests' Ray has a runtime environment, so this job has workers of its own (see
+    ``actors._job_worker_tag``). Owned by whichever process asked first (an actor here),
+    they died with it under the driver (found by a review); they are detached, and the
+    master ends them only once the job itself ended."""
+    from hybrid_ray.actors import end_workers_of_ended_jobs, get_writers
+
+    namespace = f"startup-owner-{uuid.uuid4().hex[:8]}"
+
+    @ray_local.remote
+    class Asker:
+        def ask(self, namespace):
+            from hybrid_ray.actors import get_writers
+            return [name for name, _ in get_writers(namespace)]
+
+    try:
+        asker = Asker.remote()
+        assert ray_local.get(asker.ask.remote(namespace), timeout=120)
+        ray_local.kill(asker)
+        time.sleep(1)
+        pids = ray_local.get([w.run.remote(os.getpid) for _, w in get_writers(namespace)],
+                             timeout=120)
+        assert len(pids) == writers_per_node(2) and all(pids)
+        assert end_workers_of_ended_jobs(namespace) == []  # this job still runs
+        assert ray_local.get([w.run.remote(os.getpid) for _, w in get_writers(namespace)],
+                             timeout=60) == pids
+    finally:
+        _kill(namespace)
