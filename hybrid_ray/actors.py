@@ -1071,22 +1071,27 @@ def _job_worker_tag() -> str:
     env = dict(ray.get_runtime_context().runtime_env or {})
     if env.get("env_vars") == WORKER_ENV:  # called inside one of our own workers
         env.pop("env_vars")
-    return f"job{ray.get_runtime_context().get_job_id()}_" if env else ""
+    return f"{JOB_TAG}{ray.get_runtime_context().get_job_id()}_" if env else ""
 
 
-def worker_name(prefix: str, node: str, k: int) -> str:
-    """The name of writer or reader ``k`` of ``node`` for the calling job (see
-    ``_job_worker_tag``)."""
-    return f"{prefix}{_job_worker_tag()}{node}_{k}"
+# What starts the job tag in a job's own workers' names (``_job_worker_tag``).
+JOB_TAG = "job"
 
 
-def _worker(prefix: str, node: str, k: int, namespace: str) -> Any:
+def worker_name(prefix: str, node: str, k: int, tag: str | None = None) -> str:
+    """The name of writer or reader ``k`` of ``node`` for the calling job; ``tag``:
+    ``_job_worker_tag()``, looked up here if not given (callers naming many take it once)."""
+    return f"{prefix}{_job_worker_tag() if tag is None else tag}{node}_{k}"
+
+
+def _worker(name: str, node: str, namespace: str) -> Any:
+    """Writer or reader ``name`` (``worker_name``) of ``node``, started if not running."""
     # Hard affinity: with soft affinity Ray placed a new node's writer on the driver's node
     # about half the time on a fresh two-node cluster (its view of the new node lagging),
     # leaving that node's CPUs idle and its tier manager unused. If the node dies, the
     # worker dies with it, as does the node's tier manager and every segment on it: the
     # shuffle in flight fails loudly, and later ones use only the alive nodes.
-    return _get_or_start(ShuffleWorkerActor, worker_name(prefix, node, k), namespace,
+    return _get_or_start(ShuffleWorkerActor, name, namespace,
                          scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                          runtime_env={"env_vars": WORKER_ENV})
 
@@ -1103,8 +1108,8 @@ def end_workers_of_ended_jobs(namespace: str) -> list[str]:
         if entry["namespace"] != namespace:
             continue
         for prefix in (WRITER_PREFIX, READER_PREFIX):
-            if name.startswith(prefix + "job"):
-                tagged[name] = name[len(prefix) + 3:].split("_", 1)[0]
+            if name.startswith(prefix + JOB_TAG):
+                tagged[name] = name[len(prefix) + len(JOB_TAG):].split("_", 1)[0]
     if not tagged:
         return []
     dead = {job["JobID"] for job in ray._private.state.jobs() if job.get("IsDead")}
@@ -1166,7 +1171,8 @@ def get_readers(namespace: str, count: int) -> list[Any]:
 
 def get_reader_slots(namespace: str, count: int) -> list[tuple[str, Any]]:
     """``get_readers`` as (node id, actor) pairs."""
-    return [(node, _worker(READER_PREFIX, node, k, namespace))
+    tag = _job_worker_tag()
+    return [(node, _worker(worker_name(READER_PREFIX, node, k, tag), node, namespace))
             for node, k in _reader_slots(_alive_cpu_nodes(), count)]
 
 
@@ -1174,7 +1180,8 @@ def get_writers(namespace: str) -> list[tuple[str, Any]]:
     """The writer actors of every alive node (``writers_per_node``: one per CPU and a
     spare on nodes with two or more), as (node id, actor): maps run on the node that holds
     their input block, as many at once as the node has writers."""
-    return [(node, _worker(WRITER_PREFIX, node, k, namespace))
+    tag = _job_worker_tag()
+    return [(node, _worker(worker_name(WRITER_PREFIX, node, k, tag), node, namespace))
             for node, k in _writer_slots(_alive_cpu_nodes())]
 
 
@@ -1270,11 +1277,13 @@ def start_actors(namespace: str, num_readers: int, *, wait: bool = False,
     tier_managers = tuple(ActorSlot(TIER_MANAGER_PREFIX + node, node,
                                     get_tier_manager(node, namespace))
                           for node in _worker_nodes(nodes))
-    writers = tuple(ActorSlot(worker_name(WRITER_PREFIX, node, k), node,
-                              _worker(WRITER_PREFIX, node, k, namespace))
-                    for node, k in _writer_slots(nodes))
-    readers = tuple(ActorSlot(worker_name(READER_PREFIX, node, k), node,
-                              _worker(READER_PREFIX, node, k, namespace))
+    tag = _job_worker_tag()
+
+    def worker_slot(prefix: str, node: str, k: int) -> ActorSlot:
+        name = worker_name(prefix, node, k, tag)
+        return ActorSlot(name, node, _worker(name, node, namespace))
+    writers = tuple(worker_slot(WRITER_PREFIX, node, k) for node, k in _writer_slots(nodes))
+    readers = tuple(worker_slot(READER_PREFIX, node, k)
                     for node, k in _reader_slots(nodes, num_readers))
     actors = ShuffleActors(namespace, master, tier_managers, writers, readers)
     if wait:
