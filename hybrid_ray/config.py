@@ -348,9 +348,11 @@ class ShuffleConfig:
         _require_at_most("orphan_ttl_s", self.orphan_ttl_s, MAX_DURATION_S,
                          "use a long finite TTL, e.g. 30 * 86400, where 'never' is meant")
         if self.memory_capacity_bytes is not None:
-            set_("memory_capacity_bytes", require_bytes("memory_capacity_bytes", self.memory_capacity_bytes))
+            set_("memory_capacity_bytes", require_bytes("memory_capacity_bytes",
+                                                        self.memory_capacity_bytes))
         if self.disk_capacity_bytes is not None:
-            set_("disk_capacity_bytes", require_bytes("disk_capacity_bytes", self.disk_capacity_bytes))
+            set_("disk_capacity_bytes", require_bytes("disk_capacity_bytes",
+                                                      self.disk_capacity_bytes))
         # At least a few KiB: a chunk of a few bytes (someone meaning MiB) made one commit
         # per row, a shuffle that ran for hours or stalled.
         set_("map_chunk_bytes",
@@ -364,7 +366,8 @@ class ShuffleConfig:
                 f"{self.remote_transfers!r}: each is an upload thread holding a segment in "
                 "memory in every writer and reader process")
         if self.memory_pack_bytes is not None:
-            set_("memory_pack_bytes", require_bytes("memory_pack_bytes", self.memory_pack_bytes))
+            set_("memory_pack_bytes",
+                 require_bytes("memory_pack_bytes", self.memory_pack_bytes))
             if self.memory_pack_bytes > GiB:
                 raise ConfigError(
                     f"memory_pack_bytes must be at most 1 GiB ({GiB} bytes), got "

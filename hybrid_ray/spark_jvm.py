@@ -236,6 +236,14 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     shuffle_id = state.shuffle_id
     registry.heartbeat(shuffle_id)
     map_id, map_index, node = int(request["map_id"]), int(request["map_index"]), request["node"]
+    malformed = next((s for s in request["segments"]
+                      if not isinstance(s, list) or len(s) not in (5, 6)), None)
+    if malformed is not None:
+        # Checked before the attempt's books change. Unpacked as they were, a seventh
+        # element and beyond were dropped silently (a writer of another version meaning
+        # something by them).
+        raise ValueError(f"a segment of a Spark commit is [partition, index, tier, nbytes, "
+                         f"location] with an optional books entry, got {malformed!r}")
     executor = request.get("executor")
     if isinstance(executor, str) and 0 < len(executor) <= MAX_EXECUTOR_ID_CHARS:
         state.spark_executors.setdefault(map_id, executor)
@@ -256,13 +264,6 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
         if map_id not in state.spark_aborted:
             state.spark_attempts[map_id] = entry
     map_index, attempt = entry
-    malformed = next((s for s in request["segments"]
-                      if not isinstance(s, list) or len(s) not in (5, 6)), None)
-    if malformed is not None:
-        # Unpacked as they were, a seventh element and beyond were dropped silently (a
-        # writer of another version meaning something by them).
-        raise ValueError(f"a segment of a Spark commit is [partition, index, tier, nbytes, "
-                         f"location] with an optional books entry, got {malformed!r}")
     # A sixth element names the books that granted the segment's space (see ``settle``):
     # freed by a tier manager started again, it gives back nothing it never counted.
     metas = [SegmentMeta(SegmentId(shuffle_id, map_index, int(sub), int(index), attempt,
