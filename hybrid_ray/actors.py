@@ -361,6 +361,11 @@ class TierManagerActor:
         Hadoop's S3A); returns ``{"location": ...}``."""
         return json.dumps(spark_jvm.write_remote(self.tm, json.loads(request), frame))
 
+    def spark_delete_remote(self, request: str) -> str:
+        """Remote-tier segments of a failed JVM map attempt that it never committed,
+        deleted (``spark_jvm.delete_remote``)."""
+        return json.dumps({"deleted": spark_jvm.delete_remote(self.tm, json.loads(request))})
+
     def spark_read_remote(self, request: str) -> bytes:
         """A JVM segment from the remote tier, for a Spark reader on this node; empty bytes
         if it is gone (``spark_jvm.GONE``: a Python error's type does not cross to Java,

@@ -686,6 +686,39 @@ def write_remote(tm: TierManager, request: Mapping[str, Any], frame: bytes) -> d
         raise
 
 
+def delete_remote(tm: TierManager, request: Mapping[str, Any]) -> int:
+    """Delete remote-tier segments a JVM map attempt stored (``write_remote``) but never
+    committed: its batch failed part-way, so the master never heard of them and its abort
+    of the attempt could not delete them (they stayed until the shuffle's release).
+    ``segments``: ``[[partition, index], ...]`` of map ``map_index``, attempt ``map_id``;
+    their paths are derived as ``write_remote`` derived them, never taken from the
+    request, so nothing but that attempt's own segments can go. A segment that is not
+    there is no error. Returns how many segments were looked for (0 when the shuffle has
+    no remote tier here: released meanwhile, its tree goes with the release)."""
+    shuffle_id = request["shuffle"]
+    tier = tm.remote_tier(shuffle_id) if shuffle_id in tm.shuffle_ids() else None
+    pairs = request.get("segments")
+    if not isinstance(pairs, list) or any(
+            not isinstance(p, list) or len(p) != 2 for p in pairs):
+        raise ConfigError(f"a JVM remote delete's segments must be [[partition, index], "
+                          f"...], got {pairs!r}")
+    if tier is None:
+        return 0
+    map_index, map_id = (_segment_number(request, f) for f in ("map_index", "map_id"))
+    metas = []
+    for partition, index in pairs:
+        segment = SegmentId(shuffle_id, map_index,
+                            _segment_number({"partition": partition}, "partition"),
+                            _segment_number({"index": index}, "index"), map_id, tier.job_id)
+        metas.append(SegmentMeta(segment, TierName.REMOTE, 0, 0,
+                                 location=tier.segment_path(segment)))
+    for meta in metas:
+        # Bounded as write_remote's call is: a hung sync filesystem must not hold the
+        # tier manager.
+        tier.outcome(tier.io_pool().submit(tier.delete, meta), f"deleting {meta.id}")
+    return len(metas)
+
+
 def _segment_number(request: Mapping[str, Any], field: str) -> int:
     """A JVM request's ``field`` that names a segment's object: a whole number >= 0. A
     negative partition was stored as ``sub--0001``, a name no deletion accepts (they

@@ -104,3 +104,58 @@ def test_a_reservation_whose_answer_never_came_is_given_back_by_the_abort(tmp_pa
     finally:
         spark_bridge.stop_spark()
         ray.kill(tm)
+
+
+def test_remote_segments_of_a_failed_batch_are_deleted_by_the_abort(tmp_path):
+    """Memory and disk tiers off: every segment goes to the remote tier (``file://``),
+    written by the node's tier manager, which fails every second remote write. Each map
+    attempt stores a segment remotely, then fails on the next one; its batch is never
+    committed, so only the attempt itself knows that segment. Its abort deleted the
+    batch's disk files and dropped its objects, but not its remote segments: they stayed
+    in the remote store until the shuffle's release (found by a review)."""
+    import time
+
+    import ray
+
+    from hybrid_ray.actors import TIER_MANAGER_PREFIX, TierManagerActor
+
+    class FailingRemoteWrites(TierManagerActor.__ray_metadata__.modified_class):
+        def spark_write_remote(self, request: str, frame: bytes) -> str:
+            self.remote_writes = getattr(self, "remote_writes", 0) + 1
+            if self.remote_writes % 2 == 0:
+                raise OSError("injected: the remote store refused the write")
+            return super().spark_write_remote(request, frame)
+
+    start_local_ray()
+    namespace = f"failed-remote-{uuid.uuid4().hex[:6]}"
+    node_id = ray.get_runtime_context().get_node_id()
+    tm = ray.remote(num_cpus=0)(FailingRemoteWrites).options(
+        name=TIER_MANAGER_PREFIX + node_id, namespace=namespace, lifetime="detached"
+    ).remote(node_id, namespace)
+    remote = tmp_path / "remote"
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
+                           disk_capacity_bytes=0, remote_path=f"file://{remote}",
+                           namespace=namespace, progress=False)
+    try:
+        spark = spark_bridge.init_spark(
+            "failed-remote-tests", num_executors=1, executor_cores=1, executor_memory="1GB",
+            configs={"spark.sql.adaptive.enabled": "false", "spark.task.maxFailures": "2"},
+            shuffle_config=config)
+        spark.sparkContext.setLogLevel("OFF")
+        df = spark.range(0, 50_000, numPartitions=1).selectExpr("id % 100 as k", "id as v")
+        with pytest.raises(Exception, match="injected"):
+            df.repartition(4, "k").groupBy("k").count().collect()
+        attempts = ray.get(tm.__ray_call__.remote(lambda self: self.remote_writes),
+                           timeout=60)
+        assert attempts >= 2  # each attempt stored one segment before its write failed
+        deadline = time.monotonic() + 30  # the deletes travel from the executor's sender
+        while True:
+            files = [os.path.join(d, f) for d, _, fs in os.walk(remote) for f in fs
+                     if f.endswith(".seg")]
+            if not files or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert files == []  # the aborts deleted what the attempts stored remotely
+    finally:
+        spark_bridge.stop_spark()
+        ray.kill(tm)

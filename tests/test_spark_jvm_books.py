@@ -630,6 +630,38 @@ def test_a_jvm_remote_write_with_a_negative_number_is_refused_before_writing(
     assert written == []
 
 
+def test_a_failed_jvm_attempts_uncommitted_remote_segments_are_deleted_and_no_others(
+        tmp_path) -> None:
+    """A JVM map attempt whose batch failed after some of its segments went to the remote
+    tier never commits them, so the master's abort cannot delete them: the attempt has
+    the tier manager delete them (``delete_remote``), by the paths ``write_remote`` gave
+    them. Another attempt's segment and the shuffle's marker stay; a segment that is not
+    there is no error; a bad request is refused before anything is deleted."""
+    import os
+
+    from hybrid_ray.errors import ConfigError
+    from hybrid_ray.spark_jvm import delete_remote, write_remote
+
+    tm, tier, _ = _tier_manager_with_a_remote_tier(tmp_path)
+    mine = {"shuffle": SHUFFLE, "map_index": 0, "partition": 1, "index": 0, "map_id": 7}
+    other = dict(mine, map_id=8)
+    mine_path = write_remote(tm, mine, b"x" * 100)["location"]
+    other_path = write_remote(tm, other, b"y" * 100)["location"]
+    with pytest.raises(ConfigError, match="must be"):
+        delete_remote(tm, {"shuffle": SHUFFLE, "map_index": 0, "map_id": 7,
+                           "segments": [[1, -1]]})
+    with pytest.raises(ConfigError, match=r"\[\[partition, index\]"):
+        delete_remote(tm, {"shuffle": SHUFFLE, "map_index": 0, "map_id": 7,
+                           "segments": ["../x"]})
+    assert os.path.exists(mine_path)
+    assert delete_remote(tm, {"shuffle": SHUFFLE, "map_index": 0, "map_id": 7,
+                              "segments": [[1, 0], [2, 0]]}) == 2
+    assert not os.path.exists(mine_path)
+    assert os.path.exists(other_path)
+    tm.release_shuffle(SHUFFLE)  # released meanwhile: its tree went with the release
+    assert delete_remote(tm, dict(other, segments=[[1, 0]])) == 0
+
+
 def test_a_shuffle_whose_registration_and_commits_are_still_on_their_way_is_waited_for(
 ) -> None:
     """The driver registers a Spark shuffle without waiting, and a map task's last commit

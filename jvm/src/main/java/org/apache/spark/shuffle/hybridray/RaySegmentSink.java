@@ -57,6 +57,10 @@ final class RaySegmentSink implements SegmentSink {
   // Grants whose settling changes the tier manager's books, not sent yet.
   private final List<Settlement> settlements = new ArrayList<>();
   private final List<Path> uncommittedFiles = new ArrayList<>();
+  // [partition, index] of remote-tier segments stored but not committed yet: only this
+  // attempt knows them, so its abort has the tier manager delete them (the master's abort
+  // deletes committed segments only: they stayed in the remote store until the release).
+  private final List<int[]> uncommittedRemote = new ArrayList<>();
   // A commit of this attempt went to the master: it may be in the master's books even if
   // its call failed (timed out), so an abort must tell the master. (Set only once a call
   // succeeded, a first commit that timed out and was applied later was never aborted:
@@ -213,6 +217,8 @@ final class RaySegmentSink implements SegmentSink {
             }
             // Neither local tier has room: the node's tier manager stores it remotely.
             tiers[i] = "remote";
+            // Noted first: a write whose call failed (timed out) may still land.
+            uncommittedRemote.add(new int[] {s.partition(), s.index()});
             locations[i] = writeRemote(tierManager, s);
           } else if (p.get("tier").asText().equals("memory")) {
             memory.add(i);  // put below, small ones together in one object
@@ -284,6 +290,7 @@ final class RaySegmentSink implements SegmentSink {
       settle(segments, batchPlacements, batchUsed);
     }
     uncommittedFiles.clear();
+    uncommittedRemote.clear();
     if (last) {
       takeLease(ctx.callTimeoutMs);  // (a task with no segments never took its answer)
       closeLease();
@@ -394,6 +401,9 @@ final class RaySegmentSink implements SegmentSink {
       if (!settlements.isEmpty()) {
         sendSettlements(ctx.tierManager(ctx.nodeId()));
       }
+      if (!uncommittedRemote.isEmpty()) {
+        sendRemoteDeletes(ctx.tierManager(ctx.nodeId()));
+      }
       if (commitSent) {
         ObjectNode request = ctx.json.createObjectNode();
         request.put("shuffle", shuffleKey);
@@ -421,6 +431,21 @@ final class RaySegmentSink implements SegmentSink {
     String answer = ctx.callWithBytes(tierManager, "spark_write_remote", ctx.toJson(request),
         s.frame());
     return ctx.parse(answer).get("location").asText();
+  }
+
+  /** Have the tier manager delete the remote segments this attempt stored but never
+   *  committed (from the sender: nobody waits for it). */
+  private void sendRemoteDeletes(PyActorHandle tierManager) throws IOException {
+    ObjectNode request = ctx.json.createObjectNode();
+    request.put("shuffle", shuffleKey);
+    request.put("map_index", mapIndex);
+    request.put("map_id", mapId);
+    ArrayNode list = request.putArray("segments");
+    for (int[] segment : uncommittedRemote) {
+      list.addArray().add(segment[0]).add(segment[1]);
+    }
+    uncommittedRemote.clear();
+    ctx.callAsync(tierManager, "spark_delete_remote", ctx.toJson(request));
   }
 
   private ArrayNode settlementsJson() {
