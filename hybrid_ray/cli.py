@@ -194,8 +194,20 @@ def _connect_unscrubbed(address: str | None, timeout_s: float) -> None:
             raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown}: {exc}. {advice}.",
                            2) from None
         host, port = _host_and_port(target)
-    try:
+
+    def probe() -> None:
         socket.create_connection((host, int(port or 10001)), timeout=timeout_s).close()
+
+    try:
+        # Within the bound as a whole: the connection's timeout does not cover the lookup
+        # of the host name before it, and a DNS server that does not answer held
+        # `status --timeout 3s` for 12 s (glibc's 2 x 5 s; minutes with other settings).
+        within(timeout_s, f"the lookup of {host} and a connection to it", probe)
+    except CallTimedOut:
+        raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown} ({target}): its "
+                       "host name did not resolve, or the connection did not complete, "
+                       f"within {timeout_s:.0f} s (--timeout). Check the name and this "
+                       f"machine's DNS. {advice}.", 2) from None
     except (OSError, ValueError) as exc:
         raise CliError(f"hybrid-ray: no Ray cluster reachable at {shown} ({target}): "
                        f"{exc}. {advice}.", 2) from None

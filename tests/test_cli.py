@@ -294,6 +294,36 @@ def test_a_ray_client_address_s_host_and_port_are_found_also_for_ipv6(monkeypatc
         cli._connect(address, 1)
     assert asked == [(host, int(port or 10001))]
 
+def test_a_host_name_that_does_not_resolve_in_time_ends_within_the_timeout(monkeypatch):
+    """Was: the GCS port was probed with ``socket.create_connection``, whose timeout bounds
+    the connection but not the lookup of the host name before it: with a DNS server that
+    does not answer, ``status --address ray-head.example.com:6379 --timeout 3s`` took
+    12 s (glibc's default 2 x 5 s; up to minutes with resolv.conf's ``timeout``/``attempts``)."""
+    import threading
+
+    from hybrid_ray import cli
+
+    released = threading.Event()
+    real_getaddrinfo = socket.getaddrinfo
+
+    def silent_dns(host, *args, **kwargs):
+        if host == "ray-head.example.com":
+            released.wait(60)  # a resolver that never answers
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", silent_dns)
+    started = time.monotonic()
+    try:
+        with pytest.raises(cli.CliError, match="within 1 s") as caught:
+            cli._connect("ray-head.example.com:6379", 1)
+        elapsed = time.monotonic() - started
+    finally:
+        released.set()
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+    assert caught.value.code == 2 and "--timeout" in str(caught.value), caught.value
+
+
 def test_cleanup_reads_storage_options_from_a_file_or_the_environment(tmp_path, monkeypatch):
     """Credentials in --storage-options were readable by every local user (``ps``): the
     options also come from @FILE or $HYBRID_RAY_STORAGE_OPTIONS, and a malformed one is
