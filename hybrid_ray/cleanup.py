@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import numbers
 import os
 import posixpath
 import threading
@@ -30,6 +31,7 @@ from hybrid_ray import ids
 from hybrid_ray.config import (
     refuse_single_spill_dir, validate_remote_path, validate_storage_options,
 )
+from hybrid_ray.errors import ConfigError
 from hybrid_ray.ids import require_inside_remote
 from hybrid_ray.redaction import Redactor, redact_url
 from hybrid_ray.tiers.base import SHUFFLE_MARKER_NAME, parse_shuffle_marker
@@ -313,7 +315,15 @@ def find_orphans(spill_dirs: Sequence[str] = (), remote_path: str | None = None,
 def remove(plan: Plan, older_than_s: float, keep: Collection[str] = (),
            now: float | None = None) -> SweepResult:
     """Remove the candidates untouched for ``older_than_s`` seconds whose shuffle id is not
-    in ``keep`` (the live shuffles). Every failure is reported per path, none swallowed."""
+    in ``keep`` (the live shuffles). Every failure is reported per path, none swallowed.
+    ``ConfigError`` for an ``older_than_s`` that is not a number of seconds >= 0."""
+    if isinstance(older_than_s, bool) or not isinstance(older_than_s, numbers.Real) \
+            or not 0 <= older_than_s < float("inf"):
+        # Compared with the cut-off as given, a NaN or negative age removed every
+        # candidate, one written a moment ago included, and "6h" failed with a bare
+        # TypeError after the candidates were found.
+        raise ConfigError(f"older_than_s must be a number of seconds >= 0 (e.g. 6 * 3600 "
+                          f"for 6 h), got {older_than_s!r}; nothing was removed")
     result = SweepResult(errors=list(plan.errors))
     cutoff = (time.time() if now is None else now) - older_than_s
     for c in plan.candidates:

@@ -140,6 +140,22 @@ def test_a_single_path_given_as_spill_dirs_is_refused_not_swept_per_character(
     assert os.listdir(work / "s" / "hybrid_ray") == [other]
 
 
+@pytest.mark.parametrize("age", [float("nan"), -3600, "6h", None, True])
+def test_an_age_limit_that_is_no_age_is_refused_before_anything_is_removed(tmp_path, age):
+    """Was: ``older_than_s=float("nan")`` or a negative age removed every candidate, a
+    shuffle directory written a moment ago included (no mtime is above a NaN cut-off),
+    ``True`` was taken as 1 s, and "6h" failed with a bare TypeError after the sweep had
+    looked at every directory."""
+    from hybrid_ray.cleanup import sweep_spill_dirs
+    from hybrid_ray.errors import ConfigError
+
+    spill = str(tmp_path / "spill")
+    _write_disk(spill, "shf-fresh")
+    with pytest.raises(ConfigError, match="older_than_s must be a number of seconds >= 0"):
+        sweep_spill_dirs([spill], age)
+    assert os.path.isdir(os.path.join(spill, "hybrid_ray", "shf-fresh"))
+
+
 def test_node_id_spill_dirs_of_dead_nodes_are_swept(tmp_path):
     """Was: ``{node_id}`` was taken literally, so no node's spill files were ever found,
     and a removed node's files stayed forever (item 12)."""
