@@ -242,6 +242,11 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                 and re.fullmatch(r"\d+\s*[kKmMgGtT]?[bB]?", executor_memory.strip()))):
         raise ConfigError(f"executor_memory must be bytes (int) or a size like '2GB', "
                           f"got {executor_memory!r}")
+    if isinstance(executor_memory, str):
+        # Spark's size parser takes no blanks: "2 GB" passed the check above and RayDP's
+        # parser, then the driver's JVM refused it while Spark started, and init_spark
+        # said only JAVA_GATEWAY_EXITED (found by a review). As Spark spells it: "2GB".
+        executor_memory = re.sub(r"\s+", "", executor_memory)
     if _memory_bytes(executor_memory) <= 0:
         raise ConfigError(f"executor_memory must be above 0, got {executor_memory!r}")
     if _memory_bytes(executor_memory) < MIN_EXECUTOR_MEMORY and not (

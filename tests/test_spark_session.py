@@ -169,6 +169,27 @@ def test_init_spark_refuses_executor_memory_below_spark_s_minimum(memory):
         init_spark(executor_memory=memory)
 
 
+def test_init_spark_gives_raydp_the_executor_memory_as_spark_spells_it(ray_local, monkeypatch):
+    """Spark's size parser takes no blanks: "1 GB" passed init_spark's check and RayDP's
+    parser, then the driver's JVM refused it while Spark started, and init_spark said only
+    "[JAVA_GATEWAY_EXITED] Java gateway process exited" (found by a review). RayDP is
+    given "1GB"."""
+    import raydp
+
+    from spark_bridge.session import SparkSetupError, init_spark
+
+    seen = []
+
+    def fake_init_spark(app_name, num_executors, executor_cores, executor_memory, configs):
+        seen.append(executor_memory)
+        raise Exception("no Spark in this test")
+    monkeypatch.setattr(raydp, "init_spark", fake_init_spark)
+    for given in ("1 GB", " 1024 m ", "1GB"):
+        with pytest.raises(SparkSetupError, match="no Spark in this test"):
+            init_spark(executor_memory=given, hybrid_shuffle=False)
+    assert seen == ["1GB", "1024m", "1GB"]
+
+
 def test_init_spark_s_error_names_the_java_exception_behind_a_py4j_failure(
         ray_local, monkeypatch):
     """A Py4J failure's first line is only "An error occurred while calling
