@@ -316,7 +316,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     import ray
     import raydp
 
-    global _session_shuffles, _session_config, _given_config
+    global _session_shuffles, _session_config, _given_config, _last_session_shuffles
     if hybrid_shuffle:
         # A wrong endpoint or credentials surfaced only inside Spark tasks, once data
         # spilled to the remote tier, after Spark's retries: probe it now, as a Ray
@@ -373,6 +373,9 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         # The driver's JVM read it while Spark started (its shuffle manager is made then).
         if token_dir:
             shutil.rmtree(token_dir, ignore_errors=True)
+    # This session is the current one now: spark_shuffle_reports() gave a session started
+    # with hybrid_shuffle=False the reports of the last stopped one, exchanges it never ran.
+    _last_session_shuffles = None
     if hybrid_shuffle:
         from spark_bridge.hybrid_shuffle import app_prefix
 

@@ -190,6 +190,27 @@ def test_init_spark_gives_raydp_the_executor_memory_as_spark_spells_it(ray_local
     assert seen == ["1GB", "1024m", "1GB"]
 
 
+def test_a_new_session_does_not_report_the_last_stopped_session_s_exchanges(
+        ray_local, monkeypatch):
+    """spark_shuffle_reports() gives the current session's reports, or the last stopped
+    one's while none runs. A session started with hybrid_shuffle=False after a stopped
+    hybrid one got the stopped one's reports: exchanges it never ran (found by a review)."""
+    import raydp
+
+    import spark_bridge.hybrid_shuffle as hybrid_shuffle
+    from spark_bridge import session
+
+    monkeypatch.setattr(session, "_session_shuffles", None)
+    monkeypatch.setattr(session, "_session_config", None)
+    monkeypatch.setattr(session, "_given_config", None)
+    monkeypatch.setattr(session, "_last_session_shuffles", ("hr_old", "spark-old-1-", "s1"))
+    monkeypatch.setattr(hybrid_shuffle, "reports", lambda namespace, prefix: [prefix])
+    assert session.spark_shuffle_reports() == ["spark-old-1-"]  # no session runs
+    monkeypatch.setattr(raydp, "init_spark", lambda *args, **kwargs: object())
+    session.init_spark(executor_memory="512MB", hybrid_shuffle=False)
+    assert session.spark_shuffle_reports() == []
+
+
 def test_init_spark_s_error_names_the_java_exception_behind_a_py4j_failure(
         ray_local, monkeypatch):
     """A Py4J failure's first line is only "An error occurred while calling
