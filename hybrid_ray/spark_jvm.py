@@ -261,8 +261,10 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
     if entry is None:
         attempt = registry.begin_map(shuffle_id, map_index, node, 0)
         entry = (map_index, attempt)
-        if map_id not in state.spark_aborted:
-            state.spark_attempts[map_id] = entry
+        # Kept also for an aborted attempt: each later commit of it began a registry
+        # attempt of its own, dropped again, and the report counted one failed Spark
+        # attempt as several retried ones (found by a review).
+        state.spark_attempts[map_id] = entry
     map_index, attempt = entry
     # A sixth element names the books that granted the segment's space (see ``settle``):
     # freed by a tier manager started again, it gives back nothing it never counted.
@@ -271,10 +273,12 @@ def _commit(registry: ShuffleRegistry, request: Mapping[str, Any],
                          TierName(tier), int(nbytes), 0, node_id=node, location=location,
                          granted_by=jvm_books(books[0] if books else None))
              for sub, index, tier, nbytes, location, *books in request["segments"]]
-    registry.commit(shuffle_id, map_index, attempt, metas)
+    published = registry.commit(shuffle_id, map_index, attempt, metas)
     if map_id in state.spark_aborted:
-        # Its abort ran first: these segments go the way the abort sent the rest.
-        registry.drop_attempt(shuffle_id, map_index, attempt)
+        # Its abort ran first: these segments go the way the abort sent the rest (refused
+        # by ``commit``, and so deleted, once the attempt is dropped).
+        if published:
+            registry.drop_attempt(shuffle_id, map_index, attempt)
         return
     if request.get("final"):
         registry.finish_map(shuffle_id, map_index, attempt, None)
@@ -360,8 +364,11 @@ def abort(registry: ShuffleRegistry, request: Mapping[str, Any]) -> None:
                 registry.spark_early_aborts.popitem(last=False)
         return
     state = registry.state(shuffle_id)
-    state.spark_aborted.add(int(request["map_id"]))
-    entry = state.spark_attempts.pop(int(request["map_id"]), None)
+    map_id = int(request["map_id"])
+    if map_id in state.spark_aborted:
+        return  # aborted already (an abort delivered again, an executor's loss after it)
+    state.spark_aborted.add(map_id)
+    entry = state.spark_attempts.get(map_id)
     if entry is not None:
         registry.drop_attempt(shuffle_id, *entry)
 

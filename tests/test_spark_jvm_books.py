@@ -737,3 +737,37 @@ def test_a_jvm_grant_of_a_tier_manager_that_died_changes_nothing_at_its_successo
     assert successor.memory.used_by(SHUFFLE) == 200
     with pytest.raises(ConfigError, match="books id must be a string"):
         settle(successor, SHUFFLE, [["memory", 1, live["target"], None, 7]])
+
+
+def test_a_failed_spark_attempt_counts_once_in_the_report_however_its_commits_arrive(
+        ) -> None:
+    """Each commit of an aborted attempt arriving after its abort (the abort ran first on
+    the master's threads, a last commit delivered again, one sent before its executor's
+    loss) began a registry attempt of its own and dropped it: the report's
+    ``superseded_attempts`` counted one failed Spark attempt two or three times (found by
+    a review). Its segments are deleted all the same."""
+    from hybrid_ray.spark_jvm import executor_lost, summary
+
+    registry, deleted = _deleting_registry()
+    register(registry, {"shuffle": SHUFFLE, "num_partitions": 4}, lambda token: None)
+    abort(registry, {"shuffle": SHUFFLE, "map_id": 100})
+    _commit(registry, 0, 100, [_seg(0, 0, "a")])
+    _commit(registry, 0, 100, [_seg(0, 0, "a")])  # the same last commit again
+    abort(registry, {"shuffle": SHUFFLE, "map_id": 100})  # and its abort again
+    _commit(registry, 0, 101, [_seg(0, 0, "b")])
+    assert deleted == ["a", "a"]
+    assert summary(registry, SHUFFLE)["superseded_attempts"] == 1
+
+    commit(registry, {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": 1, "map_id": 102,
+                      "node": "n1", "final": False, "executor": "7",
+                      "segments": [_seg(1, 0, "c")]}, lambda token: None)
+    assert executor_lost(registry, {"prefix": "spark-app-", "executor": "7",
+                                    "last_task": 102}) == 1
+    # Its last commit, sent before the loss, delivered after it.
+    commit(registry, {"shuffle": SHUFFLE, "num_partitions": 4, "map_index": 1, "map_id": 102,
+                      "node": "n1", "final": True, "executor": "7",
+                      "segments": [_seg(1, 1, "d")]}, lambda token: None)
+    assert deleted == ["a", "a", "c", "d"]
+    assert summary(registry, SHUFFLE)["superseded_attempts"] == 2
+    assert locate(registry, {"shuffle": SHUFFLE, "blocks": [[100, 0], [101, 0], [102, 1]]}
+                  )["blocks"] == [None, [["memory", 10, "n1", "b"]], None]
