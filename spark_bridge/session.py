@@ -292,6 +292,7 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
     if hybrid_shuffle:
         from spark_bridge.hybrid_shuffle import shuffle_manager_configs, shuffle_manager_jar
 
+        _check_driver_jvm_has_the_manager()
         session_token = f"s{uuid.uuid4().hex}"
         # Without the token: Spark's configs are on spark-submit's command line. The
         # driver's JVM reads it from a file while Spark starts (see _session_token_file).
@@ -308,6 +309,19 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         # carry over to executors that lack its jar (ClassNotFoundException, then a hang).
         extra = {"spark.shuffle.manager": "sort",
                  **{k: str(v) for k, v in (configs or {}).items()}}
+        # The jar on the driver's classpath all the same: that driver JVM is the one a
+        # later init_spark(hybrid_shuffle=True) of this process gets, and without the jar
+        # its start failed with ClassNotFoundException (found by a review).
+        from spark_bridge.hybrid_shuffle import ShuffleJarMissingError, shuffle_manager_jar
+
+        try:
+            jar = shuffle_manager_jar()
+        except ShuffleJarMissingError:
+            jar = ""
+        if jar:
+            driver_path = "spark.driver.extraClassPath"
+            extra[driver_path] = f"{jar}:{extra[driver_path]}" if extra.get(driver_path) \
+                else jar
     configs = extra
     # Executors' Python workers (mapInArrow) must import hybrid_ray: use this interpreter.
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -387,6 +401,31 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
                          daemon=True, name="hybrid-ray-spark-heartbeat").start()
     _given_config = shuffle_config
     return session
+
+
+def _check_driver_jvm_has_the_manager() -> None:
+    """Refuse, naming the fix, a Spark driver JVM this process started earlier without
+    hybrid_ray's jar: PySpark keeps one driver JVM per process, with the classpath of its
+    first session, and Spark's start then failed with ClassNotFoundException, which
+    init_spark reported as a start failure to check against the cluster's CPUs."""
+    from pyspark import SparkContext
+
+    from spark_bridge.hybrid_shuffle import MANAGER_CLASS
+
+    gateway = SparkContext._gateway  # noqa: SLF001 - the process's driver JVM, if any
+    if gateway is None:
+        return
+    try:
+        loader = gateway.jvm.java.lang.Thread.currentThread().getContextClassLoader()
+        loader.loadClass(MANAGER_CLASS)
+    except Exception as exc:  # noqa: BLE001 - Py4J's error for a missing class
+        if "ClassNotFoundException" not in str(exc):
+            return  # a JVM that cannot be asked: Spark's start says what is wrong
+        raise SparkSetupError(
+            "this process's Spark driver JVM was started (by an earlier Spark session) "
+            "without hybrid_ray's shuffle manager jar on its classpath, and PySpark keeps "
+            "that JVM for every later session: start Spark in a new Python process, or "
+            "pass hybrid_shuffle=False") from None
 
 
 def _session_token_file(token: str) -> tuple[str, str]:

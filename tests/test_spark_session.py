@@ -211,6 +211,59 @@ def test_a_new_session_does_not_report_the_last_stopped_session_s_exchanges(
     assert session.spark_shuffle_reports() == []
 
 
+def test_a_session_with_spark_s_own_shuffle_puts_the_jar_on_the_driver_s_classpath(
+        ray_local, monkeypatch):
+    """PySpark keeps one driver JVM per process, with its first session's classpath: after
+    an init_spark(hybrid_shuffle=False), a hybrid session's start failed with
+    ClassNotFoundException for the shuffle manager, reported as a start failure to check
+    against the cluster's CPUs and memory (found by a review). The jar goes on the
+    driver's classpath in every session (the caller's entries kept); a driver JVM started
+    without it is refused up front, naming the fix."""
+    import types
+
+    import raydp
+
+    import spark_bridge.hybrid_shuffle as hybrid_shuffle
+    from pyspark import SparkContext
+
+    from hybrid_ray import ShuffleConfig
+    from spark_bridge.session import SparkSetupError, init_spark
+
+    seen = {}
+
+    def fake_init_spark(app_name, num_executors, executor_cores, executor_memory, configs):
+        seen.update(configs)
+        raise Exception("no Spark in this test")
+    monkeypatch.setattr(raydp, "init_spark", fake_init_spark)
+    monkeypatch.setattr(hybrid_shuffle, "shuffle_manager_jar", lambda: "/x/hybrid-ray-spark.jar")
+    with pytest.raises(SparkSetupError, match="no Spark in this test"):
+        init_spark(executor_memory="512MB", hybrid_shuffle=False,
+                   configs={"spark.driver.extraClassPath": "/mine.jar"})
+    assert seen["spark.driver.extraClassPath"] == "/x/hybrid-ray-spark.jar:/mine.jar"
+    assert seen["spark.shuffle.manager"] == "sort"
+
+    class _Loader:
+        def loadClass(self, name):  # noqa: N802 - the Java method's name
+            raise Exception(f"An error occurred while calling o1.loadClass.\n: "
+                            f"java.lang.ClassNotFoundException: {name}")
+
+    class _Gateway:  # a driver JVM started without the jar, as Py4J shows it
+        class jvm:  # noqa: N801
+            class java:  # noqa: N801
+                class lang:  # noqa: N801
+                    class Thread:  # noqa: N801
+                        @staticmethod
+                        def currentThread():  # noqa: N802
+                            return types.SimpleNamespace(
+                                getContextClassLoader=lambda: _Loader())
+
+    monkeypatch.setattr(SparkContext, "_gateway", _Gateway())
+    with pytest.raises(SparkSetupError, match="without hybrid_ray's shuffle manager jar.*"
+                                              "new Python process"):
+        init_spark(executor_memory="512MB", shuffle_config=ShuffleConfig(
+            namespace="hr_driver_jar", progress=False))
+
+
 def test_init_spark_s_error_names_the_java_exception_behind_a_py4j_failure(
         ray_local, monkeypatch):
     """A Py4J failure's first line is only "An error occurred while calling
