@@ -894,27 +894,6 @@ def test_no_empty_job_directory_is_left_on_a_local_remote_tier(tmp_path):
     assert os.listdir(root / "job-2") == ["notes.txt"]
 
 
-def test_the_reachability_probe_leaves_no_empty_job_directory(tmp_path):
-    """Was: the probe a driver runs before every shuffle (and ``init_spark`` before its
-    session) created a file:// remote tier's job directory and left it there, empty, when
-    no shuffle of the job then wrote and released there (a run that failed before
-    registering its shuffle, a Spark session that never shuffled): one more for every
-    driver run (the default job id is new per process), and neither a release nor
-    ``hybrid-ray cleanup`` ever removed it. A job directory holding anything stays."""
-    from hybrid_ray import cleanup
-
-    root = tmp_path / "remote"
-    RemoteTier(MiB, f"file://{root}", "job-1").close()
-    assert os.listdir(root) == []
-    # (As before the fix: cleanup finds nothing to remove, so such a directory stayed.)
-    assert cleanup.remove(cleanup.find_remote_orphans(f"file://{root}"), 0).removed == []
-    (root / "job-2").mkdir(mode=0o700)
-    (root / "job-2" / "notes.txt").write_text("the user's")
-    RemoteTier(MiB, f"file://{root}", "job-2").close()
-    assert os.listdir(root) == ["job-2"]
-    assert os.listdir(root / "job-2") == ["notes.txt"]
-
-
 def test_a_local_write_whose_directory_went_meanwhile_is_written_again(tmp_path, monkeypatch):
     """Removing an empty job directory can meet a writer of the same job id (another
     driver) between creating its directories and writing: the write creates them again

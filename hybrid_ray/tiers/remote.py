@@ -192,14 +192,14 @@ class RemoteTier(Tier):
         """Delete the reachability probe, tried twice. A store that takes writes but
         refuses deletes would keep every segment of every shuffle, so it fails the check
         too, naming the probe left behind: it was reported as "not writable" before, and
-        the probe stayed unmentioned. On a local filesystem the job directory goes too if
-        the probe left it empty."""
+        the probe stayed unmentioned."""
         for attempt in range(2):
             try:
                 self.outcome(self.io_pool().submit(self.fs.rm_file, probe, **self.deadline()),
                              "deleting the reachability probe")
+                return
             except FileNotFoundError:
-                pass
+                return
             except Exception as exc:  # noqa: BLE001 - botocore/aiohttp/OS errors
                 if attempt == 1:
                     self._fail(
@@ -210,16 +210,6 @@ class RemoteTier(Tier):
                         "s3:DeleteObject). The probe object "
                         f"{redact_url(probe)!r} is left behind; remove it once deletes "
                         "work.", exc)
-                continue
-            if self._local:
-                # The job directory the probe made, if nothing else is in it: left, one
-                # stayed for every driver run whose job never released a shuffle here (a
-                # run that failed before registering one, a Spark session that never
-                # shuffled), and neither a release nor cleanup ever removed it. (Bounded
-                # as the probe's own calls are.)
-                self.outcome(self.io_pool().submit(remove_empty_job_dir, probe),
-                             "removing the reachability probe's empty job directory")
-            return
 
     def deadline(self, nbytes: int = 0) -> dict[str, float]:
         """The ``timeout`` keyword bounding one call of an async filesystem (fsspec cancels
