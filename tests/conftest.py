@@ -312,7 +312,8 @@ class ThrottlingS3Proxy:
     """An HTTP proxy in front of an S3 endpoint that can throttle: after ``throttle(n)``
     the next ``n`` requests are answered with a real S3 ``503 SlowDown`` error (status,
     headers and XML body as S3 sends them) instead of being forwarded; every other request
-    goes to the endpoint unchanged. ``throttled`` counts the 503s served."""
+    goes to the endpoint unchanged. ``throttled`` counts the errors served. ``fail(n, 500,
+    "InternalError")`` answers the next ``n`` requests with another S3 error instead."""
 
     SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                  b'<Message>Please reduce your request rate.</Message>'
@@ -328,6 +329,7 @@ class ThrottlingS3Proxy:
         self.throttled = 0
         self.forwarded = 0
         self._to_throttle = 0
+        self._error = (503, "Slow Down", self.SLOW_DOWN)
         self._lock = threading.Lock()
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -341,18 +343,19 @@ class ThrottlingS3Proxy:
                 body = self.rfile.read(length) if length else b""
                 with proxy._lock:
                     throttle = proxy._to_throttle > 0
+                    status, reason, error_body = proxy._error
                     if throttle:
                         proxy._to_throttle -= 1
                         proxy.throttled += 1
                     else:
                         proxy.forwarded += 1
                 if throttle:
-                    self.send_response(503, "Slow Down")
+                    self.send_response(status, reason)
                     self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(proxy.SLOW_DOWN)))
+                    self.send_header("Content-Length", str(len(error_body)))
                     self.end_headers()
                     if self.command != "HEAD":
-                        self.wfile.write(proxy.SLOW_DOWN)
+                        self.wfile.write(error_body)
                     return
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.target_port,
                                                       timeout=30)
@@ -392,6 +395,16 @@ class ThrottlingS3Proxy:
         """Answer the next ``n`` requests with 503 SlowDown."""
         with self._lock:
             self._to_throttle = n
+            self._error = (503, "Slow Down", self.SLOW_DOWN)
+
+    def fail(self, n: int, status: int, code: str) -> None:
+        """Answer the next ``n`` requests with S3 error ``code`` (e.g. 500 InternalError)."""
+        body = self.SLOW_DOWN.replace(b"<Code>SlowDown</Code>", f"<Code>{code}</Code>".encode()
+                                      ).replace(b"Please reduce your request rate.",
+                                                b"We encountered an internal error.")
+        with self._lock:
+            self._to_throttle = n
+            self._error = (status, code, body)
 
     def close(self) -> None:
         self._server.shutdown()

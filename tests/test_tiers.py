@@ -460,7 +460,7 @@ class TestRemoteTierS3(TierConformance):
         assert mine.fs.config_kwargs == {"request_checksum_calculation": "when_supported",
                                          "response_checksum_validation": "when_required",
                                          "connect_timeout": 5, "read_timeout": 5,
-                                         "retries": {"total_max_attempts": 1, "mode": "standard"}}
+                                         "retries": {"total_max_attempts": 3, "mode": "standard"}}
         _, payload = _payload(5)
         meta = mine.write(SegmentId("ck", 0, 0, 0), payload)
         assert bytes(mine.read(meta)) == payload
@@ -471,6 +471,37 @@ class TestRemoteTierS3(TierConformance):
         _, options = s3_bucket
         with pytest.raises(RemoteTierError, match="bucket/directory exists"):
             RemoteTier(MiB, "s3://no-such-bucket-xyz/p", "j", options)
+
+    @pytest.mark.parametrize("status,code", [(500, "InternalError"), (503, "ServiceUnavailable"),
+                                             (502, "BadGateway")])
+    def test_a_transient_s3_server_error_is_retried_and_a_lasting_one_is_not_forever(
+            self, s3_bucket, moto_endpoint, status, code):
+        """S3 answers a 500, 502 or 503 now and then and asks clients to retry. s3fs retries
+        only timeouts and SlowDown, and botocore was allowed one attempt: one such answer
+        failed the segment's write or read, and with it the whole shuffle."""
+        from conftest import ThrottlingS3Proxy
+
+        path, options = s3_bucket
+        proxy = ThrottlingS3Proxy(int(moto_endpoint.rsplit(":", 1)[1]))
+        try:
+            tier = RemoteTier(MiB, path, "job-5xx", {**options, "endpoint_url": proxy.endpoint})
+            sid = SegmentId("t5", 0, 0, 0)
+            _, payload = _payload(7, sid)
+            proxy.fail(1, status, code)  # the marker's PUT
+            meta = tier.write(sid, payload)
+            proxy.fail(1, status, code)  # the segment's GET
+            assert bytes(tier.read(meta)) == payload
+            assert proxy.throttled == 2
+            # Answered so every time: a bounded number of attempts, then a clear error.
+            proxy.fail(100, status, code)
+            with pytest.raises(RemoteTierError, match="reading .* from the remote tier"):
+                tier.read(meta)
+            assert proxy.throttled == 2 + 3
+            proxy.fail(0, status, code)
+            tier.release_shuffle("t5")
+            self.assert_no_data(tier, "t5")
+        finally:
+            proxy.close()
 
 
 def test_s3_release_keeps_an_object_named_like_the_shuffle_s_directory(s3_bucket):

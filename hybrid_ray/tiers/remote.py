@@ -63,12 +63,16 @@ S3_CHECKSUM_DEFAULTS = {"request_checksum_calculation": "when_required",
 # Bounded waits on S3 (botocore's defaults: 60 s connect and read timeouts, 5 attempts, and
 # s3fs retries each call 5 more times: an endpoint that accepts connections and never
 # answers gave no error for over 6 minutes). s3fs itself retries a timed-out, refused or
-# throttled (SlowDown) call S3FileSystem.retries = 5 times with backoff, so botocore makes one
-# attempt per call, and each call has a deadline (below). Override any of these with
+# throttled (SlowDown) call S3FileSystem.retries = 5 times with backoff, but not a 500
+# InternalError, 502 or 503 ServiceUnavailable, which S3 answers now and then and asks
+# clients to retry: botocore's "standard" mode retries those, S3_ATTEMPTS attempts in all
+# (with one attempt, a single 500 failed the whole shuffle). Each call has a deadline
+# (below) bounding all of its attempts. Override any of these with
 # storage_options={"config_kwargs": {"read_timeout": ..., ...}}.
 # (botocore rewrites a "retries" dict in place: it is copied for every filesystem.)
+S3_ATTEMPTS = 3
 S3_TIMEOUT_DEFAULTS = {"connect_timeout": 5, "read_timeout": 5,
-                       "retries": {"total_max_attempts": 1, "mode": "standard"}}
+                       "retries": {"total_max_attempts": S3_ATTEMPTS, "mode": "standard"}}
 # botocore sends PUTs with "Expect: 100-continue", and aiohttp's read timeout does not run
 # while it waits for the "100 Continue" an endpoint that never answers never sends: such a
 # PUT hangs for good. So every call of an async filesystem (s3fs) also gets a deadline:
