@@ -68,6 +68,28 @@ def test_black_holed_s3_endpoint_fails_the_reachability_check_within_its_timeout
     assert "read_timeout" in message and "config_kwargs" in message
 
 
+def test_a_call_s_own_deadline_is_not_reported_as_the_600_s_wait_running_out(black_hole):
+    """fsspec's FSTimeoutError (a call's deadline) is a TimeoutError, which ``outcome``
+    took for its own wait running out: a black-holed endpoint failed the reachability
+    check after 8 s as "ShuffleStalledError: ... did not finish within 600 s: the store is
+    hung or far too slow", beside the hint that it did not answer within its 8 s."""
+    from hybrid_ray import ShuffleConfig
+    from hybrid_ray.errors import RemoteTierError
+    from hybrid_ray.shuffle import check_remote_tier
+
+    config = ShuffleConfig(remote_path=f"s3://bucket-{uuid.uuid4().hex[:8]}/shuffle",
+                           storage_options={"endpoint_url": black_hole, "key": "k",
+                                            "secret": "s",
+                                            "config_kwargs": {"connect_timeout": 2,
+                                                              "read_timeout": 2}},
+                           progress=False)
+    with pytest.raises(RemoteTierError) as err:
+        check_remote_tier(config)
+    message = str(err.value)
+    assert "600 s" not in message and "ShuffleStalledError" not in message, message
+    assert "FSTimeoutError" in message and "deadline 8 s" in message, message
+
+
 def test_default_s3_timeouts_bound_a_call_to_30_s():
     """The defaults alone (no config_kwargs) bound every S3 call well under the 190 s seen."""
     from hybrid_ray.tiers import RemoteTier

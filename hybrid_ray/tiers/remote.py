@@ -462,7 +462,12 @@ class RemoteTier(Tier):
         bound = self.result_bound_s(nbytes) if bound_s is None else max(0.0, bound_s)
         try:
             return future.result(timeout=bound)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as exc:
+            if future.done() and not future.cancelled() and future.exception() is exc:
+                # The call's own error: fsspec's FSTimeoutError (its deadline) is a
+                # TimeoutError too, and was reported as this wait running out ("did not
+                # finish within 600 s" after the call's 20 s deadline).
+                raise
             raise ShuffleStalledError(
                 f"{what} on remote tier {self.display_path!r} did not finish within "
                 f"{bound:.0f} s: the store is hung or far too slow. Check its health; "
