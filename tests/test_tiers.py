@@ -467,6 +467,28 @@ class TestRemoteTierS3(TierConformance):
         mine.release_shuffle("ck")
         self.assert_no_data(mine, "ck")
 
+    def test_a_large_segment_cut_off_by_its_deadline_leaves_no_incomplete_upload(
+            self, s3_bucket, monkeypatch):
+        """s3fs sent a body of 100 MiB or more as a multipart upload; cut off by its
+        deadline (a cancellation, which s3fs's abort does not catch), the upload stayed in
+        the bucket after the shuffle's release: invisible to listings, never removed,
+        billed. A segment now goes as one PUT, which leaves nothing when cut off."""
+        from hybrid_ray.tiers import remote as remote_module
+
+        path, options = s3_bucket
+        # A deadline the upload cannot meet: 2 x (0.25 + 0.25) s, its bytes free.
+        monkeypatch.setattr(remote_module, "REMOTE_MIN_BYTES_PER_S", 1 << 40)
+        tier = RemoteTier(MiB, path, "job-mpu", {**options, "config_kwargs": {
+            "connect_timeout": 0.25, "read_timeout": 0.25}})
+        with pytest.raises(RemoteTierError, match="FSTimeoutError"):
+            tier.write(SegmentId("mpu", 0, 0, 0), bytes(101 * MiB))
+        tier.release_shuffle("mpu")
+        bucket = path.removeprefix("s3://").split("/", 1)[0]
+        time.sleep(1)  # a PUT cut off mid-body: the store has had time to drop it
+        tier.fs.invalidate_cache()
+        assert tier.fs.find(bucket) == []
+        assert tier.fs.list_multipart_uploads(bucket) == []
+
     def test_missing_bucket_is_explained(self, s3_bucket):
         _, options = s3_bucket
         with pytest.raises(RemoteTierError, match="bucket/directory exists"):

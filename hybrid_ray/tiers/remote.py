@@ -141,6 +141,7 @@ class RemoteTier(Tier):
         protocols = _protocols(self.fs)
         self._atomic_put = bool(protocols & _ATOMIC_PUT_PROTOCOLS)
         self._local = bool(protocols & _LOCAL_PROTOCOLS)
+        self._s3 = bool(protocols & {"s3", "s3a"})
         # Everything this tier writes or removes lies below this directory.
         self.job_root = posixpath.join(self.root, self.job_id)
         if check_reachable:
@@ -324,7 +325,8 @@ class RemoteTier(Tier):
             if self._local:
                 self._put_local(path, payload)
             elif self._atomic_put:
-                self.fs.pipe_file(path, payload, **self.deadline(len(payload)))
+                self.fs.pipe_file(path, payload, **self._single_put(len(payload)),
+                                  **self.deadline(len(payload)))
             else:
                 self._put_then_move(path, payload)
             if marked_before:
@@ -335,6 +337,15 @@ class RemoteTier(Tier):
             self._fail(RemoteTierError, f"writing {segment} to the remote tier at {path} "
                        f"failed: {_describe(exc)}. {self._timeout_hint(exc)}", exc)
         return path
+
+    def _single_put(self, nbytes: int) -> dict[str, int]:
+        """Keywords making s3fs send a body of ``nbytes`` as one PUT (a segment: far below
+        S3's 5 GiB limit for one). s3fs splits one of 100 MiB or more (twice its chunksize)
+        into a multipart upload, and one cut off by its deadline (a cancellation, which
+        s3fs's abort does not catch) or by the writer's death stays in the bucket as an
+        incomplete upload: invisible to listings, so no release or cleanup removes it, and
+        billed until a lifecycle rule does."""
+        return {"chunksize": max(nbytes, 1)} if self._s3 else {}
 
     def _put_then_move(self, path: str, payload: bytes) -> None:
         """Write ``path`` on a store whose PUT is not atomic (sftp, HDFS, WebDAV): under a
