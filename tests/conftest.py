@@ -313,7 +313,9 @@ class ThrottlingS3Proxy:
     the next ``n`` requests are answered with a real S3 ``503 SlowDown`` error (status,
     headers and XML body as S3 sends them) instead of being forwarded; every other request
     goes to the endpoint unchanged. ``throttled`` counts the errors served. ``fail(n, 500,
-    "InternalError")`` answers the next ``n`` requests with another S3 error instead."""
+    "InternalError")`` answers the next ``n`` requests with another S3 error instead.
+    ``deny_lists = True`` answers every listing with 403 AccessDenied (credentials without
+    s3:ListBucket), not counted."""
 
     SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                  b'<Message>Please reduce your request rate.</Message>'
@@ -330,6 +332,7 @@ class ThrottlingS3Proxy:
         self.forwarded = 0
         self._to_throttle = 0
         self._error = (503, "Slow Down", self.SLOW_DOWN)
+        self.deny_lists = False
         self._lock = threading.Lock()
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -344,7 +347,12 @@ class ThrottlingS3Proxy:
                 with proxy._lock:
                     throttle = proxy._to_throttle > 0
                     status, reason, error_body = proxy._error
-                    if throttle:
+                    if proxy.deny_lists and self.command == "GET" and "list-type=" in self.path:
+                        throttle, status, reason = True, 403, "AccessDenied"
+                        error_body = proxy.SLOW_DOWN.replace(
+                            b"<Code>SlowDown</Code>", b"<Code>AccessDenied</Code>").replace(
+                            b"Please reduce your request rate.", b"Access Denied")
+                    elif throttle:
                         proxy._to_throttle -= 1
                         proxy.throttled += 1
                     else:

@@ -489,6 +489,29 @@ class TestRemoteTierS3(TierConformance):
         assert tier.fs.find(bucket) == []
         assert tier.fs.list_multipart_uploads(bucket) == []
 
+    def test_credentials_that_cannot_list_fail_the_check_not_every_release(
+            self, s3_bucket, moto_endpoint):
+        """Credentials allowed to put, get and delete objects but not to list them (no
+        s3:ListBucket) passed the reachability check; every shuffle then ran, and its
+        release, which lists the shuffle's objects to delete them, failed for good,
+        leaving its marker in the bucket (and all of its data if it failed)."""
+        from conftest import ThrottlingS3Proxy
+
+        path, options = s3_bucket
+        proxy = ThrottlingS3Proxy(int(moto_endpoint.rsplit(":", 1)[1]))
+        proxy.deny_lists = True
+        try:
+            with pytest.raises(RemoteTierError, match="refused to list it: PermissionError"
+                               ) as err:
+                RemoteTier(MiB, path, "job-nolist", {**options,
+                                                     "endpoint_url": proxy.endpoint})
+            assert "s3:ListBucket" in str(err.value)
+            fs = RemoteTier(MiB, path, "job-nolist", options, check_reachable=False).fs
+            fs.invalidate_cache()
+            assert fs.find(path.removeprefix("s3://").split("/", 1)[0]) == []  # no probe
+        finally:
+            proxy.close()
+
     def test_missing_bucket_is_explained(self, s3_bucket):
         _, options = s3_bucket
         with pytest.raises(RemoteTierError, match="bucket/directory exists"):

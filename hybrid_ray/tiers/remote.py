@@ -191,7 +191,38 @@ class RemoteTier(Tier):
                 "credentials are set (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, "
                 "or an instance role).",
                 exc)
+        listing_error = self._list_error()
         self._remove_probe(probe)
+        if listing_error is not None:
+            self._fail(
+                RemoteTierError,
+                f"remote tier {self.display_path!r} took a write but refused to list it: "
+                f"{_describe(listing_error)}. {self._timeout_hint(listing_error)}A "
+                "shuffle's objects are found by listing them when it is released, so "
+                "without that permission what is left of every shuffle (its marker; all "
+                "of its data if it failed) would stay there: allow listing the remote "
+                "path (for S3: s3:ListBucket on the bucket, for this prefix).",
+                listing_error)
+
+    def _list_error(self) -> Exception | None:
+        """The error of listing the job directory (as the release of a shuffle does, to
+        find its objects), or None. Credentials allowed to put, get and delete objects
+        but not to list them (S3 without s3:ListBucket, a common policy slip) passed the
+        check; every shuffle then ran, and its release failed for good (the master
+        retrying it forever), leaving its marker, and all of its data if it failed."""
+        def list_job_dir() -> None:
+            self.fs.invalidate_cache(self.job_root)  # asked of the store, not a cache
+            try:
+                self.fs.ls(self.job_root, detail=False, **self.deadline())
+            finally:
+                self.fs.invalidate_cache(self.job_root)
+        try:
+            self.outcome(self.io_pool().submit(list_job_dir), "listing the job directory")
+        except FileNotFoundError:  # nothing there (a store without directories): listed
+            return None
+        except Exception as exc:  # noqa: BLE001 - botocore/aiohttp/OS errors
+            return exc
+        return None
 
     def _remove_probe(self, probe: str) -> None:
         """Delete the reachability probe, tried twice. A store that takes writes but
