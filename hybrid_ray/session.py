@@ -40,7 +40,9 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
     shuffle would) and with the config your shuffles use: its namespace, reader count,
     compression and remote tier decide what is started and warmed up. Actors already
     running are reused, so calling it again starts nothing; after nodes joined the
-    cluster, it starts their actors.
+    cluster, it starts their actors. A config its shuffles would refuse (more
+    ``max_concurrent_reducers`` than the cluster can run, an unreachable ``remote_path``)
+    is refused here as they would refuse it, before any actor starts.
 
     ``wait``: return once every actor answered (its process started and, for writers and
     readers, ran a tiny map and read of the data path; see ``actors.warm_up_worker``);
@@ -79,6 +81,13 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
                           f"{warm_object_store_bytes!r}")
     if not ray.is_initialized():
         ray.init()
+    # Refused as the first shuffle would refuse them, before any actor starts: a reader
+    # count beyond the cluster or an unreachable remote tier was taken here (after seconds
+    # of starting every actor), and only the first shuffle said what was wrong.
+    from hybrid_ray.shuffle import _reducer_window, check_remote_tier
+
+    _reducer_window(config)
+    check_remote_tier(config)
     actors = start_actors(config.namespace, reader_count(config), wait=wait,
                           timeout_s=float(timeout_s),
                           compression=Compression(config.compression).value,

@@ -12,7 +12,7 @@ import pytest
 
 import hybrid_ray
 from conftest import base_config, row_fingerprint, start_local_ray
-from hybrid_ray import ActorStartError, ConfigError, ShuffleConfig
+from hybrid_ray import ActorStartError, ConfigError, RemoteTierError, ShuffleConfig
 from hybrid_ray.actors import (
     MASTER_NAME, READER_PREFIX, TIER_MANAGER_PREFIX, WRITER_PREFIX, worker_name,
     writers_per_node,
@@ -187,6 +187,26 @@ def test_init_refuses_bad_arguments_and_starts_nothing(ray_local, kwargs, words)
     kwargs = {"config": ShuffleConfig(namespace=namespace, progress=False), **kwargs}
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         hybrid_ray.init(**kwargs)
+    assert _actor_processes(namespace) == {}
+
+
+@pytest.mark.parametrize("changes, error, words", [
+    ({"max_concurrent_reducers": 10_000}, ConfigError,
+     "max_concurrent_reducers=10000 is more than this cluster can run"),
+    ({"remote_path": "file://{tmp}/a-file/remote"}, RemoteTierError, "is not writable"),
+])
+def test_init_refuses_a_config_its_shuffles_would_refuse_and_starts_nothing(
+        ray_local, tmp_path, changes, error, words):
+    """init took these (after seconds of starting every actor) and the first shuffle
+    refused them: a user who called init to be ready learned only then (found by a
+    review)."""
+    (tmp_path / "a-file").write_text("not a directory")
+    namespace = f"startup-refused-{uuid.uuid4().hex[:8]}"
+    changes = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v
+               for k, v in changes.items()}
+    config = ShuffleConfig(namespace=namespace, progress=False, **changes)
+    with pytest.raises(error, match=words):
+        hybrid_ray.init(config)
     assert _actor_processes(namespace) == {}
 
 
