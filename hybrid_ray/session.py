@@ -18,7 +18,7 @@ import time
 import ray
 
 from hybrid_ray.actors import START_TIMEOUT_S, ShuffleActors, reader_count, start_actors
-from hybrid_ray.config import Compression, ShuffleConfig, require_seconds
+from hybrid_ray.config import Compression, ShuffleConfig, _as_int, require_seconds
 from hybrid_ray.errors import ConfigError
 
 # The most memory init has each writer and reader allocate ahead (one map chunk's worth,
@@ -73,12 +73,15 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
     # Checked before any actor starts: Ray's millisecond timeouts overflow beyond
     # MAX_DURATION_S.
     require_seconds("hybrid_ray.init(timeout_s=...)", timeout_s)
-    if warm_object_store_bytes is not None and (
-            isinstance(warm_object_store_bytes, bool)
-            or not isinstance(warm_object_store_bytes, int) or warm_object_store_bytes < 0):
-        raise ConfigError(f"hybrid_ray.init(warm_object_store_bytes=...) must be a number of "
-                          f"bytes >= 0 (0: warm nothing) or None for the default, got "
-                          f"{warm_object_store_bytes!r}")
+    if warm_object_store_bytes is not None:
+        # NumPy integers too (a size computed with NumPy), as every byte count of the
+        # config: np.int64(2**30) was refused as not "a number of bytes".
+        number = _as_int(warm_object_store_bytes)
+        if number is None or number < 0:
+            raise ConfigError(f"hybrid_ray.init(warm_object_store_bytes=...) must be a number "
+                              f"of bytes >= 0 (0: warm nothing) or None for the default, got "
+                              f"{warm_object_store_bytes!r}")
+        warm_object_store_bytes = number
     if not ray.is_initialized():
         ray.init()
     # Refused as the first shuffle would refuse them, before any actor starts: a reader

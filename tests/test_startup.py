@@ -210,6 +210,20 @@ def test_init_refuses_a_config_its_shuffles_would_refuse_and_starts_nothing(
     assert _actor_processes(namespace) == {}
 
 
+def test_init_takes_a_numpy_integer_for_the_object_store_warm_up(ray_local):
+    """A byte count computed with NumPy was refused as not "a number of bytes" (every byte
+    count of the config takes one); the tier managers get it as a Python int."""
+    import numpy as np
+
+    namespace = f"startup-np-{uuid.uuid4().hex[:8]}"
+    try:
+        actors = hybrid_ray.init(ShuffleConfig(namespace=namespace, progress=False),
+                                 warm_object_store_bytes=np.int64(4096))
+        assert actors.tier_managers
+    finally:
+        _kill(namespace)
+
+
 def test_init_that_cannot_wait_long_enough_names_the_actors(ray_local):
     """A process takes far more than a millisecond to start: every actor is reported, by
     name and node, with the fix; they go on starting in the background."""
