@@ -472,8 +472,11 @@ class HashPartitioner(Partitioner):
         # partitioned by columns "a" and "b" where they existed.
         if isinstance(keys, str):
             keys = [keys]
+        # Any string names a column, "" too (Arrow and Ray Data allow it; it was refused
+        # as "a non-empty list of column names" when given): check_schema refuses a name
+        # the blocks do not have.
         if isinstance(keys, (bytes, dict)) or not isinstance(keys, Sequence) \
-                or not keys or not all(isinstance(k, str) and k for k in keys):
+                or not keys or not all(isinstance(k, str) for k in keys):
             raise ConfigError(f"HashPartitioner takes a non-empty list of column names, got "
                               f"{keys!r}: e.g. HashPartitioner(['user_id'])")
         self.keys = list(keys)
@@ -526,7 +529,7 @@ class RangePartitioner(Partitioner):
             boundaries = boundaries[~np.isnan(boundaries)]
         elif boundaries.dtype.kind in "Mm":
             boundaries = boundaries[~np.isnat(boundaries)]
-        if not isinstance(key, str) or not key:
+        if not isinstance(key, str):  # "" is a column name too (see HashPartitioner)
             raise ConfigError(f"RangePartitioner's key must be a column name, got {key!r}")
         # Bools only: a truthy string ("no") compared unequal to True below and put the
         # nulls in the end partition opposite to where ``finalize`` sorts them.

@@ -431,3 +431,26 @@ def test_content_digest_tells_rows_apart():
     plain = [0] * 4
     split_by_partition(alone, parts, 4, plain, 0)  # other partitioners: positions only
     assert plain != digests["alone"]
+
+
+def test_a_column_named_by_the_empty_string_is_a_key_like_any_other():
+    """Arrow and Ray Data allow a column named "" (Ray Data sorts by it); repartition and
+    sort refused it, HashPartitioner as "a non-empty list of column names, got ['']" and
+    RangePartitioner as "must be a column name", of a column the dataset has (found by a
+    review). A name the blocks lack is still refused, by ``check_schema``."""
+    from hybrid_ray import ConfigError
+
+    table = pa.table({"": [3, 1, None, 2, 3], "v": [0, 1, 2, 3, 4]})
+    hashed = HashPartitioner([""])
+    hashed.check_schema(table.schema)
+    labels = hashed.assign(table, 0, 4)
+    assert labels[0] == labels[4]  # equal keys meet
+    ranged = RangePartitioner("", [2])
+    ranged.check_schema(table.schema)
+    assert list(ranged.assign(table, 0, 2)) == [1, 0, 1, 1, 1]  # 3, 1, null(last), 2, 3
+    assert ranged.finalize(table.slice(0, 1), 0)[""].to_pylist() == [3]
+    assert ranged.finalize(table, 1)[""].to_pylist() == [1, 2, 3, 3, None]
+    with pytest.raises(ConfigError, match="key column '' is not in the blocks' schema"):
+        HashPartitioner([""]).check_schema(pa.schema([("k", pa.int64())]))
+    with pytest.raises(ConfigError, match="key column '' is not in the blocks' schema"):
+        RangePartitioner("", [1]).check_schema(pa.schema([("k", pa.int64())]))
