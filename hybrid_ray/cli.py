@@ -409,8 +409,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     for given, why in missing.items():
         print(f"hybrid-ray cleanup: skipped --spill-dir {given}: it {why} here",
               file=sys.stderr)
-    spill_dirs = [d for d in args.spill_dir if d not in missing] if args.spill_dir \
-        else [default_spill_dir()]
+    # The default spill dir only when no path is named at all: `cleanup --remote-path URL
+    # --no-cluster` swept this machine's default spill dir too, which the user had not
+    # named (and the shuffles of another job or cluster there with it).
+    if args.spill_dir:
+        spill_dirs = [d for d in args.spill_dir if d not in missing]
+    else:
+        spill_dirs = [] if args.remote_path else [default_spill_dir()]
     # Candidates first, live shuffles next: a shuffle registered after the question has
     # no directory in the list, so it cannot be removed by mistake.
     try:
@@ -479,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "are expanded to every matching directory, removed nodes' included.")
     cleanup.add_argument("--older-than", type=_parse_duration, default=6 * 3600.0)
     cleanup.add_argument("--spill-dir", action="append",
-                         help="a spill dir (repeatable); {node_id} matches every node's")
+                         help="a spill dir (repeatable); {node_id} matches every node's "
+                              "(default: the default spill dir, unless --remote-path is "
+                              "given)")
     cleanup.add_argument("--remote-path")
     cleanup.add_argument("--storage-options",
                          help="fsspec options as JSON, or @FILE holding it (default: "

@@ -249,6 +249,31 @@ def test_cleanup_refuses_arguments_that_would_examine_nothing_or_the_wrong_place
 
 
 
+def test_cleanup_of_a_remote_path_leaves_the_default_spill_dir_alone(tmp_path, capsys,
+                                                                    monkeypatch):
+    """``cleanup --remote-path URL --no-cluster`` swept the default spill dir as well,
+    which the command did not name: a review's run removed a marked shuffle directory of
+    another job from the machine's shared default spill dir. Without --spill-dir, the
+    default spill dir is swept only when no --remote-path is given either."""
+    import hybrid_ray.config
+    from hybrid_ray.cli import main
+
+    default = str(tmp_path / "default-spill")
+    monkeypatch.setattr(hybrid_ray.config, "default_spill_dir", lambda: default)
+    orphan = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(default, orphan)
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    capsys.readouterr()
+    assert main(["cleanup", "--no-cluster", "--older-than", "0",
+                 "--remote-path", f"file://{remote}"]) == 0
+    assert os.path.isdir(os.path.join(default, "hybrid_ray", orphan))
+    assert "0 orphaned shuffle directories removed" in capsys.readouterr().out
+    # Named nothing: the default spill dir is what it sweeps.
+    assert main(["cleanup", "--no-cluster", "--older-than", "0"]) == 0
+    assert not os.path.exists(os.path.join(default, "hybrid_ray", orphan))
+
+
 def test_cleanup_refuses_the_data_dir_given_as_the_spill_dir(tmp_path, capsys):
     """Was: ``--spill-dir <spill>/hybrid_ray`` (the directory the shuffle directories are
     seen in) was searched for a ``hybrid_ray`` dir of its own, found none, removed nothing
