@@ -20,7 +20,7 @@ from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName, require_config
 from hybrid_ray.errors import (
-    ConfigError, ShuffleNotFoundError, ShuffleReleasedError, UnsafePathError,
+    ConfigError, ShuffleNotFoundError, ShuffleReleasedError, SpillDirError, UnsafePathError,
 )
 from hybrid_ray.ids import (
     check_id, is_below_resolved, is_inside, realpath_cached, resolved_dir,
@@ -28,8 +28,8 @@ from hybrid_ray.ids import (
 from hybrid_ray.segment import SegmentId, SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
-    marked_shuffle_dir_problem, read_segment_file, require_segment_file, shuffle_dir_of,
-    unlink_all,
+    DATA_DIR_NAME, marked_shuffle_dir_problem, read_segment_file, require_segment_file,
+    shuffle_dir_of, unlink_all,
 )
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
@@ -602,7 +602,9 @@ class TierManager:
         again since the shuffle wrote here, which knows none of its disks, still removes
         its files from the config's spill dirs."""
         check_id("shuffle_id", shuffle_id)
-        disk_key = self._disk_key(config) if config is not None else None
+        disk_key = None
+        if config is not None and shuffle_id not in self._shuffles:
+            disk_key = self._released_disk_key(config)
         info = self._shuffles.pop(shuffle_id, None)
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)
@@ -633,6 +635,20 @@ class TierManager:
             self._removal_failed.add(shuffle_id)
             raise OSError("; ".join(failures))
         self._removal_failed.discard(shuffle_id)
+
+    def _released_disk_key(self, config: ShuffleConfig) -> tuple | None:
+        """The key of the disk tier a shuffle not registered here is released through
+        (``release_shuffle``): None where its spill dirs cannot be opened and none of them
+        holds a data dir, so nothing of it is there to remove. (A shuffle whose spill dir
+        is a file or cannot be created failed its first reservation; its release raised
+        the spill dir's error on every retry, and the master retried it for good.)"""
+        try:
+            return self._disk_key(config)
+        except SpillDirError:
+            if any(os.path.lexists(os.path.join(d, DATA_DIR_NAME))
+                   for d in config.spill_dirs_for(self.node_id)):
+                raise  # files of ours may be there: the retry removes them once it can
+            return None
 
     def remove_late_files(self, window_s: float = LATE_FILES_WINDOW_S) -> list[str]:
         """Remove what writers left of shuffles released here in the last ``window_s``;

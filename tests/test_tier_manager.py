@@ -8,8 +8,8 @@ import os
 import pytest
 
 from hybrid_ray import (
-    MiB, SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError, ShuffleReleasedError,
-    TierName,
+    ConfigError, MiB, SegmentId, SegmentMeta, ShuffleConfig, ShuffleNotFoundError,
+    ShuffleReleasedError, TierName,
 )
 from hybrid_ray.tier_manager import DISK_TIERS_KEPT, REMOTE_TIERS_KEPT, TierManager
 
@@ -900,3 +900,30 @@ def test_a_tier_manager_remembers_the_last_reservations_of_a_bounded_number_of_w
     assert list(tm._last_grants["s"]) == ["d", "c"]
     tm.release_shuffle("s")
 
+
+
+def test_releasing_a_shuffle_whose_spill_dir_cannot_be_opened_succeeds_when_nothing_is_there(
+        tmp_path):
+    # A shuffle whose spill dir is a file failed its first reservation (its map's
+    # ConfigError); the master's release of it then raised the spill dir's error on every
+    # retry, a deletion pending for good in `hybrid-ray status`.
+    (tmp_path / "afile").write_text("x")
+    bad = ShuffleConfig(spill_dirs=[str(tmp_path / "afile" / "x")])
+    tm = TierManager("n1", 10**6)
+    with pytest.raises(ConfigError):
+        tm.reserve("shf-bad", [100], register=bad)
+    tm.release_shuffle("shf-bad", config=bad)
+    assert tm.was_released("shf-bad")
+    assert tm.usage().shuffles == ()
+
+
+def test_a_release_still_raises_where_an_unusable_spill_dir_holds_a_data_dir(tmp_path):
+    spill = tmp_path / "spill"
+    (spill / "hybrid_ray" / "shf-1").mkdir(parents=True)
+    spill.chmod(0o777)  # world-writable, not sticky: refused, and data may be there
+    try:
+        tm = TierManager("n1", 10**6)
+        with pytest.raises(ConfigError):
+            tm.release_shuffle("shf-1", config=ShuffleConfig(spill_dirs=[str(spill)]))
+    finally:
+        spill.chmod(0o700)
