@@ -284,6 +284,53 @@ def _map_inputs(blocks: Sequence[ray.ObjectRef], config: ShuffleConfig, writers:
     return inputs, input_nodes
 
 
+class _ReaderQueues:
+    """The subpartitions every shuffle of this driver handed to each reader actor, in the
+    order they were submitted (the order a reader runs one caller's calls), and when a
+    reducer last returned from each reader (thread-safe). A shuffle whose reducers wait in
+    a reader's queue behind another shuffle's is not stalled: a hybrid reducer holds its
+    reader until its own shuffle's last map finished. Counting only its own reducers, a
+    shuffle failed after ``stall_timeout_s`` (and restarted the readers, killing the
+    other shuffle's reducers) while nothing was stuck. The kept readers are shared by
+    every shuffle of the namespace; see ``_WriterProgress`` for the writers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, list[tuple[int, int]]] = {}  # reader -> (pool, sub)
+        self._at: dict[str, float] = {}  # reader -> last return (monotonic)
+
+    def add(self, reader: str, pool: int, sub: int) -> None:
+        with self._lock:
+            self._queues.setdefault(reader, []).append((pool, sub))
+
+    def remove(self, reader: str, pool: int, sub: int, returned: bool) -> None:
+        """``sub`` of ``pool`` left ``reader`` (``returned``: its reducer came back)."""
+        with self._lock:
+            queue = [e for e in self._queues.get(reader, []) if e != (pool, sub)]
+            if queue:
+                self._queues[reader] = queue
+            else:
+                self._queues.pop(reader, None)
+            if returned:
+                self._at[reader] = time.monotonic()
+
+    def behind_others(self, reader: str, pool: int) -> bool:
+        """Whether another pool's subpartition is ahead of all of ``pool``'s on
+        ``reader``."""
+        with self._lock:
+            queue = self._queues.get(reader, [])
+        first = next((i for i, (p, _) in enumerate(queue) if p == pool), len(queue))
+        return any(p != pool for p, _ in queue[:first])
+
+    def latest(self, readers: Sequence[str]) -> float:
+        """The last return from any of ``readers`` (monotonic; 0.0: none seen)."""
+        with self._lock:
+            return max((self._at.get(r, 0.0) for r in readers), default=0.0)
+
+
+_READER_QUEUES = _ReaderQueues()
+
+
 class _ReaderPool:
     """The reader actors reducing one shuffle's subpartitions, one at a time each, with
     the next one queued behind it (``READER_QUEUE_DEPTH``) while more wait than there
@@ -303,6 +350,7 @@ class _ReaderPool:
         self.lost_nodes: set[str] = set()
         self._readers = self._fill()  # (node, actor)
         self._busy: dict[str, list[int]] = {}  # reader actor id -> its subpartitions
+        self._reader_of: dict[int, str] = {}  # subpartition in hand -> its reader actor id
         self._node_of: dict[int, str] = {}  # subpartition -> node of its reader
 
     def _fill(self) -> list[tuple[str, Any]]:
@@ -346,7 +394,10 @@ class _ReaderPool:
         hand (queued behind its current one, if any): the refs of its three returns
         (table, stats, times: see ``reduce_partition``)."""
         node, reader = min(self._readers, key=lambda nr: self._load(nr[1]))
-        self._busy.setdefault(_actor_key(reader), []).append(sub)
+        key = _actor_key(reader)
+        self._busy.setdefault(key, []).append(sub)
+        self._reader_of[sub] = key
+        _READER_QUEUES.add(key, id(self), sub)
         self._node_of[sub] = node
         table_ref, stats_ref, times_ref = reader.run_packed.options(
             num_returns=3).remote(packed, *args)
@@ -356,6 +407,27 @@ class _ReaderPool:
         """``sub``'s reducer returned (or failed): its reader has one less in hand."""
         self._busy = {k: left for k, subs in self._busy.items()
                       if (left := [s for s in subs if s != sub])}
+        key = self._reader_of.pop(sub, None)
+        if key is not None:
+            _READER_QUEUES.remove(key, id(self), sub, returned=True)
+
+    def _forget(self, keep: set[str] | None = None) -> None:
+        """Take this pool's subpartitions off the shared queues of its readers (all, or
+        those of readers not in ``keep``)."""
+        for sub, key in list(self._reader_of.items()):
+            if keep is None or key not in keep:
+                del self._reader_of[sub]
+                _READER_QUEUES.remove(key, id(self), sub, returned=False)
+
+    def _running_readers(self) -> list[str]:
+        """The readers holding this pool's subpartitions with none of another shuffle's
+        ahead of them: those reducing for this shuffle now (see ``_ReaderQueues``)."""
+        return [k for k in self._busy if not _READER_QUEUES.behind_others(k, id(self))]
+
+    def progress(self) -> float:
+        """When a reducer (of any shuffle of this driver) last returned from a reader
+        holding this pool's subpartitions (monotonic; 0.0: none seen)."""
+        return _READER_QUEUES.latest(list(self._busy))
 
     def node_of(self, sub: int) -> str | None:
         return self._node_of.get(sub)
@@ -366,14 +438,17 @@ class _ReaderPool:
         self._readers = self._fill()
         keys = {_actor_key(r) for _, r in self._readers}
         self._busy = {k: subs for k, subs in self._busy.items() if k in keys}
+        self._forget(keep=keys)
 
     def busy_subpartitions(self) -> list[int]:
-        return sorted(s for subs in self._busy.values() for s in subs)
+        """This shuffle's subpartitions its readers reduce now or have queued behind its
+        own, not those queued behind another shuffle's reducers (see ``_ReaderQueues``)."""
+        return sorted(s for k in self._running_readers() for s in self._busy[k])
 
     def restart_busy(self, failures: list[str]) -> None:
-        """Restart the readers still reducing (stuck: see ``MapRunner.check_stalled``);
-        restarts that failed are added to ``failures``."""
-        busy = set(self._busy)
+        """Restart the readers still reducing for this shuffle (stuck: see
+        ``MapRunner.check_stalled``); restarts that failed are added to ``failures``."""
+        busy = set(self._running_readers())
         for _, reader in self._readers:
             if _actor_key(reader) in busy:
                 restart_stuck_worker(reader, failures)
@@ -384,6 +459,7 @@ class _ReaderPool:
         for _, reader in self._extras:
             ray.kill(reader, no_restart=True)
         self._extras = []
+        self._forget()
 
 
 def _actor_key(actor: Any) -> str:
@@ -572,7 +648,8 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
     while True:
         maps.poll(ready)
         busy = readers.busy_subpartitions()
-        maps.check_stalled(last_reduced, f"reducers of subpartitions {busy}" if busy else "",
+        maps.check_stalled(max(last_reduced, readers.progress()),
+                           f"reducers of subpartitions {busy}" if busy else "",
                            readers.restart_busy)
         if maps.lost_nodes - readers.lost_nodes:
             readers.drop_nodes(maps.lost_nodes)

@@ -693,3 +693,50 @@ def test_a_lost_map_rerun_over_a_changed_input_fails_loudly_with_a_random_partit
     finally:
         ray_local.get(master.release.remote(shuffle_id))
     assert_no_leftovers(config, ray_local)
+
+
+class _SecondPerMapPartitioner(hybrid_ray.Partitioner):
+    """Rows by key, each map taking a second: a long map stage of short maps."""
+
+    def assign(self, table, map_index, num_partitions):
+        time.sleep(1.0)
+        return (table.column("key").to_numpy() % num_partitions).astype(np.int64)
+
+
+def test_a_shuffle_queued_behind_another_on_its_readers_is_not_stalled(ray_local, tmp_path):
+    """Shuffles of one driver share the readers, and a hybrid reducer holds its reader
+    until its shuffle's last map finished. A shuffle whose reducers waited behind another
+    shuffle's (whose maps all the while finished every second) counted only its own
+    progress: past stall_timeout_s it failed with ShuffleStalledError ("reducers of
+    subpartitions [0, 1] still running") and restarted the readers, killing the other
+    shuffle's reducers, while nothing was stuck (found by a review)."""
+    ns = "reader-queue"
+    hybrid_ray.init(base_config(tmp_path, namespace=ns))
+    results: dict = {}
+
+    def run(name, rows, partitioner, cfg, delay):
+        time.sleep(delay)
+        table = pa.table({"key": np.arange(rows), "id": np.arange(rows)})
+        refs = [ray_local.put(table.slice(i, 200)) for i in range(0, rows, 200)]
+        try:
+            res = hybrid_ray.run_shuffle(refs, 4, partitioner, table.schema, cfg)
+            got = pa.concat_tables(ray_local.get(res.refs))
+            results[name] = sorted(got.column("id").to_pylist()) == list(range(rows))
+        except BaseException as exc:  # reported by the test thread below
+            results[name] = exc
+
+    # 24 one-block maps of a second each (map_chunk_bytes small: no grouping) on 3
+    # writers: 8 s of maps, one finishing every third of a second.
+    long_cfg = base_config(tmp_path, namespace=ns, map_chunk_bytes=4096)
+    quick_cfg = base_config(tmp_path, namespace=ns, stall_timeout_s=3.0)
+    threads = [threading.Thread(target=run, args=("long", 24 * 200,
+                                                  _SecondPerMapPartitioner(), long_cfg, 0)),
+               threading.Thread(target=run, args=("quick", 800, hybrid_ray.HashPartitioner(
+                   ["key"]), quick_cfg, 0.5))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert results == {"long": True, "quick": True}
+    assert_no_leftovers(long_cfg, ray_local)
