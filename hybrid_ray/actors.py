@@ -661,8 +661,11 @@ class ShuffleMasterActor:
             try:
                 if time.monotonic() - last_expiry >= EXPIRY_CHECK_INTERVAL_S:
                     last_expiry = time.monotonic()
+                    with self._lock:
+                        jobs = self.registry.driver_jobs()
+                    dead = dead_ray_jobs(jobs) if jobs else set()  # a GCS call: unlocked
                     with self._changing():
-                        self.registry.expire()
+                        self.registry.expire(dead)
                 self._run_deletions()
                 if time.monotonic() - last_job_sweep >= JOB_WORKER_SWEEP_S:
                     last_job_sweep = time.monotonic()
@@ -701,11 +704,12 @@ class ShuffleMasterActor:
     # ---- the API (each a locked call into the registry) --------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
                  config: ShuffleConfig, recoverable: bool = False,
-                 maps_begun_on: list[str] | None = None) -> None:
+                 maps_begun_on: list[str] | None = None,
+                 driver_job: str | None = None) -> None:
         with self._changing():  # expire may release shuffles that readers poll for
             self.registry.expire()
             self.registry.register(shuffle_id, num_maps, num_subpartitions, config,
-                                   recoverable, maps_begun_on)
+                                   recoverable, maps_begun_on, driver_job)
         self._queued()
 
     def seal(self, shuffle_id: str, num_maps: int,
@@ -1099,6 +1103,23 @@ def _worker(name: str, node: str, namespace: str) -> Any:
     return _get_or_start(ShuffleWorkerActor, name, namespace,
                          scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                          runtime_env={"env_vars": WORKER_ENV})
+
+
+def dead_ray_jobs(jobs: set[str]) -> set[str]:
+    """Those of ``jobs`` (Ray job ids, hex) that Ray's job table counts dead; a job it
+    does not list is not counted dead."""
+    return {job["JobID"] for job in ray._private.state.jobs()
+            if job.get("IsDead") and job.get("JobID") in jobs}
+
+
+def driver_job_id() -> str | None:
+    """The Ray job id of this process if it is a driver, else None: a worker, e.g. a
+    detached actor that runs shuffles, outlives the job that started it, so that job's
+    end says nothing about it."""
+    worker = ray._private.worker.global_worker
+    if worker.mode != ray._private.worker.SCRIPT_MODE:
+        return None
+    return ray.get_runtime_context().get_job_id()
 
 
 def end_workers_of_ended_jobs(namespace: str) -> list[str]:

@@ -46,7 +46,9 @@ from typing import Any
 import ray
 
 from hybrid_ray import metrics
-from hybrid_ray.actors import MASTER_CALL_TIMEOUT_S, answer_of, get_master, pack_call
+from hybrid_ray.actors import (
+    MASTER_CALL_TIMEOUT_S, answer_of, driver_job_id, get_master, pack_call,
+)
 from hybrid_ray.clients import WriteStats
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
 from hybrid_ray.config import ShuffleConfig
@@ -229,8 +231,10 @@ class ShuffleLifecycle:
                 + ("with its map count" if num_maps is None else
                    "without a map count (it is fixed at seal)"))
         begun = sorted(set(writer_nodes)) if writer_nodes is not None else None
+        # The master releases it once this driver's Ray job ended (it exited or was
+        # killed), rather than only after orphan_ttl_s (6 h by default).
         self._call(self.master.register, num_maps, self.num_partitions, self.config,
-                   self.policy is AttemptPolicy.FIRST_FINISH, begun)
+                   self.policy is AttemptPolicy.FIRST_FINISH, begun, driver_job_id())
         self._begun_maps = set(range(num_maps or 0)) if begun is not None else set()
         self._last_beat = time.monotonic()
 

@@ -15,7 +15,7 @@ import numbers
 import threading
 import time
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig, TierName, require_config
@@ -106,6 +106,9 @@ class ShuffleState:
     # What the shuffle's report must say about how it ran other than its config asked
     # (``spark_jvm.unknown_session_note``).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # The Ray job of the driver process that registered the shuffle (None: registered
+    # from a worker or the JVM). A dead job's driver heartbeats no more: see ``expire``.
+    driver_job: str | None = None
 
     @property
     def all_maps_finished(self) -> bool:
@@ -252,7 +255,8 @@ class ShuffleRegistry:
     # ---- lifecycle --------------------------------------------------------------------------
     def register(self, shuffle_id: str, num_maps: int | None, num_subpartitions: int,
                  config: ShuffleConfig, recoverable: bool = False,
-                 maps_begun_on: Sequence[str] | None = None) -> None:
+                 maps_begun_on: Sequence[str] | None = None,
+                 driver_job: str | None = None) -> None:
         """Register a shuffle. ``num_maps=None`` leaves the map count open until ``seal``.
         ``recoverable``: the driver re-runs maps whose finished output is lost (it polls
         ``take_lost``); otherwise such a loss fails the readers.
@@ -260,7 +264,11 @@ class ShuffleRegistry:
         ``maps_begun_on``: the nodes of the writers that will run the maps. Every map's
         attempt 0 then begins here, so a map's first run starts writing without a
         ``begin_map`` call of its own (one round trip per map, a quarter of the master's
-        calls); a map run again (a retry, a lost map) still calls ``begin_map``."""
+        calls); a map run again (a retry, a lost map) still calls ``begin_map``.
+
+        ``driver_job``: the Ray job id of the driver process registering it: once Ray
+        counts that job dead, ``expire`` releases the shuffle without waiting out
+        ``orphan_ttl_s``."""
         check_id("shuffle_id", shuffle_id)  # it names directories on every tier
         # Checked here, not when ``expire`` first reads it: a dict taken as the config made
         # every later registration and expiry of the namespace fail.
@@ -283,7 +291,8 @@ class ShuffleRegistry:
         now = self._clock()
         maps = [MapState() for _ in range(num_maps or 0)]
         state = ShuffleState(shuffle_id, num_maps or 0, num_subpartitions, config, now, now,
-                             maps, sealed=num_maps is not None, recoverable=recoverable)
+                             maps, sealed=num_maps is not None, recoverable=recoverable,
+                             driver_job=driver_job)
         if maps_begun_on is not None:
             for m in maps:
                 m.current_attempt, m.started = 0, now
@@ -632,9 +641,25 @@ class ShuffleRegistry:
         self._queue(PendingDeletion(state, None))
         return True
 
-    def expire(self) -> list[str]:
-        """Release shuffles whose driver stopped heartbeating more than ``orphan_ttl_s`` ago."""
+    def driver_jobs(self) -> set[str]:
+        """The Ray jobs of the drivers that registered the shuffles in the books (see
+        ``register``): those whose death ``expire`` needs to hear of."""
+        return {s.driver_job for s in self._shuffles.values() if s.driver_job}
+
+    def expire(self, dead_jobs: Collection[str] = ()) -> list[str]:
+        """Release shuffles whose driver stopped heartbeating more than ``orphan_ttl_s`` ago,
+        and those registered by a driver whose Ray job is in ``dead_jobs``: it exited or
+        was killed and will never beat again. Its hybrid reducers, on the namespace's
+        shared readers, waited for its maps until the TTL (6 h by default), and every
+        other driver's reducers queued behind them, until their shuffles failed as
+        stalled; its memory quota and segments stayed taken as long."""
         now = self._clock()
+        ended = [s for s in self._shuffles.values() if s.driver_job in dead_jobs]
+        for state in ended:
+            self.release(state.shuffle_id,
+                         f"its driver's Ray job {state.driver_job} ended (the driver exited "
+                         "or was killed) before it released the shuffle, so its data was "
+                         "deleted")
         expired = [s for s in self._shuffles.values()
                    if now - s.last_heartbeat > s.config.orphan_ttl_s]
         for state in expired:
@@ -645,7 +670,7 @@ class ShuffleRegistry:
                          f"its driver sent no heartbeat for {now - state.last_heartbeat:.0f} s, "
                          f"more than orphan_ttl_s={state.config.orphan_ttl_s:g} (the driver "
                          "died, hung or was paused), so it was expired and its data deleted")
-        return [state.shuffle_id for state in expired]
+        return [state.shuffle_id for state in ended + expired]
 
     def drop_attempt(self, shuffle_id: str, map_index: int, attempt: int) -> None:
         """Delete one attempt of a map of an open shuffle (a Spark map attempt that failed

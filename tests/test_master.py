@@ -112,6 +112,24 @@ def test_orphans_expire_after_ttl_without_heartbeat(registry):
     assert registry.released_ids == ["s"]
 
 
+def test_a_shuffle_whose_driver_s_ray_job_ended_is_released_before_its_ttl(registry):
+    """A driver killed mid-shuffle left its shuffle registered for orphan_ttl_s (6 h by
+    default): its hybrid reducers held the namespace's shared readers for as long, and
+    the next shuffle of any other driver, its reducers queued behind them, failed as
+    stalled after stall_timeout_s (found by a review). A driver's dead Ray job releases
+    its shuffles at the next expiry; those of other jobs, or of none, stay."""
+    registry.register("mine", 1, 1, ShuffleConfig(orphan_ttl_s=60), driver_job="02000000")
+    registry.register("other", 1, 1, ShuffleConfig(orphan_ttl_s=60), driver_job="03000000")
+    assert registry.driver_jobs() == {"02000000", "03000000"}
+    assert registry.expire(dead_jobs={"01000000"}) == []
+    assert registry.expire(dead_jobs={"02000000"}) == ["mine"]
+    assert registry.released_ids == ["mine"]
+    assert sorted(registry.shuffle_ids()) == ["other", "s"]
+    with pytest.raises(ShuffleReleasedError, match="driver's Ray job 02000000 ended"):
+        registry.poll("mine", 0, {})
+    assert registry.driver_jobs() == {"03000000"}
+
+
 def test_open_map_count_grows_until_sealed(registry):
     """Spark decides its map count when the job runs: the shuffle stays incomplete until the
     driver seals it at the count of map tasks that finished."""
