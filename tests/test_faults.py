@@ -436,7 +436,7 @@ def test_corrupted_segment_fails_naming_segment_and_tier(ray_local, warm_namespa
                          elapsed, left)
 
 
-# ---- 5. the driver is killed (kill -9) mid-shuffle ---------------------------------------------
+# ---- 5. the driver is paused (kill -STOP) mid-shuffle ------------------------------------------
 ORPHAN_TTL_S = 20.0
 
 DRIVER = textwrap.dedent("""
@@ -469,11 +469,15 @@ DRIVER = textwrap.dedent("""
                         segment_bytes={"disk": 256 * 1024, "remote": 256 * 1024})
     print("running", flush=True)
     run_shuffle(blocks, 4, HeldMap(["key"], go), table.schema, cfg)
-    print("finished", flush=True)  # never: the test kills this process first
+    print("finished", flush=True)  # never: the test stops this process first
 """) % {"ttl": ORPHAN_TTL_S}
 
 
-def test_driver_killed_mid_shuffle_is_expired_after_its_ttl(ray_local, warm_namespace, tmp_path):
+def test_driver_paused_mid_shuffle_is_expired_after_its_ttl(ray_local, warm_namespace, tmp_path):
+    """A driver that stops heartbeating while Ray still counts its job alive (paused,
+    hung) loses its shuffle after ``orphan_ttl_s``. (A killed driver's job ends, and its
+    shuffle goes within seconds: test_actors.py's
+    ``test_the_shuffle_of_a_driver_that_was_killed_is_released_without_waiting_its_ttl``.)"""
     spill, remote = tmp_path / "spill", tmp_path / "remote"
     cfg = base_config(tmp_path, spill_dirs=[str(spill)], namespace=NS,
                       remote_path=f"file://{remote}", orphan_ttl_s=ORPHAN_TTL_S)
@@ -497,28 +501,27 @@ def test_driver_killed_mid_shuffle_is_expired_after_its_ttl(ray_local, warm_name
         assert proc.poll() is None, proc.communicate()[0]
         assert segment_files(str(spill)) and segment_files(str(remote)), "no segments"
         (shuffle_id,) = [s["shuffle_id"] for s in ray.get(master.status.remote())["shuffles"]]
-        os.kill(proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        proc.wait(30)
+        os.kill(proc.pid, signal.SIGSTOP)  # its job stays alive: only the TTL ends it
+        paused = time.monotonic()
         # The master releases the silent shuffle soon after its TTL (it checks every
         # EXPIRY_CHECK_INTERVAL_S; at 30 s this took up to TTL + 30 s), and its data goes
         # with it.
         bound = ORPHAN_TTL_S + 15
-        while time.monotonic() - killed < bound and (
+        while time.monotonic() - paused < bound and (
                 ray.get(master.live_shuffles.remote())
                 or segment_files(str(spill)) or segment_files(str(remote))):
             time.sleep(0.5)
-        to_clean = time.monotonic() - killed
+        to_clean = time.monotonic() - paused
         assert shuffle_id not in ray.get(master.live_shuffles.remote())
         assert to_clean < bound, to_clean
-        # Its last heartbeat came at most HEARTBEAT_S before the kill.
+        # Its last heartbeat came at most HEARTBEAT_S before the pause.
         assert to_clean > ORPHAN_TTL_S - HEARTBEAT_S - 1, "released before its TTL"
         # The map held mid-shuffle now goes on: its writes find the shuffle released, and
         # whatever it wrote is deleted (the writer's abort, the master's refused commit).
         open(go, "w").close()
         ray.get([w.run.remote(len, ()) for _, w in get_writers(NS)], timeout=120)
         left = assert_clean(cfg)
-        record_fault_outcome(f"driver killed (SIGKILL) mid-shuffle, orphan_ttl_s="
+        record_fault_outcome(f"driver paused (SIGSTOP) mid-shuffle, orphan_ttl_s="
                              f"{ORPHAN_TTL_S:.0f}", "expired by the master, data removed",
                              to_clean, left)
     finally:
