@@ -39,7 +39,7 @@ DRIVER = textwrap.dedent("""
     import sys, time
     import ray
 
-    gcs, namespace, spill, remote, pythonpath = sys.argv[1:]
+    gcs, namespace, spill, remote, pythonpath, local_dir = sys.argv[1:]
     ray.init(address=gcs, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     import spark_bridge
@@ -51,7 +51,10 @@ DRIVER = textwrap.dedent("""
                            segment_bytes={"memory": 16 * KiB}, map_chunk_bytes=64 * KiB,
                            orphan_ttl_s=MIN_ORPHAN_TTL_S, progress=False)
     spark = spark_bridge.init_spark("dying-driver", num_executors=1, executor_cores=1,
-                                    executor_memory="1GB", shuffle_config=config)
+                                    executor_memory="1GB", shuffle_config=config,
+                                    # Killed, Spark removes none of its local dirs:
+                                    # under the test's tmp_path, not /tmp.
+                                    configs={"spark.local.dir": local_dir})
     sc = spark.sparkContext
     pairs = sc.parallelize(range(200_000), 4).map(lambda x: (x %% 997, "value-%%08d" %% x))
     grouped = pairs.groupByKey(numPartitions=4).mapValues(len).cache()
@@ -117,7 +120,7 @@ def test_dead_spark_driver_shuffles_expire_and_live_shuffle_is_untouched(tmp_pat
         script.write_text(DRIVER)
         proc = subprocess.Popen(
             [sys.executable, str(script), ray.get_runtime_context().gcs_address, NS, spill,
-             remote_url, pythonpath],
+             remote_url, pythonpath, str(tmp_path / "spark-local")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONPATH": pythonpath}, start_new_session=True)
         line = ""

@@ -243,6 +243,7 @@ def _shuffle_known_before_its_maps_commit(spark, config):
     holds their shuffle: the driver's shuffle manager registered it when Spark planned it.
     Registered only at its first commit, a shuffle whose tasks computed for longer than two
     tier-manager sweeps was released on their nodes under them."""
+    import shutil
     import tempfile
     import threading
     import time
@@ -250,7 +251,8 @@ def _shuffle_known_before_its_maps_commit(spark, config):
     # The map tasks write nothing until the test has looked (a flag file, bounded): with
     # an 8 s sleep instead, the look had to come within 6 s of the job's start, which
     # Spark planning the job on a loaded machine could exceed (nothing seen).
-    go = os.path.join(tempfile.mkdtemp(prefix="hr-known-early-"), "go")
+    flag_dir = tempfile.mkdtemp(prefix="hr-known-early-")  # removed below
+    go = os.path.join(flag_dir, "go")
 
     def held(x):
         import os
@@ -277,6 +279,7 @@ def _shuffle_known_before_its_maps_commit(spark, config):
     finally:
         open(go, "w").close()
     job.join(timeout=120)
+    shutil.rmtree(flag_dir, ignore_errors=True)  # one was left per run
     return {"seen": seen, "reported": sorted(reported & set(seen)) if reported else [],
             "rows": result.get("rows")}
 
