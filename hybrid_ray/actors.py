@@ -1138,7 +1138,7 @@ def end_workers_of_ended_jobs(namespace: str) -> list[str]:
                 tagged[name] = name[len(prefix) + len(JOB_TAG):].split("_", 1)[0]
     if not tagged:
         return []
-    dead = {job["JobID"] for job in ray._private.state.jobs() if job.get("IsDead")}
+    dead = dead_ray_jobs(set(tagged.values()))
     ended = []
     for name, job in tagged.items():
         if job in dead:
