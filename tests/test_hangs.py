@@ -45,19 +45,24 @@ def black_hole():
     server.close()
 
 
+def _black_hole_config(endpoint: str):
+    """A remote tier on the black-holed S3 ``endpoint``, with 2 s connect/read timeouts."""
+    from hybrid_ray import ShuffleConfig
+
+    return ShuffleConfig(remote_path=f"s3://bucket-{uuid.uuid4().hex[:8]}/shuffle",
+                         storage_options={"endpoint_url": endpoint, "key": "k", "secret": "s",
+                                          "config_kwargs": {"connect_timeout": 2,
+                                                            "read_timeout": 2}},
+                         progress=False)
+
+
 def test_black_holed_s3_endpoint_fails_the_reachability_check_within_its_timeout(black_hole):
     """Was: no error after 190 s (botocore's 60 s timeouts x 5 attempts x s3fs's 5 retries,
     and a PUT waiting for "100 Continue" is not under any read timeout at all)."""
-    from hybrid_ray import ShuffleConfig
     from hybrid_ray.errors import RemoteTierError
     from hybrid_ray.shuffle import check_remote_tier
 
-    config = ShuffleConfig(remote_path=f"s3://bucket-{uuid.uuid4().hex[:8]}/shuffle",
-                           storage_options={"endpoint_url": black_hole, "key": "k",
-                                            "secret": "s",
-                                            "config_kwargs": {"connect_timeout": 2,
-                                                              "read_timeout": 2}},
-                           progress=False)
+    config = _black_hole_config(black_hole)
     started = time.monotonic()
     with pytest.raises(RemoteTierError) as err:
         check_remote_tier(config)
@@ -73,16 +78,10 @@ def test_a_call_s_own_deadline_is_not_reported_as_the_600_s_wait_running_out(bla
     took for its own wait running out: a black-holed endpoint failed the reachability
     check after 8 s as "ShuffleStalledError: ... did not finish within 600 s: the store is
     hung or far too slow", beside the hint that it did not answer within its 8 s."""
-    from hybrid_ray import ShuffleConfig
     from hybrid_ray.errors import RemoteTierError
     from hybrid_ray.shuffle import check_remote_tier
 
-    config = ShuffleConfig(remote_path=f"s3://bucket-{uuid.uuid4().hex[:8]}/shuffle",
-                           storage_options={"endpoint_url": black_hole, "key": "k",
-                                            "secret": "s",
-                                            "config_kwargs": {"connect_timeout": 2,
-                                                              "read_timeout": 2}},
-                           progress=False)
+    config = _black_hole_config(black_hole)
     with pytest.raises(RemoteTierError) as err:
         check_remote_tier(config)
     message = str(err.value)

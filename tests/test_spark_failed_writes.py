@@ -56,6 +56,23 @@ def test_a_map_task_that_runs_out_of_space_gives_back_what_it_wrote(tmp_path):
 
 
 
+def _start_tier_manager(actor_class: type, prefix: str):
+    """A new namespace (``prefix``-<random>) whose tier manager on this node is an
+    ``actor_class`` (a ``TierManagerActor`` subclass that injects a fault) started here
+    first, so the Spark session's shuffle manager finds it; returns (namespace, actor)."""
+    import ray
+
+    from hybrid_ray.actors import TIER_MANAGER_PREFIX
+
+    start_local_ray()
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    node_id = ray.get_runtime_context().get_node_id()
+    tm = ray.remote(num_cpus=0)(actor_class).options(
+        name=TIER_MANAGER_PREFIX + node_id, namespace=namespace, lifetime="detached"
+    ).remote(node_id, namespace)
+    return namespace, tm
+
+
 def test_a_reservation_whose_answer_never_came_is_given_back_by_the_abort(tmp_path):
     """The node's tier manager answers every JVM reservation after 3 s, past the JVM's
     1.5 s call bound: each map attempt's reservation fails while the tier manager still
@@ -67,19 +84,14 @@ def test_a_reservation_whose_answer_never_came_is_given_back_by_the_abort(tmp_pa
 
     import ray
 
-    from hybrid_ray.actors import TIER_MANAGER_PREFIX, TierManagerActor
+    from hybrid_ray.actors import TierManagerActor
 
     class SlowReservations(TierManagerActor.__ray_metadata__.modified_class):
         def spark_reserve(self, request: str) -> str:
             time.sleep(3)
             return super().spark_reserve(request)
 
-    start_local_ray()
-    namespace = f"lost-reserve-{uuid.uuid4().hex[:6]}"
-    node_id = ray.get_runtime_context().get_node_id()
-    tm = ray.remote(num_cpus=0)(SlowReservations).options(
-        name=TIER_MANAGER_PREFIX + node_id, namespace=namespace, lifetime="detached"
-    ).remote(node_id, namespace)
+    namespace, tm = _start_tier_manager(SlowReservations, "lost-reserve")
     config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
                            namespace=namespace, progress=False)
     try:
@@ -117,7 +129,7 @@ def test_remote_segments_of_a_failed_batch_are_deleted_by_the_abort(tmp_path):
 
     import ray
 
-    from hybrid_ray.actors import TIER_MANAGER_PREFIX, TierManagerActor
+    from hybrid_ray.actors import TierManagerActor
 
     class FailingRemoteWrites(TierManagerActor.__ray_metadata__.modified_class):
         def spark_write_remote(self, request: str, frame: bytes) -> str:
@@ -126,12 +138,7 @@ def test_remote_segments_of_a_failed_batch_are_deleted_by_the_abort(tmp_path):
                 raise OSError("injected: the remote store refused the write")
             return super().spark_write_remote(request, frame)
 
-    start_local_ray()
-    namespace = f"failed-remote-{uuid.uuid4().hex[:6]}"
-    node_id = ray.get_runtime_context().get_node_id()
-    tm = ray.remote(num_cpus=0)(FailingRemoteWrites).options(
-        name=TIER_MANAGER_PREFIX + node_id, namespace=namespace, lifetime="detached"
-    ).remote(node_id, namespace)
+    namespace, tm = _start_tier_manager(FailingRemoteWrites, "failed-remote")
     remote = tmp_path / "remote"
     config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_capacity_bytes=0,
                            disk_capacity_bytes=0, remote_path=f"file://{remote}",
