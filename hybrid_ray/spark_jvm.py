@@ -719,10 +719,19 @@ def delete_remote(tm: TierManager, request: Mapping[str, Any]) -> int:
                             _segment_number({"index": index}, "index"), map_id, tier.job_id)
         metas.append(SegmentMeta(segment, TierName.REMOTE, 0, 0,
                                  location=tier.segment_path(segment)))
+    # Every segment is tried: stopping at the first that failed (a store's transient 500)
+    # left the others in the store until the shuffle's release. The first error is raised
+    # once all were tried.
+    first_error: Exception | None = None
     for meta in metas:
-        # Bounded as write_remote's call is: a hung sync filesystem must not hold the
-        # tier manager.
-        tier.outcome(tier.io_pool().submit(tier.delete, meta), f"deleting {meta.id}")
+        try:
+            # Bounded as write_remote's call is: a hung sync filesystem must not hold the
+            # tier manager.
+            tier.outcome(tier.io_pool().submit(tier.delete, meta), f"deleting {meta.id}")
+        except Exception as exc:  # noqa: BLE001 - raised below, after the others
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
     return len(metas)
 
 

@@ -662,6 +662,35 @@ def test_a_failed_jvm_attempts_uncommitted_remote_segments_are_deleted_and_no_ot
     assert delete_remote(tm, dict(other, segments=[[1, 0]])) == 0
 
 
+def test_a_failed_remote_delete_of_a_jvm_attempt_does_not_stop_the_others(
+        tmp_path, monkeypatch) -> None:
+    """The deletes of a failed JVM attempt's uncommitted remote segments stopped at the
+    first that failed (a store's transient error), so the segments after it stayed in the
+    store until the shuffle's release. Every one is tried; the first error is raised."""
+    import os
+
+    from hybrid_ray.spark_jvm import delete_remote, write_remote
+
+    tm, tier, _ = _tier_manager_with_a_remote_tier(tmp_path)
+    first = {"shuffle": SHUFFLE, "map_index": 0, "partition": 1, "index": 0, "map_id": 7}
+    second = dict(first, partition=2)
+    first_path = write_remote(tm, first, b"x" * 100)["location"]
+    second_path = write_remote(tm, second, b"y" * 100)["location"]
+    real_delete = type(tier).delete
+
+    def flaky_delete(self, meta):
+        if meta.id.subpartition == 1:
+            raise OSError("503 Slow Down")
+        return real_delete(self, meta)
+
+    monkeypatch.setattr(type(tier), "delete", flaky_delete)
+    with pytest.raises(Exception, match="503 Slow Down"):
+        delete_remote(tm, {"shuffle": SHUFFLE, "map_index": 0, "map_id": 7,
+                           "segments": [[1, 0], [2, 0]]})
+    assert os.path.exists(first_path)
+    assert not os.path.exists(second_path)
+
+
 def test_a_shuffle_whose_registration_and_commits_are_still_on_their_way_is_waited_for(
 ) -> None:
     """The driver registers a Spark shuffle without waiting, and a map task's last commit
