@@ -25,7 +25,8 @@ __all__ = [
 ]
 
 from hybrid_ray.partitioning import (  # noqa: E402
-    HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner,
+    HashPartitioner, MultiKeyRangePartitioner, Partitioner, RandomPartitioner,
+    RangePartitioner,
 )
 from hybrid_ray.report import ShuffleReport  # noqa: E402
 from hybrid_ray.session import init  # noqa: E402
@@ -34,7 +35,8 @@ from hybrid_ray.shuffle import (  # noqa: E402
 )
 
 __all__ += [
-    "HashPartitioner", "Partitioner", "RandomPartitioner", "RangePartitioner", "ShuffleReport",
+    "HashPartitioner", "MultiKeyRangePartitioner", "Partitioner", "RandomPartitioner",
+    "RangePartitioner", "ShuffleReport",
     "ShuffleResult", "init", "last_report", "random_shuffle", "repartition", "report_of",
     "run_shuffle", "sort",
 ]

@@ -633,7 +633,7 @@ class RangePartitioner(Partitioner):
         order = "descending" if self.descending else "ascending"
         placement = "at_start" if self.nulls_first else "at_end"
         column = table.column(self.key)
-        sortable = _sortable(column)
+        sortable = sortable_column(column)
         if sortable is column:
             return table.sort_by([(self.key, order, placement)])
         # Arrow cannot sort some key types (dictionary-encoded, float16):
@@ -641,6 +641,132 @@ class RangePartitioner(Partitioner):
         indices = pc.sort_indices(pa.table({"key": sortable}),
                                   sort_keys=[("key", order, placement)])
         return table.take(indices)
+
+
+class MultiKeyRangePartitioner(Partitioner):
+    """Range partitioning by several sort keys, each ascending or descending: the order
+    of ``pyarrow.Table.sort_by`` with nulls (and NaNs, before them) last, which is Ray
+    Data's ``Dataset.sort([...], descending=[...])``.
+
+    ``boundaries`` is a table of the key columns whose rows are in that order; a row goes
+    to partition i when i boundary rows sort before it or equal to it. Each map chunk's
+    keys are sorted together with the boundaries by the comparator the reducers sort with
+    (Arrow's stable ``sort_indices``, the boundaries first), so rows with equal keys never
+    straddle two partitions and the partitions in order form the sorted whole. Costs a
+    sort of each chunk's keys, where ``RangePartitioner`` binary-searches one key: it is
+    for sorts by more than one column.
+    """
+
+    def __init__(self, keys: Sequence[str], boundaries: pa.Table,
+                 descending: Sequence[bool]) -> None:
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not keys \
+                or not all(isinstance(k, str) for k in keys):
+            raise ConfigError(f"MultiKeyRangePartitioner takes a non-empty list of column "
+                              f"names, got {keys!r}")
+        repeated = sorted({k for k in keys if list(keys).count(k) > 1})
+        if repeated:
+            raise ConfigError(f"sort keys name column(s) {repeated} more than once; name "
+                              "each column once (its first direction is the one that counts)")
+        if isinstance(descending, (str, bytes)) or not isinstance(descending, Sequence) \
+                or len(descending) != len(keys) \
+                or not all(isinstance(d, (bool, np.bool_)) for d in descending):
+            raise ConfigError(f"descending must be one True or False per sort key ({len(keys)}"
+                              f" keys), got {descending!r}")
+        if not isinstance(boundaries, pa.Table) or boundaries.column_names != list(keys):
+            raise ConfigError("MultiKeyRangePartitioner's boundaries must be a pyarrow Table "
+                              f"of exactly the key columns {list(keys)}, in that order")
+        self.keys = list(keys)
+        self.descending = [bool(d) for d in descending]
+        self.boundaries = boundaries
+
+    @property
+    def sort_keys(self) -> list[tuple[str, str]]:
+        """The keys as ``pyarrow.compute.sort_indices`` takes them (nulls last)."""
+        return [(k, "descending" if d else "ascending", "at_end")
+                for k, d in zip(self.keys, self.descending)]
+
+    def check_schema(self, schema: pa.Schema) -> None:
+        """Every key must be sortable, and the boundaries values of its type (cast now:
+        boundaries of another type would compare keys wrongly, or fail in every map)."""
+        columns = []
+        for i, key in enumerate(self.keys):
+            t = _key_type(schema, key, "MultiKeyRangePartitioner")
+            problem = sort_key_problem(t)
+            if problem:
+                raise ConfigError(f"cannot sort by column {key!r} of type {t}: {problem}")
+            target, given = _sortable_type(t), self.boundaries.schema.field(i).type
+            problem = "" if _same_kind(given, target) else "another kind of value"
+            if not problem:
+                try:
+                    columns.append(self.boundaries.column(i).cast(target))
+                except (pa.ArrowInvalid, pa.ArrowTypeError,
+                        pa.ArrowNotImplementedError) as exc:
+                    problem = str(exc)
+            if problem:
+                # Strict, as RangePartitioner: ints are not taken for timestamps (Arrow
+                # casts them as epoch counts), nor strings parsed as numbers.
+                raise ConfigError(
+                    f"MultiKeyRangePartitioner's boundaries of key {key!r} ({given}) are not "
+                    f"values of its type {t}: {problem}; give boundaries of the key's type")
+        self.boundaries = pa.table(columns, names=self.keys)
+
+    def check_partition_count(self, num_partitions: int) -> None:
+        """As ``RangePartitioner.check_partition_count``: N boundary rows make N + 1
+        ranges."""
+        if self.boundaries.num_rows > num_partitions - 1:
+            raise ConfigError(
+                f"MultiKeyRangePartitioner has {self.boundaries.num_rows} boundary rows, "
+                f"which make {self.boundaries.num_rows + 1} key ranges, but the shuffle has "
+                f"{num_partitions} partitions: give at most {num_partitions - 1}")
+
+    def _keys_of(self, table: pa.Table) -> pa.Table:
+        return pa.table([sortable_column(table.column(k)) for k in self.keys], names=self.keys)
+
+    def assign(self, table: pa.Table, map_index: int, num_partitions: int) -> np.ndarray:
+        n = table.num_rows
+        bounds = self.boundaries
+        if bounds.num_rows == 0 or n == 0:
+            return np.zeros(n, dtype=np.int64)
+        keys = self._keys_of(table)
+        # Boundaries in the chunk's exact types (a block's string may be large_string).
+        bounds = pa.table([bounds.column(i).cast(keys.column(i).type)
+                           for i in range(len(self.keys))], names=self.keys)
+        both = pa.concat_tables([bounds, keys])
+        order = pc.sort_indices(both, sort_keys=self.sort_keys).to_numpy()
+        is_boundary = order < bounds.num_rows
+        seen = np.cumsum(is_boundary)  # boundary rows at or before each position
+        labels = np.empty(n, dtype=np.int64)
+        rows = ~is_boundary
+        labels[order[rows] - bounds.num_rows] = seen[rows]
+        return labels
+
+    def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
+        indices = pc.sort_indices(self._keys_of(table), sort_keys=self.sort_keys)
+        return table.take(indices)
+
+
+def _same_kind(given: pa.DataType, target: pa.DataType) -> bool:
+    """Whether boundary values of type ``given`` are values of a key of type ``target``:
+    the same type, no values at all (null), numbers for numbers, text for text, bytes for
+    bytes."""
+    types = pa.types
+    if given == target or types.is_null(given):
+        return True
+    for kind in (lambda x: types.is_integer(x) or types.is_floating(x) or types.is_decimal(x),
+                 lambda x: types.is_string(x) or types.is_large_string(x),
+                 lambda x: types.is_binary(x) or types.is_large_binary(x)):
+        if kind(given) and kind(target):
+            return True
+    return False
+
+
+def _sortable_type(t: pa.DataType) -> pa.DataType:
+    """The type ``sortable_column`` turns a column of type ``t`` into."""
+    if pa.types.is_dictionary(t):
+        return _sortable_type(t.value_type)
+    if pa.types.is_float16(t):
+        return pa.float32()
+    return t
 
 
 def _is_missing(value: Any) -> bool:
@@ -674,12 +800,12 @@ def sort_key_problem(t: pa.DataType) -> str:
     return ""
 
 
-def _sortable(column: pa.ChunkedArray) -> pa.ChunkedArray:
+def sortable_column(column: pa.ChunkedArray) -> pa.ChunkedArray:
     """``column`` as a type Arrow's sort takes, holding the same values (the column itself
     when it is one already)."""
     t = column.type
     if pa.types.is_dictionary(t):
-        return _sortable(column.cast(t.value_type))
+        return sortable_column(column.cast(t.value_type))
     if pa.types.is_float16(t):
         return column.cast(pa.float32())
     return column

@@ -44,7 +44,8 @@ from hybrid_ray.nodes import (
     RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, cluster_cpus, lost_with_node,
 )
 from hybrid_ray.partitioning import (
-    HashPartitioner, Partitioner, RandomPartitioner, RangePartitioner, range_boundaries,
+    HashPartitioner, MultiKeyRangePartitioner, Partitioner, RandomPartitioner, RangePartitioner,
+    range_boundaries, sortable_column,
     sort_key_problem, untakeable_column_problem,
 )
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
@@ -978,26 +979,26 @@ def repartition(ds: ray.data.Dataset, num_partitions: int, keys: Sequence[str],
 
 
 @_most_recent_call
-def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
-         config: ShuffleConfig | None = None, num_partitions: int | None = None
+def sort(ds: ray.data.Dataset, key: str | Sequence[str], descending: bool | Sequence[bool]
+         = False, config: ShuffleConfig | None = None, num_partitions: int | None = None
          ) -> ray.data.Dataset:
     """Globally sort ``ds`` by ``key``: range partitions from sampled boundaries, each
     sorted by its reducer, so the blocks in order form the sorted dataset.
 
-    Nulls (and NaNs) sort as Ray Data's own ``Dataset.sort`` puts them: last, ascending
-    and descending, NaNs before the nulls (descending: ``[7, 3, nan, None]``; it put them
-    first when descending before, unlike Ray Data). ``num_partitions``
-    defaults to the number of maps (input blocks, small ones grouped).
+    ``key`` is a column name or a list of them (sorted by the first, ties by the next,
+    ...), and ``descending`` one flag for all keys or one per key, as in Ray Data's
+    ``Dataset.sort``. Nulls (and NaNs) sort as Ray Data's own ``Dataset.sort`` puts them:
+    last, ascending and descending, NaNs before the nulls (descending: ``[7, 3, nan,
+    None]``; it put them first when descending before, unlike Ray Data).
+    ``num_partitions`` defaults to the number of maps (input blocks, small ones grouped).
     """
-    if not isinstance(key, str):
-        raise ConfigError(f"sort key must be a column name, got {key!r}")
-    if not isinstance(descending, bool):
-        raise ConfigError(f"descending must be True or False, got {descending!r}")
+    keys, flags = _sort_keys(key, descending)
     config = check_config(config)
     num_partitions = _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
-    _check_columns(blocks.schema, [key], "sort key")
-    _check_sortable(blocks.schema, key)
+    _check_columns(blocks.schema, keys, "sort key")
+    for k in keys:
+        _check_sortable(blocks.schema, k)
     untakeable = untakeable_column_problem(blocks.schema) if blocks.schema is not None else ""
     if untakeable:  # before the sampling, which takes rows of the key
         raise ConfigError(untakeable)
@@ -1005,7 +1006,9 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
         return _empty_dataset(num_partitions or 1, blocks.schema, "sort", config)
     n = num_partitions or _default_partitions(blocks.refs, config)
     groups = _plan_maps(_block_locations(blocks.refs)[1], config)
-    sampling = [_sample_task.remote(key, SAMPLES_PER_BLOCK, *[blocks.refs[i] for i in group])
+    sample = _sample_task if len(keys) == 1 else _sample_rows_task
+    sampling = [sample.remote(keys[0] if len(keys) == 1 else keys, SAMPLES_PER_BLOCK,
+                              *[blocks.refs[i] for i in group])
                 for group in groups]
     try:
         samples = ray.get(sampling, timeout=config.stall_timeout_s)
@@ -1018,11 +1021,71 @@ def sort(ds: ray.data.Dataset, key: str, descending: bool = False,
             f"sort: sampling the keys of {len(blocks.refs)} blocks took longer than "
             f"stall_timeout_s ({config.stall_timeout_s:g} s); check that the cluster's "
             "nodes are alive (ray status), or raise ShuffleConfig.stall_timeout_s") from None
-    non_empty = [s for s in samples if len(s)]
-    boundaries = range_boundaries(np.concatenate(non_empty) if non_empty else np.asarray([]), n)
-    result = run_shuffle(blocks.refs, n, RangePartitioner(key, boundaries, descending),
-                         blocks.schema, config, "sort")
+    if len(keys) == 1:
+        non_empty = [s for s in samples if len(s)]
+        boundaries = range_boundaries(
+            np.concatenate(non_empty) if non_empty else np.asarray([]), n)
+        partitioner: Partitioner = RangePartitioner(keys[0], boundaries, flags[0])
+    else:
+        partitioner = MultiKeyRangePartitioner(
+            keys, _row_boundaries(samples, keys, flags, n), flags)
+    result = run_shuffle(blocks.refs, n, partitioner, blocks.schema, config, "sort")
     return _to_dataset(result, blocks.nbytes)
+
+
+def _sort_keys(key: Any, descending: Any) -> tuple[list[str], list[bool]]:
+    """``sort``'s ``key`` and ``descending`` as a list of column names and one flag per
+    name, both checked (as Ray Data's ``Dataset.sort`` takes them)."""
+    keys = [key] if isinstance(key, str) else key
+    if not isinstance(keys, (list, tuple)) or not keys \
+            or not all(isinstance(k, str) for k in keys):
+        raise ConfigError(f"sort key must be a column name or a non-empty list of column "
+                          f"names, got {key!r}")
+    repeated = sorted({k for k in keys if list(keys).count(k) > 1})
+    if repeated:
+        raise ConfigError(f"sort key names column(s) {repeated} more than once; name each "
+                          "column once")
+    if isinstance(descending, (bool, np.bool_)):
+        flags = [bool(descending)] * len(keys)
+    elif isinstance(descending, (list, tuple)) and len(descending) == len(keys) \
+            and all(isinstance(d, (bool, np.bool_)) for d in descending):
+        flags = [bool(d) for d in descending]
+    else:
+        raise ConfigError(f"descending must be True or False, got {descending!r}; or a list "
+                          f"of one of them per sort key ({len(keys)} here)")
+    return list(keys), flags
+
+
+@ray.remote(num_cpus=0)
+def _sample_rows_task(keys: list[str], k: int, *blocks: pa.Table) -> pa.Table:
+    """Up to ``k`` sampled rows of ``keys`` from each block (nulls and NaNs included: in a
+    sort by several keys they are values like any other, sorted last)."""
+    out = []
+    for block in blocks:
+        if block.num_rows == 0:
+            continue
+        idx = np.random.default_rng(0).choice(block.num_rows, min(k, block.num_rows),
+                                              replace=False)
+        columns = [sortable_column(block.column(key).take(pa.array(idx))) for key in keys]
+        out.append(pa.table(columns, names=keys))
+    if not out:
+        return pa.table({})
+    return pa.concat_tables(out, promote_options="permissive")
+
+
+def _row_boundaries(samples: Sequence[pa.Table], keys: list[str], flags: list[bool],
+                    num_partitions: int) -> pa.Table:
+    """``num_partitions - 1`` quantile rows of the sampled key rows, in sort order."""
+    non_empty = [t for t in samples if t.num_rows]
+    if not non_empty or num_partitions == 1:
+        return pa.table({k: pa.array([], pa.null()) for k in keys}) if not non_empty \
+            else non_empty[0].slice(0, 0)
+    rows = pa.concat_tables(non_empty, promote_options="permissive")
+    order = pc.sort_indices(rows, sort_keys=[(k, "descending" if d else "ascending", "at_end")
+                                             for k, d in zip(keys, flags)])
+    rows = rows.take(order)
+    picks = (np.arange(1, num_partitions) * rows.num_rows) // num_partitions
+    return rows.take(pa.array(np.minimum(picks, rows.num_rows - 1)))
 
 
 def _default_partitions(refs: Sequence[ray.ObjectRef], config: ShuffleConfig) -> int:

@@ -454,3 +454,51 @@ def test_a_column_named_by_the_empty_string_is_a_key_like_any_other():
         HashPartitioner([""]).check_schema(pa.schema([("k", pa.int64())]))
     with pytest.raises(ConfigError, match="key column '' is not in the blocks' schema"):
         RangePartitioner("", [1]).check_schema(pa.schema([("k", pa.int64())]))
+
+
+def test_multi_key_range_partitioner_labels_follow_the_sort_order():
+    """Rows labelled by ``MultiKeyRangePartitioner`` and concatenated partition by
+    partition, each sorted by ``finalize``, are the whole table in sort order: labels never
+    go down along the sorted rows, rows equal in every key share a label (a tie at a
+    boundary row goes after it), and nulls and NaNs sort last in each key."""
+    from hybrid_ray import MultiKeyRangePartitioner
+
+    table = pa.table({"a": [1.0, None, float("nan"), 1.0, 2.0, 2.0, 0.0, None],
+                      "b": ["x", "y", "y", "z", None, "x", "q", "y"],
+                      "row": list(range(8))})
+    sort_keys = [("a", "ascending", "at_end"), ("b", "descending", "at_end")]
+    boundaries = pa.table({"a": [1.0, 2.0], "b": ["x", "x"]})
+    part = MultiKeyRangePartitioner(["a", "b"], boundaries, [False, True])
+    part.check_schema(table.schema)
+    labels = part.assign(table, 0, 3)
+    by_label = {i: part.finalize(table.filter(pa.array(labels == i)), i) for i in range(3)}
+    assert pa.concat_tables(by_label.values())["row"].to_pylist() \
+        == table.sort_by(sort_keys)["row"].to_pylist()
+    # (1, "x") equals the first boundary row: after it, in partition 1; (2, "x") likewise.
+    assert labels.tolist() == [1, 2, 2, 0, 2, 2, 0, 2]
+
+
+def test_multi_key_range_partitioner_refuses_bad_keys_flags_and_boundaries():
+    from hybrid_ray import MultiKeyRangePartitioner
+    from hybrid_ray.errors import ConfigError
+
+    bounds = pa.table({"a": [1], "b": ["x"]})
+    with pytest.raises(ConfigError, match=r"column\(s\) \['a'\] more than once"):
+        MultiKeyRangePartitioner(["a", "a"], pa.table({"a": [1], "a2": [1]}), [True, True])
+    with pytest.raises(ConfigError, match=r"one True or False per sort key \(2 keys\), got "
+                                          r"\[True\]"):
+        MultiKeyRangePartitioner(["a", "b"], bounds, [True])
+    with pytest.raises(ConfigError, match="got \\[1, 0\\]"):
+        MultiKeyRangePartitioner(["a", "b"], bounds, [1, 0])
+    with pytest.raises(ConfigError, match=r"exactly the key columns \['b', 'a'\]"):
+        MultiKeyRangePartitioner(["b", "a"], bounds, [True, False])
+    part = MultiKeyRangePartitioner(["a", "b"], bounds, [False, False])
+    with pytest.raises(ConfigError, match="boundaries of key 'a' \\(int64\\) are not values "
+                                          "of its type timestamp"):
+        part.check_schema(pa.schema([("a", pa.timestamp("s")), ("b", pa.string())]))
+    with pytest.raises(ConfigError, match="cannot sort by column 'b' of type list<item: "
+                                          "int64>"):
+        part.check_schema(pa.schema([("a", pa.int64()), ("b", pa.list_(pa.int64()))]))
+    with pytest.raises(ConfigError, match="1 boundary rows, which make 2 key ranges, but the "
+                                          "shuffle has 1 partitions"):
+        part.check_partition_count(1)
