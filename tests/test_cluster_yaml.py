@@ -49,3 +49,25 @@ def test_cluster_yaml_nodes_set_up_like_a_developer_s_machine():
     assert {".venv", ".git", "jvm/target"} <= set(config["rsync_exclude"])
     starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     assert all("~/venv/" not in c for c in starts)
+
+
+def test_cluster_yamls_pass_rays_schema_as_written_and_can_reach_every_worker():
+    """Ray's schema, before ``prepare_config`` fills in the provider's defaults, requires a
+    ``cluster_name``; and the top-level ``max_workers`` those defaults give (2 on AWS) caps
+    every worker type: cluster.yaml's ``worker`` type allowed 4, the autoscaler started 2."""
+    import json
+
+    import jsonschema
+    import ray
+
+    schema_path = os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.json")
+    with open(schema_path) as f:
+        schema = json.load(f)
+    for name in ("cluster.yaml", "cluster-local.yaml"):
+        with open(os.path.join(ROOT, name)) as f:
+            config = yaml.safe_load(f)
+        jsonschema.validate(config, schema)
+        filled = prepare_config(config)
+        most = sum(t.get("max_workers", 0) for n, t in filled["available_node_types"].items()
+                   if n != filled["head_node_type"])
+        assert filled["max_workers"] >= most, (name, filled["max_workers"], most)
