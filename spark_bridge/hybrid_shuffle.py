@@ -39,7 +39,8 @@ def shuffle_manager_jar() -> str:
     if override:
         if not os.path.isfile(override):
             raise ShuffleJarMissingError(f"HYBRID_RAY_SPARK_JAR={override} is not a file")
-        return override
+        # Absolute: Spark's executors resolve a relative class path in their own directory.
+        return os.path.abspath(override)
     for directory in JAR_DIRS:
         found = sorted(glob.glob(os.path.join(directory, JAR_GLOB)))
         if found:
@@ -63,9 +64,20 @@ def shuffle_manager_configs(config: ShuffleConfig, jar: str,
     ``session_file`` is the path of the file holding the token under which the shuffle
     master holds ``config`` whole (its remote tier and credentials stay out of Spark's
     configuration, and so does the token: see ``hybrid_ray.spark_jvm.SESSION_FIELD``).
+    A ``config`` that is not a ``ShuffleConfig``, or a ``jar`` that is not the absolute
+    path of a file, is a ``ConfigError`` here: Spark took ``None`` as the class path
+    "None", and a relative path resolved in each executor's own directory.
     """
+    from hybrid_ray.errors import ConfigError
     from hybrid_ray.spark_jvm import config_to_json
 
+    if not isinstance(config, ShuffleConfig):
+        raise ConfigError(f"config must be a ShuffleConfig, got {type(config).__name__}: "
+                          "pass hybrid_ray.ShuffleConfig(...)")
+    if not isinstance(jar, str) or not os.path.isabs(jar) or not os.path.isfile(jar):
+        raise ConfigError(f"jar must be the absolute path of the built shuffle manager jar, "
+                          f"got {jar!r} (not an absolute path of a file): pass "
+                          "spark_bridge.hybrid_shuffle.shuffle_manager_jar()")
     return {
         "spark.shuffle.manager": MANAGER_CLASS,
         "spark.shuffle.service.enabled": "false",

@@ -17,14 +17,40 @@ def test_spark_configs_wire_the_jar_and_the_settings(tmp_path):
     MANAGER_CLASS, shuffle_manager_configs = (hybrid_shuffle.MANAGER_CLASS,
                                               hybrid_shuffle.shuffle_manager_configs)
     config = ShuffleConfig(spill_dirs=[str(tmp_path)], namespace="ns1", progress=False)
-    confs = shuffle_manager_configs(config, "/x/hybrid-ray-spark-0.1.0.jar")
+    jar = tmp_path / "hybrid-ray-spark-0.1.0.jar"
+    jar.write_bytes(b"")
+    confs = shuffle_manager_configs(config, str(jar))
     assert confs["spark.shuffle.manager"] == MANAGER_CLASS
     assert confs["raydp.executor.extraClassPath"] == confs["spark.driver.extraClassPath"] \
-        == "/x/hybrid-ray-spark-0.1.0.jar"
+        == str(jar)
     assert confs["spark.shuffle.service.enabled"] == "false"
     assert confs["spark.sql.adaptive.localShuffleReader.enabled"] == "false"
     assert confs["spark.hybridray.namespace"] == "ns1"
     assert json.loads(confs["spark.hybridray.config"])["spill_dirs"] == [str(tmp_path)]
+
+
+def test_spark_configs_refuse_a_config_or_jar_spark_could_not_use(tmp_path, monkeypatch):
+    """Starting RayDP by hand (README) goes through shuffle_manager_configs: a dict config
+    failed with a bare AttributeError, and a jar of None or a relative path was taken (Spark
+    made None the class path "None"; executors resolve a relative one in their own
+    directory), failing only when Spark loaded the manager."""
+    from hybrid_ray import ConfigError
+    from spark_bridge.hybrid_shuffle import shuffle_manager_configs
+
+    jar = tmp_path / "hybrid-ray-spark-0.1.0.jar"
+    jar.write_bytes(b"")
+    config = ShuffleConfig(spill_dirs=[str(tmp_path)], progress=False)
+    with pytest.raises(ConfigError, match="config must be a ShuffleConfig, got dict"):
+        shuffle_manager_configs({"spill_dirs": [str(tmp_path)]}, str(jar))
+    monkeypatch.chdir(tmp_path)
+    for bad in (None, "", jar.name, str(tmp_path / "missing.jar")):
+        with pytest.raises(ConfigError, match=r"jar must be the absolute path .* pass "
+                                              r"spark_bridge.hybrid_shuffle"):
+            shuffle_manager_configs(config, bad)
+    # init_spark's own lookup gives an absolute path for a relative HYBRID_RAY_SPARK_JAR.
+    monkeypatch.setenv("HYBRID_RAY_SPARK_JAR", jar.name)
+    assert hybrid_shuffle.shuffle_manager_jar() == str(jar)
+    assert shuffle_manager_configs(config, str(jar))["spark.driver.extraClassPath"] == str(jar)
 
 
 def test_config_round_trips_without_remote_tier_or_credentials(tmp_path):
@@ -142,7 +168,9 @@ def test_sparks_conf_carries_the_session_file_s_path_never_the_token(tmp_path):
     token = "s0123456789abcdef0123456789abcdef"
     config = ShuffleConfig(spill_dirs=[str(tmp_path)], remote_path=f"file://{tmp_path}/r",
                            storage_options={"secret": "s3cr3t"}, progress=False)
-    confs = shuffle_manager_configs(config, "/x/hybrid-ray-spark.jar", "/tmp/d/token")
+    jar = tmp_path / "hybrid-ray-spark.jar"
+    jar.write_bytes(b"")
+    confs = shuffle_manager_configs(config, str(jar), "/tmp/d/token")
     assert json.loads(confs["spark.hybridray.config"])["session_file"] == "/tmp/d/token"
     for value in confs.values():
         assert token not in value and "session_token" not in value and "s3cr3t" not in value
