@@ -279,8 +279,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise CliError(f"hybrid-ray: {exc} (--timeout); the cluster may be overloaded",
                        1, abandon=True) from None
     except ValueError:
-        print(f"no hybrid_ray shuffle master in namespace {args.namespace!r}: no shuffle has "
-              "run on this cluster yet")
+        # Shuffles of a ShuffleConfig(namespace=...) have their master there: "no shuffle
+        # has run on this cluster yet" was printed while they ran (found by a review).
+        try:
+            others = sorted(e["namespace"] for e in within(
+                args.timeout, "the cluster's GCS listing its named actors",
+                lambda: ray.util.list_named_actors(all_namespaces=True))
+                if e["name"] == MASTER_NAME)
+        except TimeoutError as exc:
+            raise CliError(f"hybrid-ray: {exc} (--timeout); the cluster may be overloaded",
+                           1, abandon=True) from None
+        if others:
+            print(f"no hybrid_ray shuffle master in namespace {args.namespace!r}; this "
+                  f"cluster has one in namespace(s) {others}: pass --namespace NAME (the "
+                  "ShuffleConfig's namespace)")
+        else:
+            print(f"no hybrid_ray shuffle master in namespace {args.namespace!r}: no shuffle "
+                  "has run on this cluster yet")
         return 0
     status = _get(master.status.remote(), f"the shuffle master of namespace "
                   f"{args.namespace!r}", args.timeout)

@@ -116,6 +116,23 @@ def test_status_of_a_live_cluster_lists_its_shuffle(ray_local, tmp_path):
     assert f"{shuffle}: 0/3 maps finished, 5 partitions" in proc.stdout
 
 
+def test_status_of_another_namespace_names_the_namespaces_that_have_a_master(ray_local):
+    """A cluster whose shuffles ran with ``ShuffleConfig(namespace="etl")``: plain
+    ``hybrid-ray status`` (namespace hybrid_ray) said "no shuffle has run on this cluster
+    yet". It names the namespaces that have a master and ``--namespace``."""
+    import ray
+
+    from hybrid_ray.actors import get_master
+
+    namespace = f"hr-cli-{uuid.uuid4().hex[:6]}"
+    ray.get(get_master(namespace).status.remote())
+    proc, _ = _cli("status", "--address", ray.get_runtime_context().gcs_address,
+                   "--namespace", f"hr-cli-none-{uuid.uuid4().hex[:6]}")
+    assert proc.returncode == 0, proc.stderr
+    assert "no shuffle has run on this cluster yet" not in proc.stdout, proc.stdout
+    assert repr(namespace) in proc.stdout and "pass --namespace" in proc.stdout, proc.stdout
+
+
 def test_status_json_gives_each_node_s_tiers_as_json(ray_local, tmp_path):
     """``status --json`` printed every node as its Python repr string ("NodeUsage(node_id=
     ..., tiers=(TierUsage(tier=<TierName.MEMORY...") : its tier usage was unusable."""
