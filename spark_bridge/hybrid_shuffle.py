@@ -42,9 +42,11 @@ def shuffle_manager_jar() -> str:
         # Absolute: Spark's executors resolve a relative class path in their own directory.
         return os.path.abspath(override)
     for directory in JAR_DIRS:
-        found = sorted(glob.glob(os.path.join(directory, JAR_GLOB)))
+        found = glob.glob(os.path.join(directory, JAR_GLOB))
         if found:
-            return found[-1]
+            # The newest build: a version bump leaves the old jar in jvm/target (and in a
+            # wheel's build dir), and by name 0.9.0 sorts after 0.10.0.
+            return max(found, key=lambda path: (os.path.getmtime(path), path))
     raise ShuffleJarMissingError(
         "hybrid_ray's Spark shuffle manager jar is not built (looked for "
         f"{JAR_GLOB} in {', '.join(JAR_DIRS)}): run `./dev setup` in a checkout (Maven and "

@@ -91,6 +91,21 @@ def test_missing_jar_names_the_fix(monkeypatch, tmp_path):
     assert hybrid_shuffle.shuffle_manager_jar() == str(tmp_path / "hybrid-ray-spark-0.1.0.jar")
 
 
+def test_the_newest_jar_is_used_not_the_last_by_name(monkeypatch, tmp_path):
+    """A version bump leaves the old jar beside the new one (Maven's jvm/target, a wheel's
+    build dir): the last by name was used, and 0.9.0 sorts after 0.10.0, so Spark loaded
+    the stale manager (found by a review)."""
+    import os
+
+    monkeypatch.delenv("HYBRID_RAY_SPARK_JAR", raising=False)
+    monkeypatch.setattr(hybrid_shuffle, "JAR_DIRS", (str(tmp_path),))
+    old, new = tmp_path / "hybrid-ray-spark-0.9.0.jar", tmp_path / "hybrid-ray-spark-0.10.0.jar"
+    old.write_bytes(b"")
+    new.write_bytes(b"")
+    os.utime(old, (1_000_000, 1_000_000))
+    assert hybrid_shuffle.shuffle_manager_jar() == str(new)
+
+
 def test_app_prefix_matches_the_jvms_shuffle_ids():
     # HybridRayContext.appKey: characters outside [A-Za-z0-9_.-] become "_", last 80 kept;
     # sessionTag: the token's SHA-256, first 8 hex digits (HybridRayMapOutputWriterTest).
