@@ -519,7 +519,7 @@ class RangePartitioner(Partitioner):
                  nulls_first: bool | None = None) -> None:
         self.key = key
         if isinstance(boundaries, (pa.Array, pa.ChunkedArray)):
-            boundaries = pc.drop_null(boundaries).to_numpy(zero_copy_only=False)
+            boundaries = sort_key_values(pc.drop_null(boundaries))
         boundaries = np.asarray(boundaries)
         if boundaries.dtype == object:
             # NaN too (a None beside it keeps it in an object array): it compares false
@@ -584,7 +584,7 @@ class RangePartitioner(Partitioner):
             # Python values, strictly (ints are not taken for strings, nor strings parsed).
             source = self.boundaries if self.boundaries.dtype.kind in "Mm" \
                 else self.boundaries.tolist()
-            self.boundaries = pa.array(source, type=value_type).to_numpy(zero_copy_only=False)
+            self.boundaries = sort_key_values(pa.array(source, type=value_type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError,
                 ValueError, OverflowError) as exc:
             raise ConfigError(self._foreign_boundaries(t, str(exc))) from None
@@ -614,7 +614,7 @@ class RangePartitioner(Partitioner):
             column = column.cast(column.type.value_type)
         missing = column.is_null(nan_is_null=True)
         if not pc.any(missing).as_py():
-            idx = self._positions(column.to_numpy())
+            idx = self._positions(sort_key_values(column))
         else:
             # Nulls cannot be compared with the boundaries (and NaNs compare false with
             # everything): they get the end of the order nulls_first picks, unlike NumPy's
@@ -623,7 +623,7 @@ class RangePartitioner(Partitioner):
             idx = np.full(table.num_rows, 0 if self.nulls_first != self.descending
                           else len(self.boundaries), dtype=np.int64)
             present = column.filter(pc.invert(missing))
-            idx[~mask] = self._positions(present.to_numpy())
+            idx[~mask] = self._positions(sort_key_values(present))
         return (num_partitions - 1 - idx) if self.descending else idx
 
     def _positions(self, keys: np.ndarray) -> np.ndarray:
@@ -798,6 +798,18 @@ def sort_key_problem(t: pa.DataType) -> str:
         return ("its values have no order; sort by a column of numbers, strings, binary, "
                 "dates, times or decimals (e.g. a struct's field, selected into a column)")
     return ""
+
+
+def sort_key_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The non-null values of a sort key column as NumPy values that compare in the key's
+    order: what sampled boundaries and the keys searched among them are. Times are their
+    integer counts of the type's unit: NumPy has no time of day, and Arrow gives Python
+    ``datetime.time`` objects, which cannot hold nanoseconds (a time64[ns] key with any
+    value off the microsecond failed every sort with "has non-zero nanoseconds")."""
+    t = column.type
+    if pa.types.is_time(t):
+        column = column.cast(pa.int32() if t.bit_width == 32 else pa.int64())
+    return column.to_numpy(zero_copy_only=False)
 
 
 def sortable_column(column: pa.ChunkedArray) -> pa.ChunkedArray:

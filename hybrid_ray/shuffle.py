@@ -45,8 +45,8 @@ from hybrid_ray.nodes import (
 )
 from hybrid_ray.partitioning import (
     HashPartitioner, MultiKeyRangePartitioner, Partitioner, RandomPartitioner, RangePartitioner,
-    range_boundaries, sortable_column,
-    sort_key_problem, untakeable_column_problem,
+    range_boundaries, sort_key_problem, sort_key_values, sortable_column,
+    untakeable_column_problem,
 )
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
     read_subpartition, reduce_partition,
@@ -188,7 +188,7 @@ def _sample_task(key: str, k: int, *blocks: pa.Table) -> np.ndarray:
         if len(column) == 0:
             continue
         idx = np.random.default_rng(0).choice(len(column), min(k, len(column)), replace=False)
-        out.append(column.take(pa.array(idx)).to_numpy(zero_copy_only=False))
+        out.append(sort_key_values(column.take(pa.array(idx))))
     return np.concatenate(out) if out else np.asarray([])
 
 

@@ -338,6 +338,23 @@ def test_range_boundaries_of_another_type_than_the_key_are_refused():
     assert days.assign(stamps, 0, 2).tolist() == [0, 1]
 
 
+def test_range_partitioner_takes_time_of_day_keys_and_boundaries_in_nanoseconds():
+    """Time keys and boundaries became Python ``datetime.time`` objects, which hold no
+    nanoseconds: a time64[ns] key or boundary off the microsecond failed in ``assign``
+    and in the constructor ("has non-zero nanoseconds")."""
+    from hybrid_ray import RangePartitioner
+
+    times = pa.array([5, 999, 1_000, 1_001, None, 2_500], pa.int64()).cast(pa.time64("ns"))
+    table = pa.table({"t": times})
+    partitioner = RangePartitioner("t", pa.array([999, 2_000]).cast(pa.time64("ns")))
+    partitioner.check_schema(table.schema)
+    assert partitioner.assign(table, 0, 3).tolist() == [0, 1, 1, 1, 2, 2]
+    seconds = RangePartitioner("t", [datetime.time(0, 0, 2)])
+    seconds.check_schema(pa.schema([("t", pa.time32("s"))]))
+    clock = pa.table({"t": pa.array([1, 2, 3], pa.int32()).cast(pa.time32("s"))})
+    assert seconds.assign(clock, 0, 2).tolist() == [0, 1, 1]
+
+
 def test_a_null_value_inside_a_dictionary_sorts_as_a_null():
     """A dictionary key whose dictionary holds a null (pointed to by a valid index) is a
     null, though the encoded column's is_null does not say so: it reached NumPy's search

@@ -300,6 +300,27 @@ def test_sort_by_a_dictionary_encoded_or_float16_key(ray_local, tmp_path):
     assert_no_leftovers(cfg, ray_local)
 
 
+def test_sort_by_a_time_of_day_key_with_nanoseconds(ray_local, tmp_path):
+    """Keys were sampled and searched among the boundaries as Python ``datetime.time``
+    objects, which hold no nanoseconds: sorting by a time64[ns] column with any value off
+    the microsecond failed in the sampling ("Value 8548 has non-zero nanoseconds")."""
+    cfg = base_config(tmp_path)
+    rng = np.random.default_rng(29)
+    nanos = rng.integers(0, 86_400 * 10**9, 2_000)
+    times = pa.array(nanos, mask=np.arange(2_000) % 11 == 0).cast(pa.time64("ns"))
+    table = pa.table({"t": times, "row": np.arange(2_000)})
+    ds = ray_local.data.from_arrow(table).repartition(4).materialize()
+    present = sorted(int(n) for n, null in zip(nanos, times.is_null().to_pylist()) if not null)
+    nulls = [None] * times.null_count
+    for descending in (False, True):
+        out = pa.concat_tables(outputs(ray_local, hybrid_ray.sort(
+            ds, "t", descending=descending, config=cfg, num_partitions=3)))
+        assert out["t"].cast(pa.int64()).to_pylist() == \
+            (present[::-1] if descending else present) + nulls
+        assert sorted(out["row"].to_pylist()) == list(range(2_000))
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_sort_runs_while_other_work_holds_every_cpu(ray_local, tmp_path):
     """sort sampled its keys with tasks asking one CPU each: with every CPU held (RayDP's
     executors, a user's actors) it waited forever. The samples ask none now."""
