@@ -695,6 +695,12 @@ class ShuffleMasterActor:
         if self.registry.pending:
             self._wake.set()
 
+    def deletions_left(self, prefix: str) -> int:
+        """Deletions not done of the shuffles whose id starts with ``prefix``
+        (``ShuffleRegistry.deletions_left``)."""
+        with self._lock:
+            return self.registry.deletions_left(str(prefix))
+
     def run_deletions(self) -> list[dict[str, Any]]:
         """Run due deletions now; returns those still pending (for tests and operators)."""
         self._run_deletions()

@@ -331,7 +331,8 @@ def status_lines(status: dict[str, Any]) -> list[str]:
     if pending:
         out.append(f"{len(pending)} deletion(s) pending (retried until the data is gone):")
         for d in pending:
-            out.append(f"  {d['what']}: {d['attempts']} failed attempt(s), "
+            running = "running now; " if d.get("running") else ""
+            out.append(f"  {d['what']}: {running}{d['attempts']} failed attempt(s), "
                        f"last: {d['last_error']}")
     errors = status.get("background_errors") or {}
     if errors.get("count"):

@@ -222,6 +222,10 @@ class ShuffleRegistry:
         # Releases taken out of ``pending`` and running now (outside the caller's lock):
         # their shuffle ids are not free for a new registration until they are done.
         self._releasing: list[PendingDeletion] = []
+        # Every deletion taken out of ``pending`` and running now (releases included):
+        # listed by ``pending_deletions``, so a release that outlasted the caller's wait
+        # (a tier manager removing 80,000 files on a loaded node) is not reported as done.
+        self._running: list[PendingDeletion] = []
         self.deletion_failures = 0
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
         # Why a recently released shuffle was released, if its driver said, and whether it
@@ -779,6 +783,7 @@ class ShuffleRegistry:
         self._releasing.extend(d for d in due if d.metas is None)
         while self.late_sweeps and self.late_sweeps[0].not_before <= now:
             due.append(self.late_sweeps.popleft())
+        self._running.extend(due)
         return due
 
     def perform_deletion(self, deletion: PendingDeletion) -> Exception | None:
@@ -802,6 +807,7 @@ class ShuffleRegistry:
         release that succeeded queues its remote tree's late sweep."""
         deletion.tried.set()
         self._releasing = [d for d in self._releasing if d is not deletion]
+        self._running = [d for d in self._running if d is not deletion]
         if error is None:
             if deletion.metas is None and not deletion.late_sweep \
                     and self._sweep_remote_io is not None \
@@ -821,11 +827,21 @@ class ShuffleRegistry:
         self.pending.append(deletion)
 
     def pending_deletions(self) -> list[dict[str, Any]]:
-        """Deletions not done yet, with their last error (for status and tests). A late
-        sweep waiting for its time is not listed (nothing is known to be left); one that
-        failed is, queued again like any failed deletion."""
+        """Deletions not done yet, with their last error (for status and tests): those
+        running now (``running``: True; they were missing, so a release still deleting
+        files read as done) and those queued. A late sweep waiting for its time is not
+        listed (nothing is known to be left); one that failed is, queued again like any
+        failed deletion."""
         return [{"shuffle_id": d.state.shuffle_id, "what": d.what, "attempts": d.attempts,
-                 "last_error": d.last_error} for d in self.pending]
+                 "last_error": d.last_error, "running": running}
+                for running, deletions in ((True, self._running), (False, self.pending))
+                for d in deletions]
+
+    def deletions_left(self, prefix: str) -> int:
+        """How many deletions (running or queued) of shuffles whose id starts with
+        ``prefix`` are not done: what a session's stop waits for."""
+        return sum(1 for d in (*self._running, *self.pending)
+                   if d.state.shuffle_id.startswith(prefix))
 
     def scrub_secrets(self, text: Any) -> str:
         """``str(text)`` without the credentials of any shuffle in the books or waiting for

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hybrid_ray.config import ShuffleConfig
@@ -577,8 +577,41 @@ def _release_session_shuffles() -> None:
 
     namespace, prefix, token = _session_shuffles
     _last_session_shuffles, _session_shuffles = _session_shuffles, None
-    ray.get(master_handle(namespace).spark_release.remote(
+    master = master_handle(namespace)
+    ray.get(master.spark_release.remote(
         json.dumps({"prefix": prefix, "close_session": token})), timeout=120)
+    # The release answers after at most the master's release_wait_s (20 s); a session's
+    # files can take longer to go (80,000 segment files on a loaded node took minutes),
+    # and a script ending right after its stop took its local Ray, and with it the tier
+    # manager mid-deletion, down: the rest stayed (found by a review). Waited for, bounded.
+    wait_until_deleted(lambda: ray.get(master.deletions_left.remote(prefix), timeout=60),
+                       f"the Spark session's shuffles ({prefix}*)")
+
+
+# How long stop_spark waits for the session's shuffle data to be deleted after the release
+# answered (the release itself waits the master's release_wait_s first).
+STOP_DELETION_WAIT_S = 300.0
+_DELETION_POLL_S = 0.25
+
+
+def wait_until_deleted(count_left: Callable[[], int], what: str,
+                       bound_s: float | None = None) -> int:
+    """Wait until ``count_left()`` (deletions not done yet) is 0, at most ``bound_s``
+    (``STOP_DELETION_WAIT_S``); returns what is left then, having warned (with the fix)
+    if anything is."""
+    bound_s = STOP_DELETION_WAIT_S if bound_s is None else bound_s
+    deadline = time.monotonic() + bound_s
+    left = count_left()
+    while left and time.monotonic() < deadline:
+        time.sleep(min(_DELETION_POLL_S, max(0.0, deadline - time.monotonic())))
+        left = count_left()
+    if left:
+        logging.getLogger(__name__).warning(
+            "hybrid_ray: %d deletion(s) of %s were not done within %g s; they go on in "
+            "the shuffle master while Ray runs (`hybrid-ray status` lists them). If Ray "
+            "stops first, remove what is left with `hybrid-ray cleanup --older-than 0s "
+            "--no-cluster --spill-dir DIR`", left, what, bound_s)
+    return left
 
 
 def _quiesce_driver_shuffle_manager() -> None:

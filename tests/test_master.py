@@ -764,3 +764,23 @@ def test_an_open_shuffle_refuses_a_map_index_beyond_its_limit():
         reg.begin_map("spk", 2_000_000, "n1")
     assert len(reg.state("spk").maps) == 0
     assert reg.begin_map("spk", MAX_OPEN_MAPS - 1, "n1") == 0
+
+
+def test_a_deletion_running_now_is_listed_until_it_is_done():
+    """A release taken out of the queue and running (a tier manager removing 80,000 files
+    on a loaded node, for minutes) was listed nowhere: ``status`` said no deletion was
+    pending while the files went, and nothing could wait for them (found by a review)."""
+    reg = ShuffleRegistry(lambda state, metas: None, lambda state: None, Clock(),
+                          delete_inline=False)
+    reg.register("spark-app-1", 1, 2, ShuffleConfig())
+    reg.register("other", 1, 2, ShuffleConfig())
+    reg.release("spark-app-1")
+    reg.release("other")
+    assert reg.deletions_left("spark-app-") == 1
+    due = reg.take_due_deletions()
+    assert [(d["shuffle_id"], d["running"]) for d in reg.pending_deletions()] == [
+        ("spark-app-1", True), ("other", True)]
+    assert reg.deletions_left("spark-app-") == 1
+    for deletion in due:
+        reg.deletion_done(deletion, reg.perform_deletion(deletion))
+    assert reg.pending_deletions() == [] and reg.deletions_left("spark-app-") == 0

@@ -459,3 +459,23 @@ def test_failing_heartbeats_of_the_spark_session_are_said_once_and_so_is_recover
     assert "heartbeat to its shuffle master failed (ConnectionError: the master is down)" \
         in said[0] and "orphan TTL" in said[0]
     assert "answers the Spark session's heartbeat again" in said[1]
+
+
+def test_stop_waits_for_the_sessions_deletions_and_warns_with_the_fix_if_they_outlast_it(
+        caplog):
+    """``stop_spark`` returned once the master's release answered (after at most its
+    release_wait_s), while a large session's files were still going; a script that then
+    ended took its local Ray down and the rest stayed (found by a review). The stop waits
+    for the deletions, bounded, and says what to do if they outlast the wait."""
+    import logging
+
+    from spark_bridge.session import wait_until_deleted
+
+    counts = iter([3, 2, 1, 0])
+    assert wait_until_deleted(lambda: next(counts), "the session's shuffles", 10) == 0
+    assert next(counts, "used up") == "used up"  # asked until none was left, not after
+    with caplog.at_level(logging.WARNING):
+        assert wait_until_deleted(lambda: 2, "the session's shuffles (spark-x-*)", 0.3) == 2
+    assert "2 deletion(s) of the session's shuffles (spark-x-*) were not done within 0.3 s" \
+        in caplog.text
+    assert "hybrid-ray cleanup" in caplog.text
