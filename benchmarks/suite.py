@@ -680,14 +680,17 @@ class Bench:
 
         runners = [(name, workload, *self._spark_case(spark, name, workload, size, capped_dir))
                    for name, workload, size in cases]
-        rounds_of: dict[str, list[CaseResult]] = {name: [] for name, *_ in runners}
+        # By case and workload: with --workload given twice, rounds kept by name alone
+        # mixed both workloads' rounds into one row, recorded twice, and lost the other.
+        rounds_of: dict[tuple[str, str], list[CaseResult]] = {
+            (name, workload): [] for name, workload, *_ in runners}
         for _ in range(rounds):
             for name, workload, family, size, run in runners:
-                rounds_of[name].append(self.timed_case(name, family, workload, size, 1, run,
-                                                       record=False))
+                rounds_of[name, workload].append(self.timed_case(
+                    name, family, workload, size, 1, run, record=False))
                 spark_bridge.release_all()
-        for name, *_ in runners:
-            self.record(best_round(rounds_of[name], "alternating rounds"))
+        for name, workload, *_ in runners:
+            self.record(best_round(rounds_of[name, workload], "alternating rounds"))
 
     def _spark_case(self, spark: Any, name: str, workload: str, size: int,
                     capped_dir: str | None) -> tuple[str, int, Callable[[], Any]]:

@@ -1189,3 +1189,34 @@ def test_idle_timeline_refuses_zero_cpus_before_ray_starts(monkeypatch, capsys):
         idle_timeline.main(["--size", "0.001", "--rounds", "1", "--cpus", "0"])
     assert exit_.value.code == 2 and "--cpus must be 1 or more, got 0" in \
         capsys.readouterr().err
+
+
+def test_spark_cases_of_two_workloads_keep_their_own_rounds(monkeypatch):
+    """With --workload given twice, the Spark cases' rounds were kept by case name alone:
+    both workloads' rounds made one row, recorded twice under one workload, and the other
+    workload's row was lost."""
+    import spark_bridge
+
+    from benchmarks.suite import Bench, add_arguments
+
+    def fake_case(self, spark, name, workload, size, capped_dir):
+        def run():
+            return None, lambda: True, None, f"{workload} run"
+        return "spark", size, run
+    monkeypatch.setattr(Bench, "_spark_case", fake_case)
+    monkeypatch.setattr(spark_bridge, "release_all", lambda: None)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--size", "1MB"])
+    args.scaling, args.workload = [], ["gensort", "zipf"]
+    bench = Bench(args)
+    try:
+        bench._spark_cases(None, [("spark_native", w, 10**6) for w in ("gensort", "zipf")],
+                           None, rounds=2)
+    finally:
+        bench.close()
+    assert [(r.case, r.workload) for r in bench.results] == [("spark_native", "gensort"),
+                                                             ("spark_native", "zipf")]
+    for r in bench.results:
+        assert r.note.startswith(f"{r.workload} run; best of 2 alternating rounds (")
+        assert r.note.count("best of") == 1
