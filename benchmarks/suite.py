@@ -1346,6 +1346,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("benchmarks: --partitions, --cpus and --rounds must be positive",
               file=sys.stderr)
         return 2
+    if args.seed < 0:
+        # numpy's generators refuse it: the run ended with its traceback after the
+        # machine rows, writing no results.
+        print(f"benchmarks: --seed must be 0 or more, got {args.seed}", file=sys.stderr)
+        return 2
     if args.cpus > usable_cores():
         # More CPUs than cores would oversubscribe them and divide the floor's CPU-seconds
         # over cores that are not there (a higher floor, every case a smaller fraction).

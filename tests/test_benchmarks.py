@@ -1220,3 +1220,15 @@ def test_spark_cases_of_two_workloads_keep_their_own_rounds(monkeypatch):
     for r in bench.results:
         assert r.note.startswith(f"{r.workload} run; best of 2 alternating rounds (")
         assert r.note.count("best of") == 1
+
+
+def test_bench_refuses_a_negative_seed_before_any_case_runs(monkeypatch, capsys, tmp_path):
+    """--seed -1 was accepted: the machine rows ran, then numpy's generator refused the
+    seed with its own traceback and the run wrote no results."""
+    from benchmarks import suite
+
+    ran = []
+    monkeypatch.setattr(suite.Bench, "run", lambda self, selected: ran.append(selected) or [])
+    assert suite.main(["--seed", "-1", "--scenario", "polars_partition_by",
+                       "--out", str(tmp_path / "out")]) == 2
+    assert ran == [] and "--seed must be 0 or more, got -1" in capsys.readouterr().err
