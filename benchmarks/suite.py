@@ -149,7 +149,10 @@ GROUP_ORDER = ("machine", "reference", "ray", "daft", "multinode", "spark", "spa
 
 def parse_size(text: str) -> int:
     """'2GiB', '256MB', '0.25GiB', '1000000' -> bytes."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*(|B|KB|MB|GB|KiB|MiB|GiB)\s*", text, re.IGNORECASE)
+    # One number (digits with at most one point): "1..2" or "." passed a [\d.]+ pattern and
+    # failed in float() with a ValueError that --scaling did not catch (a traceback).
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(|B|KB|MB|GB|KiB|MiB|GiB)\s*", text,
+                         re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 256MB or 2GiB")
     units = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2,

@@ -42,7 +42,8 @@ def test_checksum_ignores_order_and_representation_but_not_rows():
 def test_parse_size_and_its_errors():
     assert parse_size("2GiB") == 2 * 1024**3 and parse_size("256MB") == 256_000_000
     assert parse_size("0.25GiB") == 1024**3 // 4
-    for bad in ("lots", "0MB", "-1GiB"):
+    assert parse_size(".5GiB") == 1024**3 // 2 and parse_size("2.MB") == 2_000_000
+    for bad in ("lots", "0MB", "-1GiB", "1..2GiB", ".", "1.2.3MB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_size(bad)
 
@@ -1232,3 +1233,12 @@ def test_bench_refuses_a_negative_seed_before_any_case_runs(monkeypatch, capsys,
     assert suite.main(["--seed", "-1", "--scenario", "polars_partition_by",
                        "--out", str(tmp_path / "out")]) == 2
     assert ran == [] and "--seed must be 0 or more, got -1" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_malformed_scaling_size_with_its_message(capsys):
+    """--scaling 1..2GiB ended in a ValueError traceback from float()."""
+    from benchmarks import suite
+
+    assert suite.main(["--scaling", "1..2GiB", "--scenario", "machine_hash_key"]) == 2
+    assert "--scaling: invalid size '1..2GiB': use e.g. 256MB or 2GiB" in \
+        capsys.readouterr().err
