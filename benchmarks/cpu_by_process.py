@@ -170,6 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.size <= 0 or args.rounds < 1:
         p.error("--size must be > 0 and --rounds >= 1")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    if not 1 <= args.cpus <= cores:
+        # With 0 the round waited for a CPU for ever; above the cores, the idle share
+        # counted cores that are not there as idle.
+        p.error(f"--cpus must be from 1 to the {cores} cores this process may run on, "
+                f"got {args.cpus}")
+    if args.object_store_gib < 0:
+        p.error(f"--object-store-gib must be 0 (Ray's choice) or more, got "
+                f"{args.object_store_gib}")
     import ray
 
     import hybrid_ray

@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.size <= 0 or args.rounds < 1 or args.bucket_ms <= 0:
         p.error("--size and --bucket-ms must be > 0 and --rounds >= 1")
+    if args.cpus < 1:  # with 0 the warm-up waited for a CPU for ever
+        p.error(f"--cpus must be 1 or more, got {args.cpus}")
     problem = perf_problem()
     if problem:
         print(f"idle_timeline: {problem}", file=sys.stderr)

@@ -1242,3 +1242,38 @@ def test_bench_refuses_a_malformed_scaling_size_with_its_message(capsys):
     assert suite.main(["--scaling", "1..2GiB", "--scenario", "machine_hash_key"]) == 2
     assert "--scaling: invalid size '1..2GiB': use e.g. 256MB or 2GiB" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--cpus", "0"], ["--cpus", "999"],
+                                  ["--object-store-gib", "-1"]])
+def test_cpu_by_process_refuses_bad_cpus_or_store_before_ray_starts(monkeypatch, capsys,
+                                                                      argv):
+    """--cpus 0 started Ray and then waited for a CPU for ever; more CPUs than cores counted
+    cores that are not there as idle; a negative store size failed inside Ray."""
+    import ray
+
+    from benchmarks import cpu_by_process
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started")
+    monkeypatch.setattr(ray, "init", no_ray)
+    with pytest.raises(SystemExit) as exit_:
+        cpu_by_process.main(["--size", "0.001", "--rounds", "1", *argv])
+    assert exit_.value.code == 2
+    assert f"{argv[0]} must be" in capsys.readouterr().err
+
+
+def test_idle_timeline_refuses_zero_cpus_before_ray_starts(monkeypatch, capsys):
+    """--cpus 0 started Ray and then waited for a CPU for ever in the warm-up."""
+    import ray
+
+    from benchmarks import idle_timeline
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started")
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(idle_timeline, "perf_problem", lambda: None)
+    with pytest.raises(SystemExit) as exit_:
+        idle_timeline.main(["--size", "0.001", "--rounds", "1", "--cpus", "0"])
+    assert exit_.value.code == 2 and "--cpus must be 1 or more, got 0" in \
+        capsys.readouterr().err
