@@ -680,6 +680,12 @@ def main(argv: list[str] | None = None) -> int:
         return _child(args)
     if args.scale <= 0 or args.rounds < 1 or args.sessions < 1:
         p.error("--scale must be > 0, --rounds >= 1 and --sessions >= 1")
+    if args.timeout <= 0 or args.capped_disk_mib < 0:
+        # Found only after the data was made and a mode had started: a timeout of 0 gave
+        # up on the mode at once, a negative one ended in select()'s ValueError, and a
+        # negative tmpfs size in a failed mount.
+        p.error(f"--timeout must be > 0 and --capped-disk-mib >= 0 (0: no capped run), "
+                f"got {args.timeout:g} and {args.capped_disk_mib}")
     with tempfile.TemporaryDirectory(prefix="hr-sql-bench-") as data_dir:
         print(f"generating TPC-H-like data at scale {args.scale} ...", flush=True)
         paths = generate(data_dir, args.scale, args.seed)

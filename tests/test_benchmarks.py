@@ -1277,3 +1277,20 @@ def test_idle_timeline_refuses_zero_cpus_before_ray_starts(monkeypatch, capsys):
         idle_timeline.main(["--size", "0.001", "--rounds", "1", "--cpus", "0"])
     assert exit_.value.code == 2 and "--cpus must be 1 or more, got 0" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--timeout", "0"], ["--timeout", "-1"],
+                                  ["--capped-disk-mib", "-5"]])
+def test_sql_refuses_a_bad_timeout_or_tmpfs_size_before_making_data(monkeypatch, capsys,
+                                                                     argv):
+    """A --timeout of 0 or less and a negative --capped-disk-mib were taken: the data was
+    made and a mode started before select() or mount refused them."""
+    from benchmarks import spark_sql
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data generated")
+    monkeypatch.setattr(spark_sql, "generate", no_data)
+    with pytest.raises(SystemExit) as exit_:
+        spark_sql.main(argv)
+    assert exit_.value.code == 2
+    assert "--timeout must be > 0 and --capped-disk-mib >= 0" in capsys.readouterr().err
