@@ -575,6 +575,8 @@ def summarize(own: dict, ours: dict) -> dict[str, Any]:
                      "speedup_warm": warm_a / warm_b if warm_a and warm_b else None})
     ok_rows = [r for r in rows if "error" not in r]
     warm_measured = bool(ok_rows) and all(r["speedup_warm"] is not None for r in ok_rows)
+    if not warm_measured:  # no warm round (--rounds 1): no warm total either (it read 0.00)
+        totals["spark_warm"] = totals["ours_warm"] = None
     worst = min((min(x for x in (r["speedup_first"], r["speedup_warm"]) if x is not None)
                  for r in ok_rows), default=0.0)
     # A goal with nothing behind it is not measured (None), never met: with every query
@@ -618,8 +620,9 @@ def markdown(summary: dict, meta: dict, capped: dict | None) -> str:
                      f"| {_num(r['ours_warm_s'], 's')} | {_num(r['speedup_warm'], 'x')} |")
     t = summary["totals"]
     lines += [f"| **total** | | | {t['spark_first']:.2f} | {t['ours_first']:.2f} "
-              f"| {summary['speedup_total_first']:.2f}x | {t['spark_warm']:.2f} "
-              f"| {t['ours_warm']:.2f} | {_num(summary['speedup_total_warm'], 'x')} |", "",
+              f"| {summary['speedup_total_first']:.2f}x | {_num(t['spark_warm'], 's')} "
+              f"| {_num(t['ours_warm'], 's')} | {_num(summary['speedup_total_warm'], 'x')} |",
+              "",
               f"Spark start-up: own shuffle {meta['startup_spark_s']:.1f} s, hybrid_ray "
               f"{meta['startup_ours_s']:.1f} s. hybrid_ray's bytes per tier: "
               f"{meta.get('tier_bytes')}.", "", "Goals:"]

@@ -1294,3 +1294,21 @@ def test_sql_refuses_a_bad_timeout_or_tmpfs_size_before_making_data(monkeypatch,
         spark_sql.main(argv)
     assert exit_.value.code == 2
     assert "--timeout must be > 0 and --capped-disk-mib >= 0" in capsys.readouterr().err
+
+
+def test_sql_total_shows_no_warm_time_when_no_warm_round_ran():
+    """With --rounds 1 every query's warm time read "-" but the total row read 0.00 s for
+    both modes (and 0.0 in results.json): a warm total that was never measured."""
+    from benchmarks.spark_sql import QUERIES, markdown, summarize
+
+    def mode(seconds):
+        return {"queries": {q: {"seconds": list(seconds), "rows": 1, "fingerprint": "f"}
+                            for q in QUERIES}}
+    summary = summarize(mode([2.0]), mode([1.0]))
+    assert summary["totals"]["spark_warm"] is None and summary["totals"]["ours_warm"] is None
+    assert summary["speedup_total_warm"] is None
+    text = markdown(summary, {"command": "c", "date": "d", "cpus": 2, "scale": 0.1,
+                              "lineitems": 1, "rounds": 1, "startup_spark_s": 1.0,
+                              "startup_ours_s": 1.0}, None)
+    assert f"| **total** | | | {2.0 * len(QUERIES):.2f} | {1.0 * len(QUERIES):.2f} | 2.00x " \
+           "| - | - | - |" in text
