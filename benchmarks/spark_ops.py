@@ -124,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.scale <= 0 or args.rounds < 1:
         p.error("--scale must be > 0 and --rounds >= 1")
+    from benchmarks.suite import out_dir_problem
+
+    problem = out_dir_problem(args.out)
+    if problem:  # found before the run: afterwards it cost the whole run's results
+        p.error(f"--out: {problem}")
     with tempfile.TemporaryDirectory(prefix="hr-ops-bench-") as workdir:
         data = run(args.scale, args.rounds, workdir)
     os.makedirs(args.out, exist_ok=True)

@@ -689,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
         # negative tmpfs size in a failed mount.
         p.error(f"--timeout must be > 0 and --capped-disk-mib >= 0 (0: no capped run), "
                 f"got {args.timeout:g} and {args.capped_disk_mib}")
+    from benchmarks.suite import out_dir_problem
+
+    problem = out_dir_problem(args.out)
+    if problem:  # found before the run: afterwards it cost the whole run's results
+        p.error(f"--out: {problem}")
     with tempfile.TemporaryDirectory(prefix="hr-sql-bench-") as data_dir:
         print(f"generating TPC-H-like data at scale {args.scale} ...", flush=True)
         paths = generate(data_dir, args.scale, args.seed)

@@ -1312,3 +1312,23 @@ def test_sql_total_shows_no_warm_time_when_no_warm_round_ran():
                               "startup_ours_s": 1.0}, None)
     assert f"| **total** | | | {2.0 * len(QUERIES):.2f} | {1.0 * len(QUERIES):.2f} | 2.00x " \
            "| - | - | - |" in text
+
+
+@pytest.mark.parametrize("module", ["spark_sql", "spark_ops"])
+def test_spark_benchmarks_refuse_a_bad_out_dir_before_they_run(monkeypatch, capsys, tmp_path,
+                                                               module):
+    """A --out that cannot be written (here: a file) was found by os.makedirs after the
+    whole Spark run, which ended in a traceback without its results."""
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+    monkeypatch.setattr(bench, "generate" if module == "spark_sql" else "run", no_run)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--out", str(tmp_path / "a_file")])
+    assert exit_.value.code == 2
+    assert f"--out: cannot write the results to {tmp_path / 'a_file'}: " in \
+        capsys.readouterr().err
