@@ -1157,41 +1157,6 @@ def test_a_ray_or_cluster_that_does_not_start_is_a_failed_case_not_the_end_of_th
         ("hybrid_nodes_2", False, "cluster: RuntimeError: no Ray today")]
 
 
-@pytest.mark.parametrize("argv", [["--cpus", "0"], ["--cpus", "999"],
-                                  ["--object-store-gib", "-1"]])
-def test_cpu_by_process_refuses_bad_cpus_or_store_before_ray_starts(monkeypatch, capsys,
-                                                                      argv):
-    """--cpus 0 started Ray and then waited for a CPU for ever; more CPUs than cores counted
-    cores that are not there as idle; a negative store size failed inside Ray."""
-    import ray
-
-    from benchmarks import cpu_by_process
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray started")
-    monkeypatch.setattr(ray, "init", no_ray)
-    with pytest.raises(SystemExit) as exit_:
-        cpu_by_process.main(["--size", "0.001", "--rounds", "1", *argv])
-    assert exit_.value.code == 2
-    assert f"{argv[0]} must be" in capsys.readouterr().err
-
-
-def test_idle_timeline_refuses_zero_cpus_before_ray_starts(monkeypatch, capsys):
-    """--cpus 0 started Ray and then waited for a CPU for ever in the warm-up."""
-    import ray
-
-    from benchmarks import idle_timeline
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray started")
-    monkeypatch.setattr(ray, "init", no_ray)
-    monkeypatch.setattr(idle_timeline, "perf_problem", lambda: None)
-    with pytest.raises(SystemExit) as exit_:
-        idle_timeline.main(["--size", "0.001", "--rounds", "1", "--cpus", "0"])
-    assert exit_.value.code == 2 and "--cpus must be 1 or more, got 0" in \
-        capsys.readouterr().err
-
-
 def test_spark_cases_of_two_workloads_keep_their_own_rounds(monkeypatch):
     """With --workload given twice, the Spark cases' rounds were kept by case name alone:
     both workloads' rounds made one row, recorded twice under one workload, and the other
