@@ -315,8 +315,9 @@ def test_init_spark_keeps_the_session_token_off_spark_s_conf_and_command_line(
         raise Exception("Spark has inited.")  # stop here: no Spark in this test
     monkeypatch.setattr(raydp, "init_spark", fake_init_spark)
     import spark_bridge.hybrid_shuffle as hybrid_shuffle
-    monkeypatch.setattr(hybrid_shuffle, "shuffle_manager_jar",
-                        lambda: "/x/hybrid-ray-spark.jar")
+    jar = tmp_path / "hybrid-ray-spark.jar"  # a file: shuffle_manager_configs checks it
+    jar.write_bytes(b"")
+    monkeypatch.setattr(hybrid_shuffle, "shuffle_manager_jar", lambda: str(jar))
     config = ShuffleConfig(namespace="hr_token_conf", spill_dirs=[str(tmp_path)],
                            progress=False)
     with pytest.raises(bridge.SparkSetupError):
