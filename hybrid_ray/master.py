@@ -219,12 +219,10 @@ class ShuffleRegistry:
         # apart from ``pending``: a call that queues nothing must not wake the deletion
         # runner for them; it finds them due on its periodic round).
         self.late_sweeps: collections.deque[PendingDeletion] = collections.deque()
-        # Releases taken out of ``pending`` and running now (outside the caller's lock):
-        # their shuffle ids are not free for a new registration until they are done.
-        self._releasing: list[PendingDeletion] = []
-        # Every deletion taken out of ``pending`` and running now (releases included):
-        # listed by ``pending_deletions``, so a release that outlasted the caller's wait
-        # (a tier manager removing 80,000 files on a loaded node) is not reported as done.
+        # Every deletion taken out of ``pending`` and running now (outside the caller's
+        # lock): listed by ``pending_deletions``, so a release that outlasted the caller's
+        # wait (a tier manager removing 80,000 files on a loaded node) is not reported as
+        # done; a release's shuffle id is not free for a new registration until it is.
         self._running: list[PendingDeletion] = []
         self.deletion_failures = 0
         self.released: collections.deque[str] = collections.deque(maxlen=1000)
@@ -280,7 +278,7 @@ class ShuffleRegistry:
         if shuffle_id in self._shuffles:
             raise ShuffleStateError(f"shuffle {shuffle_id!r} is already registered")
         if any(d.metas is None and not d.late_sweep and d.state.shuffle_id == shuffle_id
-               for d in (*self.pending, *self._releasing)):
+               for d in (*self.pending, *self._running)):
             # Its release is still being retried (storage down): the retry would delete the
             # new shuffle's data on its nodes and in the remote tier.
             raise ShuffleStateError(f"shuffle {shuffle_id!r} was released and its data is "
@@ -780,7 +778,6 @@ class ShuffleRegistry:
         now = self._clock()
         due = [d for d in self.pending if d.not_before <= now]
         self.pending = collections.deque(d for d in self.pending if d.not_before > now)
-        self._releasing.extend(d for d in due if d.metas is None)
         while self.late_sweeps and self.late_sweeps[0].not_before <= now:
             due.append(self.late_sweeps.popleft())
         self._running.extend(due)
@@ -806,7 +803,6 @@ class ShuffleRegistry:
         """Record a deletion's outcome: on ``error`` it is queued again with backoff. A
         release that succeeded queues its remote tree's late sweep."""
         deletion.tried.set()
-        self._releasing = [d for d in self._releasing if d is not deletion]
         self._running = [d for d in self._running if d is not deletion]
         if error is None:
             if deletion.metas is None and not deletion.late_sweep \

@@ -8,6 +8,7 @@ partition (sort it, shuffle it, or leave it). Subclass it for custom shuffles.
 from __future__ import annotations
 
 import abc
+import collections
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -663,7 +664,7 @@ class MultiKeyRangePartitioner(Partitioner):
                 or not all(isinstance(k, str) for k in keys):
             raise ConfigError(f"MultiKeyRangePartitioner takes a non-empty list of column "
                               f"names, got {keys!r}")
-        repeated = sorted({k for k in keys if list(keys).count(k) > 1})
+        repeated = repeated_names(keys)
         if repeated:
             raise ConfigError(f"sort keys name column(s) {repeated} more than once; name "
                               "each column once (its first direction is the one that counts)")
@@ -743,6 +744,12 @@ class MultiKeyRangePartitioner(Partitioner):
     def finalize(self, table: pa.Table, subpartition: int) -> pa.Table:
         indices = pc.sort_indices(self._keys_of(table), sort_keys=self.sort_keys)
         return table.take(indices)
+
+
+def repeated_names(names: Sequence[str]) -> list[str]:
+    """The names given more than once, sorted."""
+    counts = collections.Counter(names)
+    return sorted(name for name, count in counts.items() if count > 1)
 
 
 def _same_kind(given: pa.DataType, target: pa.DataType) -> bool:

@@ -45,7 +45,7 @@ from hybrid_ray.nodes import (
 )
 from hybrid_ray.partitioning import (
     HashPartitioner, MultiKeyRangePartitioner, Partitioner, RandomPartitioner, RangePartitioner,
-    range_boundaries, sort_key_problem, sort_key_values, sortable_column,
+    range_boundaries, repeated_names, sort_key_problem, sort_key_values, sortable_column,
     untakeable_column_problem,
 )
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
@@ -1041,7 +1041,7 @@ def _sort_keys(key: Any, descending: Any) -> tuple[list[str], list[bool]]:
             or not all(isinstance(k, str) for k in keys):
         raise ConfigError(f"sort key must be a column name or a non-empty list of column "
                           f"names, got {key!r}")
-    repeated = sorted({k for k in keys if list(keys).count(k) > 1})
+    repeated = repeated_names(keys)
     if repeated:
         raise ConfigError(f"sort key names column(s) {repeated} more than once; name each "
                           "column once")
