@@ -72,6 +72,9 @@ JOB_WORKER_SWEEP_S = 10.0
 # Tier managers release shuffles the master no longer holds (see sweep_orphans).
 ORPHAN_SWEEP_INTERVAL_S = 30.0
 ORPHAN_SWEEP_GRACE = 2
+# How long a tier manager starting waits for the master's list of the memory-tier segments
+# it takes over (``TierManagerActor._adopt_held_memory_segments``).
+ADOPT_WAIT_S = 10.0
 # Bound on one control call to the shuffle master (from a driver, a map or reduce task, a
 # tier manager or the CLI; see ``answer_of``) or to a tier manager from the master.
 MASTER_CALL_TIMEOUT_S = 30.0
@@ -216,12 +219,35 @@ class TierManagerActor:
         # Shuffle -> consecutive sweeps that found the master without it.
         self._unknown_to_master: dict[str, int] = {}
         self._warm_up = ObjectStoreWarmUp()
+        self._adopt_held_memory_segments()
         me = ray.get_runtime_context().current_actor
         self.sweep_errors = 0
         self.last_sweep_error = ""
         threading.Thread(target=_call_periodically,
                          args=(me, ORPHAN_SWEEP_INTERVAL_S, self._sweep_failed),
                          daemon=True, name="hybrid-ray-orphan-sweep").start()
+
+    def _adopt_held_memory_segments(self) -> None:
+        """Before granting anything: take the memory-tier segments the master still holds
+        on this node into the new books (``TierManager.adopt_memory_segments``): a tier
+        manager started in place of one that died would otherwise grant the node's whole
+        memory budget again beside objects that still fill it. No master (none ran yet),
+        or none answering within ``ADOPT_WAIT_S``: nothing is taken (said in the log)."""
+        from hybrid_ray.errors import ShuffleMasterLostError
+
+        try:
+            held = ray.get(master_handle(self.namespace).memory_segments_on.remote(
+                self.tm.node_id), timeout=ADOPT_WAIT_S)
+        except ShuffleMasterLostError:
+            return
+        except Exception as exc:  # noqa: BLE001 - the node works on without them
+            _LOG.warning("hybrid_ray tier manager of node %s: could not ask the shuffle "
+                         "master for the memory-tier segments held on this node (%s: %s); "
+                         "they are not counted against its memory budget", self.tm.node_id,
+                         type(exc).__name__, str(exc)[:300])
+            return
+        for shuffle_id, config, metas in held:
+            self.tm.adopt_memory_segments(shuffle_id, config, metas)
 
     def sweep_orphans(self) -> list[str]:
         """Release the shuffles registered here that the namespace's master no longer
@@ -849,6 +875,12 @@ class ShuffleMasterActor:
     def segments(self, shuffle_id: str) -> list[SegmentMeta]:
         with self._lock:
             return self.registry.segments(shuffle_id)
+
+    def memory_segments_on(self, node_id: str
+                           ) -> list[tuple[str, ShuffleConfig, list[SegmentMeta]]]:
+        """``ShuffleRegistry.memory_segments_on``: asked by a tier manager as it starts."""
+        with self._lock:
+            return self.registry.memory_segments_on(node_id)
 
     def live_shuffles(self) -> dict[str, str]:
         """Shuffle id -> job id of every live shuffle (read-only; ``hybrid-ray cleanup``)."""

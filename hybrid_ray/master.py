@@ -871,6 +871,24 @@ class ShuffleRegistry:
                 out.extend(metas)
         return out
 
+    def memory_segments_on(self, node_id: str
+                           ) -> list[tuple[str, ShuffleConfig, list[SegmentMeta]]]:
+        """Per registered shuffle: (id, config, its memory-tier segments on ``node_id`` that
+        are still held: every attempt's, those of freed subpartitions excepted), without
+        their object refs. What a tier manager started again on the node takes into its
+        books (``TierManager.adopt_memory_segments``): the objects outlive the tier manager
+        that granted their space (their writers own them)."""
+        out = []
+        for shuffle_id, state in self._shuffles.items():
+            metas = [meta.without_object_ref() for m in state.maps
+                     for subs in m.segments.values()
+                     for sub, segs in subs.items() if sub not in state.freed
+                     for meta in segs
+                     if meta.tier == TierName.MEMORY and meta.node_id == node_id]
+            if metas:
+                out.append((shuffle_id, state.config, metas))
+        return out
+
     def summary(self, shuffle_id: str) -> "ShuffleSummary":
         """What the shuffle stored (bytes and segments per node and tier of the attempts
         that count: a freed subpartition's segments still count) and how its maps went."""

@@ -178,6 +178,9 @@ class TierManager:
         # (shuffle, spill dir) pairs whose shuffle directory carries our marker, made for
         # JVM disk grants (``mark_disk_target``); a shuffle's go with its release.
         self._marked: set[tuple[str, str]] = set()
+        # Memory-tier segments of a predecessor's grants taken into these books
+        # (``adopt_memory_segments``), per shuffle: freed through here, their bytes go back.
+        self._adopted: dict[str, set[SegmentId]] = {}
         # Segment files refused for deletion (see _deletable_segment_file), for ``usage``.
         self.refused_deletions = 0
         self.last_refused_deletion = ""
@@ -490,7 +493,8 @@ class TierManager:
                 tier = self._tier(shuffle_id, meta.tier)
                 if meta.tier != TierName.DISK:  # (a disk file is gone already: unlinked above)
                     tier.delete(meta)
-                if self._counted_here(meta.granted_by):
+                if self._counted_here(meta.granted_by) \
+                        or meta.id in self._adopted.get(shuffle_id, ()):
                     nbytes = self._pack_bytes_gone(shuffle_id, meta) \
                         if meta.tier == TierName.MEMORY and meta.pack is not None \
                         else meta.nbytes
@@ -518,6 +522,40 @@ class TierManager:
             self.refused_deletions += len(refused)
             self.last_refused_deletion = refused[-1][:500]
         return refused
+
+    def adopt_memory_segments(self, shuffle_id: str, config: ShuffleConfig,
+                              metas: Sequence[SegmentMeta]) -> int:
+        """Take into these books the memory-tier segments of this node that another tier
+        manager granted (one that died: this one started in its place) and that still
+        hold the object store's memory: their writers own the objects, which outlive the
+        tier manager. Without this the new books started empty, granted the whole budget
+        again beside them, and the shuffle's memory tier went 52-70% over
+        ``memory_capacity_bytes`` (a review's harness). Registers the shuffle here first
+        (not one released here). Freed through here later, their bytes go back once; a
+        pack's bytes go back with its last member still held. Returns the bytes taken."""
+        if shuffle_id in self._released:
+            return 0
+        self.register_shuffle(shuffle_id, config)
+        adopted = self._adopted.setdefault(shuffle_id, set())
+        freed = self._freed.get(shuffle_id, set())
+        taken = 0
+        for meta in metas:
+            if meta.tier != TierName.MEMORY or meta.node_id != self.node_id \
+                    or meta.granted_by == self.books_id or meta.id in adopted \
+                    or meta.id in freed:
+                continue  # another node's or tier's, granted here, taken, or gone
+            adopted.add(meta.id)
+            taken += meta.nbytes
+            if meta.pack is not None:
+                # Only the members held count down: each one freed through here lowers
+                # the count, and the last gives back what was taken for the members.
+                slot = meta.pack
+                key = (meta.id.map_partition, meta.id.attempt, slot.lead_subpartition,
+                       slot.lead_index)
+                self._open_packs.setdefault(shuffle_id, {}).setdefault(key, [0, 0])[0] += 1
+        if taken:
+            self.memory._adjust(shuffle_id, taken)  # noqa: SLF001 - the tier's own books
+        return taken
 
     def _pack_bytes_gone(self, shuffle_id: str, meta: SegmentMeta) -> int:
         """A packed memory-tier segment of ``shuffle_id`` is freed (once: see ``_freed``):
@@ -609,6 +647,7 @@ class TierManager:
         self._marked = {m for m in self._marked if m[0] != shuffle_id}
         self._freed.pop(shuffle_id, None)
         self._open_packs.pop(shuffle_id, None)
+        self._adopted.pop(shuffle_id, None)
         self._last_grants.pop(shuffle_id, None)
         self._released[shuffle_id] = time.monotonic()
         self._released.move_to_end(shuffle_id)

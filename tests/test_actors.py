@@ -320,6 +320,46 @@ def test_a_release_reaches_the_files_of_a_tier_manager_that_died(ray_local, tmp_
     assert files_under(str(tmp_path / "spill")) == []
 
 
+def test_a_tier_manager_started_again_counts_the_memory_segments_still_held(ray_local,
+                                                                           tmp_path):
+    """The writers own memory-tier objects, which outlive a tier manager that dies: the one
+    started in its place takes the segments the master holds on its node into its books
+    (was: empty books, so it granted the node's memory budget again beside them), and
+    gives their bytes back as the master frees them."""
+    from hybrid_ray.map_task import write_map_partition
+
+    namespace = f"tmadopt-{uuid.uuid4().hex[:6]}"
+    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
+                        namespace=namespace, memory_capacity_bytes=64 << 20)
+    node = ray.get_runtime_context().get_node_id()
+    master = get_master(namespace)
+    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
+    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
+    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
+    write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+    segments = ray.get(master.segments.remote(shuffle_id))
+    assert {m.tier for m in segments} == {TierName.MEMORY}
+    held = sum(m.nbytes for m in segments)
+
+    def memory_used() -> int:
+        usage = ray.get(get_tier_manager(node, namespace).usage.remote(), timeout=30)
+        return next(t.used_bytes for t in usage.tiers if t.tier == TierName.MEMORY)
+
+    assert memory_used() == held
+    ray.kill(get_tier_manager(node, namespace), no_restart=True)
+    deadline = time.monotonic() + 30
+    while existing_tier_manager(node, namespace) is not None:  # gone from the name table
+        assert time.monotonic() < deadline, "the killed tier manager stayed registered"
+        time.sleep(0.2)
+    assert memory_used() == held  # the new tier manager's books
+    ray.get(master.free_subpartitions.remote(shuffle_id, [0, 1]))
+    deadline = time.monotonic() + 30
+    while memory_used() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert memory_used() == 0
+    ray.get(master.release.remote(shuffle_id))
+
+
 def test_a_reused_writer_puts_through_a_tier_manager_started_again(ray_local, tmp_path):
     """A process that writes memory-tier segments owned by its node's tier manager (a
     reused Spark Python worker) keeps its tiers per config (``io_tiers_for``). The cached

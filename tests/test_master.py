@@ -784,3 +784,27 @@ def test_a_deletion_running_now_is_listed_until_it_is_done():
     for deletion in due:
         reg.deletion_done(deletion, reg.perform_deletion(deletion))
     assert reg.pending_deletions() == [] and reg.deletions_left("spark-app-") == 0
+
+
+def test_memory_segments_on_a_node_are_those_still_held(registry):
+    """What a tier manager started again on a node takes into its books: the memory-tier
+    segments on that node of every shuffle, those of freed subpartitions excepted, sent
+    without their object refs."""
+    import dataclasses
+
+    def memory(m, sub, attempt, node="n1"):
+        return dataclasses.replace(meta("s", m, sub, 0, attempt), tier=TierName.MEMORY,
+                                   location="", node_id=node, object_ref=["ref"])
+
+    a = registry.begin_map("s", 0, "n1")
+    kept, freed, elsewhere = memory(0, 0, a), memory(0, 1, a), memory(0, 0, a, node="n2")
+    registry.commit("s", 0, a, [kept, freed, meta("s", 0, 0, 1, a)])
+    b = registry.begin_map("s", 1, "n2")
+    registry.commit("s", 1, b, [dataclasses.replace(elsewhere, id=SegmentId("s", 1, 0, 0, b))])
+    registry.free_subpartitions("s", [1])
+    [(shuffle_id, config, metas)] = registry.memory_segments_on("n1")
+    assert shuffle_id == "s" and config.orphan_ttl_s == 60
+    assert [m.id for m in metas] == [kept.id] and not metas[0].object_ref
+    assert [m.id.map_partition for m in registry.memory_segments_on("n2")[0][2]] == [1]
+    registry.release("s")
+    assert registry.memory_segments_on("n1") == []

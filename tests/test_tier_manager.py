@@ -545,6 +545,41 @@ def test_a_restarted_tier_manager_keeps_its_memory_budget_after_freeing_old_segm
     old.release_shuffle("s")
 
 
+def test_a_restarted_tier_manager_takes_the_held_memory_segments_into_its_books(tmp_path):
+    """A tier manager started in place of one that died began with empty books while the
+    writers still owned the old one's memory-tier objects: it granted the whole budget again
+    beside them (the shuffle's memory tier went 52-70% over its cap). It now takes the
+    segments the master still holds on its node into its books, once, and gives their
+    bytes back as they are freed (a pack's with its last member held)."""
+    from hybrid_ray.segment import PackSlot
+
+    config = ShuffleConfig(memory_capacity_bytes=1000, spill_dirs=[str(tmp_path / "spill")])
+    old = TierManager("n1", object_store_bytes=1000)
+
+    def meta(sub, node="n1", tier=TierName.MEMORY, pack=None):
+        return SegmentMeta(SegmentId("s", 0, sub, 0, 0), tier, 200, 1, node,
+                           granted_by=old.books_id, pack=pack)
+
+    single = meta(0)
+    pack = [meta(sub, pack=PackSlot(1, 0, 2, sub - 1, 400)) for sub in (1, 2)]
+    elsewhere, on_disk = meta(3, node="n2"), meta(4, tier=TierName.DISK)
+    restarted = TierManager("n1", object_store_bytes=1000)
+    held = [single, *pack, elsewhere, on_disk]
+    assert restarted.adopt_memory_segments("s", config, held) == 600
+    assert restarted.adopt_memory_segments("s", config, held) == 0  # taken once
+    assert restarted.memory.used_by("s") == 600
+    [placement] = restarted.reserve("s", [600])
+    assert placement.grant is None or placement.grant.tier != TierName.MEMORY
+    restarted.free_segments("s", [single])
+    assert restarted.memory.used_by("s") == 400
+    restarted.free_segments("s", [pack[0], single])  # the pack's object is still held
+    assert restarted.memory.used_by("s") == 400
+    restarted.free_segments("s", [pack[1]])
+    assert restarted.memory.used_by("s") == 0
+    restarted.release_shuffle("s")
+    assert restarted.adopt_memory_segments("s", config, held) == 0  # released here
+
+
 def test_freeing_segments_tries_every_file_and_frees_the_bytes_of_those_that_went(
         tmp_path, monkeypatch):
     """A segment file that cannot be unlinked fails the call, so the master retries, but
