@@ -519,7 +519,14 @@ class RangePartitioner(Partitioner):
     def __init__(self, key: str, boundaries: Sequence, descending: bool = False,
                  nulls_first: bool | None = None) -> None:
         self.key = key
+        # The Arrow time type of boundaries given as an Arrow time array: sort_key_values
+        # makes them counts of its unit, which check_schema converts to the key's unit
+        # (taken as counts of the key's, 01:00 in seconds was 3.6 microseconds of a
+        # time64[ns] key, and times were taken for ints, dates and timestamps).
+        self._time_type: pa.DataType | None = None
         if isinstance(boundaries, (pa.Array, pa.ChunkedArray)):
+            if pa.types.is_time(boundaries.type):
+                self._time_type = boundaries.type
             boundaries = sort_key_values(pc.drop_null(boundaries))
         boundaries = np.asarray(boundaries)
         if boundaries.dtype == object:
@@ -570,6 +577,9 @@ class RangePartitioner(Partitioner):
         value_type = t.value_type if pa.types.is_dictionary(t) else t
         if len(self.boundaries) == 0:
             return
+        if self._time_type is not None:
+            self._check_time_boundaries(t, value_type)
+            return
         numeric = pa.types.is_integer(value_type) or pa.types.is_floating(value_type)
         if numeric:
             # NumPy numbers, or Python ones in an object array (a None given among them
@@ -600,6 +610,20 @@ class RangePartitioner(Partitioner):
                 f"{len(self.boundaries) + 1} key ranges, but the shuffle has "
                 f"{num_partitions} partitions: give at most {num_partitions - 1} "
                 f"boundaries, or ask for {len(self.boundaries) + 1} partitions")
+
+    def _check_time_boundaries(self, t: pa.DataType, value_type: pa.DataType) -> None:
+        """Boundaries given as an Arrow time array, now counts of its unit: as counts of
+        the key's unit, or a ConfigError if the key holds no times (or a boundary is off
+        the key's unit)."""
+        given = self._time_type
+        if not pa.types.is_time(value_type):
+            raise ConfigError(self._foreign_boundaries(t, f"they are times of day ({given})"))
+        try:
+            self.boundaries = sort_key_values(
+                pa.array(self.boundaries, type=given).cast(value_type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise ConfigError(self._foreign_boundaries(t, str(exc))) from None
+        self._time_type = value_type  # check_schema may run again (another shuffle)
 
     def _foreign_boundaries(self, t: pa.DataType, why: str) -> str:
         return (f"RangePartitioner's boundaries (NumPy {self.boundaries.dtype}) are not "

@@ -355,6 +355,27 @@ def test_range_partitioner_takes_time_of_day_keys_and_boundaries_in_nanoseconds(
     assert seconds.assign(clock, 0, 2).tolist() == [0, 1, 1]
 
 
+def test_range_boundaries_given_as_times_are_converted_to_the_key_s_unit_or_refused():
+    """Boundaries given as an Arrow time array became integer counts of their own unit,
+    then were taken as counts of the key's: 01:00 as time32[s] (3,600) was 3.6
+    microseconds of a time64[ns] key, so every row landed beyond it; and times were taken
+    for an int, date or timestamp key (refused before, as values of another kind)."""
+    from hybrid_ray import ConfigError, RangePartitioner
+
+    hour = pa.array([3_600], pa.int32()).cast(pa.time32("s"))
+    keys = pa.array([1_800, 7_200], pa.int32()).cast(pa.time32("s")).cast(pa.time64("ns"))
+    part = RangePartitioner("t", hour)
+    part.check_schema(pa.schema([("t", pa.time64("ns"))]))
+    assert part.assign(pa.table({"t": keys}), 0, 2).tolist() == [0, 1]
+    for other in (pa.int64(), pa.date32(), pa.timestamp("s")):
+        with pytest.raises(ConfigError, match=r"are not values of its key column 't' of "
+                                              r"type .*: they are times of day \(time32"):
+            RangePartitioner("t", hour).check_schema(pa.schema([("t", other)]))
+    with pytest.raises(ConfigError, match="would lose data"):
+        RangePartitioner("t", pa.array([1_500], pa.int32()).cast(pa.time32("ms"))) \
+            .check_schema(pa.schema([("t", pa.time32("s"))]))
+
+
 def test_a_null_value_inside_a_dictionary_sorts_as_a_null():
     """A dictionary key whose dictionary holds a null (pointed to by a valid index) is a
     null, though the encoded column's is_null does not say so: it reached NumPy's search
