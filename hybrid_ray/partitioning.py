@@ -720,7 +720,10 @@ class MultiKeyRangePartitioner(Partitioner):
             if problem:
                 raise ConfigError(f"cannot sort by column {key!r} of type {t}: {problem}")
             target, given = _sortable_type(t), self.boundaries.schema.field(i).type
-            problem = "" if _same_kind(given, target) else "another kind of value"
+            # Decoded as the key's are: boundaries taken from the data itself may be
+            # dictionary-encoded too (they were refused as "another kind of value").
+            problem = "" if _same_kind(_sortable_type(given), target) \
+                else "another kind of value"
             if not problem:
                 try:
                     columns.append(self.boundaries.column(i).cast(target))

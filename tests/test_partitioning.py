@@ -516,6 +516,18 @@ def test_multi_key_range_partitioner_labels_follow_the_sort_order():
     assert labels.tolist() == [1, 2, 2, 0, 2, 2, 0, 2]
 
 
+def test_multi_key_range_partitioner_takes_boundaries_of_a_dictionary_encoded_key():
+    """Boundary rows taken from the data itself, whose key is dictionary-encoded, were
+    refused as "another kind of value" than the very same dictionary type."""
+    from hybrid_ray import MultiKeyRangePartitioner
+
+    table = pa.table({"s": pa.array(["a", "c", "b", "d"]).dictionary_encode(),
+                      "i": [1, 2, 3, 4]})
+    part = MultiKeyRangePartitioner(["s", "i"], table.slice(1, 1), [False, False])
+    part.check_schema(table.schema)
+    assert part.assign(table, 0, 2).tolist() == [0, 1, 0, 1]
+
+
 def test_multi_key_range_partitioner_refuses_bad_keys_flags_and_boundaries():
     from hybrid_ray import MultiKeyRangePartitioner
     from hybrid_ray.errors import ConfigError
