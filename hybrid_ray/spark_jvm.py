@@ -22,6 +22,7 @@ import collections
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -721,13 +722,17 @@ def delete_remote(tm: TierManager, request: Mapping[str, Any]) -> int:
                                  location=tier.segment_path(segment)))
     # Every segment is tried: stopping at the first that failed (a store's transient 500)
     # left the others in the store until the shuffle's release. The first error is raised
-    # once all were tried.
+    # once all were tried. Bounded as write_remote's call is, all together: a hung sync
+    # filesystem must not hold the tier manager (waited for in turn, each segment had the
+    # whole bound, 600 s, so an attempt's 50 segments held it for over 8 hours).
+    pool = tier.io_pool()
+    deletes = [(meta, pool.submit(tier.delete, meta)) for meta in metas]
+    deadline = time.monotonic() + tier.result_bound_s()
     first_error: Exception | None = None
-    for meta in metas:
+    for meta, future in deletes:
         try:
-            # Bounded as write_remote's call is: a hung sync filesystem must not hold the
-            # tier manager.
-            tier.outcome(tier.io_pool().submit(tier.delete, meta), f"deleting {meta.id}")
+            tier.outcome(future, f"deleting {meta.id}",
+                         bound_s=deadline - time.monotonic())
         except Exception as exc:  # noqa: BLE001 - raised below, after the others
             first_error = first_error or exc
     if first_error is not None:

@@ -691,6 +691,35 @@ def test_a_failed_remote_delete_of_a_jvm_attempt_does_not_stop_the_others(
     assert not os.path.exists(second_path)
 
 
+def test_the_remote_deletes_of_a_jvm_attempt_share_one_bound_on_a_hung_store(
+        tmp_path, monkeypatch) -> None:
+    """With every segment tried, each delete waited the tier's whole result bound (600 s)
+    in turn: on a hung sync filesystem, a failed attempt's N uncommitted segments held the
+    tier manager's call for N times the bound. All are waited for within one bound."""
+    import threading
+    import time
+
+    import hybrid_ray.tiers.remote as remote_mod
+    from hybrid_ray.errors import ShuffleStalledError
+    from hybrid_ray.spark_jvm import delete_remote, write_remote
+
+    tm, tier, _ = _tier_manager_with_a_remote_tier(tmp_path)
+    request = {"shuffle": SHUFFLE, "map_index": 0, "index": 0, "map_id": 7}
+    for partition in range(8):
+        write_remote(tm, dict(request, partition=partition), b"x" * 10)
+    hung = threading.Event()
+    monkeypatch.setattr(type(tier), "delete", lambda self, meta: hung.wait(30))
+    monkeypatch.setattr(remote_mod, "RESULT_WAIT_S", 0.5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ShuffleStalledError, match="did not finish within"):
+            delete_remote(tm, dict(request, segments=[[p, 0] for p in range(8)]))
+        elapsed = time.monotonic() - started
+    finally:
+        hung.set()  # the store answers again: the hung deletes end
+    assert elapsed < 2.0, f"8 hung deletes took {elapsed:.1f} s, not one bound (0.5 s)"
+
+
 def test_a_shuffle_whose_registration_and_commits_are_still_on_their_way_is_waited_for(
 ) -> None:
     """The driver registers a Spark shuffle without waiting, and a map task's last commit
