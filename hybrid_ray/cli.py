@@ -329,11 +329,15 @@ def status_lines(status: dict[str, Any]) -> list[str]:
                    f"({node['error']})")
     pending = status.get("pending_deletions", [])
     if pending:
-        out.append(f"{len(pending)} deletion(s) pending (retried until the data is gone):")
+        out.append(f"{len(pending)} deletion(s) not done yet (a failed one is retried until "
+                   "the data is gone):")
         for d in pending:
-            running = "running now; " if d.get("running") else ""
-            out.append(f"  {d['what']}: {running}{d['attempts']} failed attempt(s), "
-                       f"last: {d['last_error']}")
+            # A deletion running or queued for the first time has not failed: "0 failed
+            # attempt(s), last: None" read as a failing deletion on a healthy master.
+            state = "running now" if d.get("running") else "queued"
+            failed = f"; {d['attempts']} failed attempt(s), last: {d['last_error']}" \
+                if d["attempts"] else ""
+            out.append(f"  {d['what']}: {state}{failed}")
     errors = status.get("background_errors") or {}
     if errors.get("count"):
         # Shown only by --json before: a master whose expiry/deletion loop kept failing

@@ -502,3 +502,25 @@ def test_status_shows_the_master_s_failing_background_loop():
         "orphaned shuffles may not expire and deletions may not run; see the master's log"]
     status["background_errors"] = {"count": 0, "last": ""}
     assert status_lines(status) == ["0 active shuffle(s)"]
+
+
+def test_status_tells_deletions_running_or_queued_from_failing_ones():
+    """Deletions running now are listed since stop_spark waits for them; each line said
+    "0 failed attempt(s), last: None" under "pending (retried until the data is gone)", so
+    a healthy master's ordinary deletions read as failing ones."""
+    from hybrid_ray.cli import status_lines
+
+    def deletion(what, attempts, error, running):
+        return {"shuffle_id": "shf-1", "what": what, "attempts": attempts,
+                "last_error": error, "running": running}
+
+    status = {"shuffles": [], "nodes": [], "unanswered_nodes": [], "pending_deletions": [
+        deletion("shuffle shf-1", 0, None, True),
+        deletion("3 segment(s) of shuffle shf-1", 0, None, False),
+        deletion("shuffle shf-2", 2, "OSError: EBUSY", False)]}
+    assert status_lines(status) == [
+        "0 active shuffle(s)",
+        "3 deletion(s) not done yet (a failed one is retried until the data is gone):",
+        "  shuffle shf-1: running now",
+        "  3 segment(s) of shuffle shf-1: queued",
+        "  shuffle shf-2: queued; 2 failed attempt(s), last: OSError: EBUSY"]
