@@ -691,7 +691,7 @@ class MultiKeyRangePartitioner(Partitioner):
         repeated = repeated_names(keys)
         if repeated:
             raise ConfigError(f"sort keys name column(s) {repeated} more than once; name "
-                              "each column once (its first direction is the one that counts)")
+                              "each column once (a later mention never changes the order)")
         if isinstance(descending, (str, bytes)) or not isinstance(descending, Sequence) \
                 or len(descending) != len(keys) \
                 or not all(isinstance(d, (bool, np.bool_)) for d in descending):
