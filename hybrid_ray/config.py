@@ -7,6 +7,7 @@ clients take explicit arguments derived from it, so they stay testable on their 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 import os
 import tempfile
@@ -124,29 +125,49 @@ MAX_SEGMENT_BYTES = 1 << 30
 MAX_DURATION_S = 1e9
 
 
+def _as_number(value: Any) -> int | float | None:
+    """``value`` as a plain int or float if it is a real number (NumPy's too: ``np.int64``,
+    ``np.float32``), else None. NumPy numbers were refused as "must be a number, got
+    np.float32(0.3)", and one left in the config failed later in the JSON given to the
+    JVM shuffle manager. A bool is not a number here. Integers stay ints (never
+    ``float(value)``: an int beyond a float's range raised OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    # np.float16/32/64 too; not a Fraction (the JVM's JSON would refuse it).
+    if isinstance(value, float) or type(value).__module__ == "numpy":
+        return float(value)
+    return None
+
+
 def require_number(name: str, value: Any, lo: float, hi: float, hi_inclusive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """``value`` as a plain int or float in ``[lo, hi]`` (``[lo, hi)``), NumPy numbers
+    taken (see ``_as_number``); else a ConfigError naming ``name``."""
+    number = _as_number(value)
+    if number is None:
         raise ConfigError(f"{name} must be a number, got {value!r}")
-    ok = lo <= value <= hi if hi_inclusive else lo <= value < hi
+    ok = lo <= number <= hi if hi_inclusive else lo <= number < hi
     if not ok:
         bracket = "]" if hi_inclusive else ")"
         raise ConfigError(f"{name} must be in [{lo}, {hi}{bracket}, got {value!r}")
     # Not float(value): an int beyond a float's range raised OverflowError here, before
     # the caller's _require_at_most could name the field.
-    return value
+    return number
 
 
 def require_seconds(name: str, value: Any) -> float:
     """``value`` as a positive, finite number of seconds, at most ``MAX_DURATION_S``; else
     a ConfigError naming ``name``. Compared, never converted first: ``math.isfinite`` of
-    an int beyond a float's range raised OverflowError instead."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not value > 0 or value == float("inf"):  # NaN fails the comparison too
+    an int beyond a float's range raised OverflowError instead. NumPy numbers are taken
+    (``_as_number``)."""
+    number = _as_number(value)
+    if number is None or not number > 0 or number == float("inf"):  # NaN fails too
         raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-    if value > MAX_DURATION_S:
+    if number > MAX_DURATION_S:
         raise ConfigError(f"{name} must be at most {MAX_DURATION_S:g} s, got {value!r}: Ray's "
                           "timeouts overflow beyond it")
-    return float(value)
+    return float(number)
 
 
 def _require_at_most(name: str, value: float, limit: float, why: str) -> None:
@@ -330,21 +351,26 @@ class ShuffleConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, True)
-        require_number("min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False)
+        # Stored as plain numbers (require_number converts NumPy's).
+        set_("memory_fraction",
+             require_number("memory_fraction", self.memory_fraction, 0.0, 1.0, True))
+        set_("min_reserve_fraction", require_number(
+            "min_reserve_fraction", self.min_reserve_fraction, 0.0, 1.0, False))
         # Finite: an infinite weight makes every quota inf/inf = NaN on the node.
-        require_number("memory_weight", self.memory_weight, 1e-9, float("inf"), False)
+        set_("memory_weight", require_number("memory_weight", self.memory_weight, 1e-9,
+                                             float("inf"), False))
         _require_at_most("memory_weight", self.memory_weight, 1e9,
                          "weights are relative: 1 is a fair share, 2 twice that")
-        if not isinstance(self.orphan_ttl_s, bool) and isinstance(self.orphan_ttl_s, (int, float)) \
-                and self.orphan_ttl_s < MIN_ORPHAN_TTL_S:
+        ttl = _as_number(self.orphan_ttl_s)
+        if ttl is not None and ttl < MIN_ORPHAN_TTL_S:
             raise ConfigError(
                 f"orphan_ttl_s must be >= {MIN_ORPHAN_TTL_S:g} s (3 driver heartbeats of "
                 f"{DRIVER_HEARTBEAT_S:g} s), got {self.orphan_ttl_s!r}: with a shorter TTL "
                 "the master releases live shuffles whose heartbeat is merely late")
         # Finite: the JVM's JSON parser refuses Infinity, which broke every Spark exchange
         # of a session with orphan_ttl_s=inf (never expire: give a long TTL instead).
-        require_number("orphan_ttl_s", self.orphan_ttl_s, MIN_ORPHAN_TTL_S, float("inf"), True)
+        set_("orphan_ttl_s", require_number("orphan_ttl_s", self.orphan_ttl_s, MIN_ORPHAN_TTL_S,
+                                            float("inf"), True))
         _require_at_most("orphan_ttl_s", self.orphan_ttl_s, MAX_DURATION_S,
                          "use a long finite TTL, e.g. 30 * 86400, where 'never' is meant")
         if self.memory_capacity_bytes is not None:
@@ -373,7 +399,8 @@ class ShuffleConfig:
                     f"memory_pack_bytes must be at most 1 GiB ({GiB} bytes), got "
                     f"{self.memory_pack_bytes!r}: a reader fetches a segment's whole pack "
                     "(0 turns packing off, None packs on single-node clusters)")
-        require_number("stall_timeout_s", self.stall_timeout_s, 1.0, float("inf"), False)
+        set_("stall_timeout_s", require_number("stall_timeout_s", self.stall_timeout_s, 1.0,
+                                               float("inf"), False))
         _require_at_most("stall_timeout_s", self.stall_timeout_s, MAX_DURATION_S,
                          "Ray's timeouts overflow beyond it")
         if self.max_concurrent_reducers is not None:

@@ -201,3 +201,37 @@ def test_numpy_integers_are_taken_as_plain_ints_for_sizes_and_counts():
                          ("disk_capacity_bytes", np.int64(-1))):
         with pytest.raises(ConfigError, match=f"{field} must be an integer number of bytes"):
             ShuffleConfig(**{field: value})
+
+
+def test_numpy_numbers_are_taken_as_plain_numbers_for_fractions_weights_and_seconds():
+    # Was: np.float32(0.3) and np.int64(100) were refused as "must be a number, got
+    # np.float32(0.3)" for the fractions, the weight and the durations (and init's
+    # timeout_s), while the byte sizes and counts took NumPy integers; a NumPy float left
+    # in the config would fail json.dumps for the JVM shuffle manager.
+    import json
+
+    import numpy as np
+
+    from hybrid_ray.config import require_seconds
+    from hybrid_ray.spark_jvm import config_to_json
+
+    cfg = ShuffleConfig(memory_fraction=np.float32(0.25), min_reserve_fraction=np.float16(0.5),
+                        memory_weight=np.int64(2), orphan_ttl_s=np.int64(3600),
+                        stall_timeout_s=np.float32(60),
+                        storage_options={"config_kwargs": {"connect_timeout": np.int64(5)}})
+    values = (cfg.memory_fraction, cfg.min_reserve_fraction, cfg.memory_weight,
+              cfg.orphan_ttl_s, cfg.stall_timeout_s)
+    assert values == (0.25, 0.5, 2, 3600, 60.0)
+    assert all(type(v) in (int, float) for v in values)
+    sent = json.loads(config_to_json(cfg))
+    assert (sent["memory_fraction"], sent["orphan_ttl_s"]) == (0.25, 3600)
+    assert require_seconds("timeout_s", np.int64(30)) == 30.0
+    # Still refused, naming the field: bools, NumPy bools, out-of-range NumPy numbers.
+    for field, value in (("memory_fraction", np.bool_(True)),
+                         ("memory_fraction", np.float32(1.5)),
+                         ("stall_timeout_s", np.float64("nan")),
+                         ("orphan_ttl_s", np.int64(10))):
+        with pytest.raises(ConfigError, match=f"{field} must be"):
+            ShuffleConfig(**{field: value})
+    with pytest.raises(ConfigError, match="timeout_s must be a positive number of seconds"):
+        require_seconds("timeout_s", np.bool_(True))
