@@ -524,11 +524,24 @@ class RangePartitioner(Partitioner):
         # (taken as counts of the key's, 01:00 in seconds was 3.6 microseconds of a
         # time64[ns] key, and times were taken for ints, dates and timestamps).
         self._time_type: pa.DataType | None = None
+        given = boundaries
         if isinstance(boundaries, (pa.Array, pa.ChunkedArray)):
             if pa.types.is_time(boundaries.type):
                 self._time_type = boundaries.type
             boundaries = sort_key_values(pc.drop_null(boundaries))
-        boundaries = np.asarray(boundaries)
+        try:
+            boundaries = np.asarray(boundaries)
+        except ValueError:  # nested lists of different lengths
+            boundaries = None
+        # Checked before the values are looked at: None, a set, a dict or a generator (a
+        # 0-d array) failed with a bare "TypeError: iteration over a 0-d array", nested
+        # lists of different lengths with NumPy's "inhomogeneous shape" ValueError.
+        if boundaries is None or boundaries.ndim != 1:
+            shape = "" if boundaries is None else f" (an array of shape {boundaries.shape})"
+            raise ConfigError(f"RangePartitioner's boundaries must be a flat sequence of key "
+                              f"values (a list or a NumPy or Arrow array), got "
+                              f"{type(given).__name__}{shape}: e.g. RangePartitioner('k', "
+                              f"[10, 20, 30])")
         if boundaries.dtype == object:
             # NaN too (a None beside it keeps it in an object array): it compares false
             # with everything, so the boundaries were refused as out of order.
@@ -547,9 +560,6 @@ class RangePartitioner(Partitioner):
         if nulls_first is not None and not isinstance(nulls_first, bool):
             raise ConfigError(f"RangePartitioner's nulls_first must be True, False or None, "
                               f"got {nulls_first!r}")
-        if boundaries.ndim != 1:
-            raise ConfigError(f"RangePartitioner's boundaries must be a flat sequence of key "
-                              f"values, got an array of shape {boundaries.shape}")
         # Assignment binary-searches the boundaries: unsorted ones sent keys to the wrong
         # partitions and the concatenated output was silently out of order.
         try:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import pyarrow as pa
 
+from hybrid_ray.errors import ConfigError
 from hybrid_ray.partitioning import HashPartitioner, RangePartitioner, hash_column
 
 
@@ -300,6 +301,16 @@ def test_range_boundaries_drop_nans_and_nats_as_documented():
         assert np.bincount(partitioner.assign(table, 0, 3)).tolist() == [10, 10, 10]
     days = np.array(["2020-01-01", "NaT", "2020-01-03"], dtype="datetime64[D]")
     assert list(RangePartitioner("d", days).boundaries) == [days[0], days[2]]
+
+
+@pytest.mark.parametrize("given", [None, {10, 20}, {10: 1}, (b for b in [10, 20]), 10,
+                                   [[10, 20], [30]], [[10], [20]]])
+def test_range_boundaries_that_are_no_flat_sequence_are_refused_by_name(given):
+    """None, a set, a dict or a generator failed with a bare "TypeError: iteration over
+    a 0-d array", ragged nested lists with NumPy's "inhomogeneous shape" ValueError."""
+    with pytest.raises(ConfigError, match="RangePartitioner's boundaries must be a flat "
+                                          f"sequence of key values .* got {type(given).__name__}"):
+        RangePartitioner("k", given)
 
 
 def test_range_boundaries_of_another_type_than_the_key_are_refused():
