@@ -386,6 +386,18 @@ def _storage_options(given: str | None) -> dict[str, Any]:
     return options
 
 
+def _missing_local_remote_path(remote_path: str) -> str:
+    """Why a local ``--remote-path`` (``file://``, ``local://`` or an absolute path) holds
+    no shuffle directories here ("does not exist", "is not a directory"), or "" if it is
+    a directory or not local (an object store's prefix exists once written to; a relative
+    path is refused by ``find_orphans``)."""
+    protocol, path = remote_path.split("://", 1) if "://" in remote_path \
+        else ("file", remote_path)
+    if protocol not in ("file", "local") or not path.startswith("/") or os.path.isdir(path):
+        return ""
+    return "is not a directory" if os.path.lexists(path) else "does not exist"
+
+
 def cmd_cleanup(args: argparse.Namespace) -> int:
     """Remove orphaned shuffle directories: only marked ones hybrid_ray wrote, only those
     no running shuffle master lists as live (see ``hybrid_ray.cleanup``)."""
@@ -410,10 +422,17 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         if not any(os.path.isdir(d) for d in cleanup.expand_spill_dirs([given])):
             missing[given] = "matches no directory" if "{node_id}" in given \
                 else "is not a directory"
-    if missing and len(missing) == len(set(args.spill_dir)) and not args.remote_path:
-        raise CliError("hybrid-ray cleanup: " + "; ".join(
-            f"--spill-dir {d} {why}" for d, why in missing.items())
-            + "; check the path (nothing was removed)", 2)
+    # The same for a local remote path: a typo'd file:///... (or a file) listed nothing
+    # and the cleanup reported "0 orphaned shuffle directories removed", exit 0.
+    remote_missing = _missing_local_remote_path(args.remote_path) if args.remote_path else ""
+    problems = [f"--spill-dir {d} {why}" for d, why in missing.items()]
+    if remote_missing:
+        problems.append(f"--remote-path {args.remote_path} {remote_missing}")
+    spill_all_missing = bool(args.spill_dir) and len(missing) == len(set(args.spill_dir))
+    if problems and (not args.spill_dir or spill_all_missing) \
+            and (not args.remote_path or remote_missing):
+        raise CliError("hybrid-ray cleanup: " + "; ".join(problems)
+                       + "; check the path (nothing was removed)", 2)
     for given in args.spill_dir or ():
         for d in cleanup.expand_spill_dirs([given]):
             # The directory a user sees the shuffle directories in is the data dir inside
@@ -429,6 +448,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     for given, why in missing.items():
         print(f"hybrid-ray cleanup: skipped --spill-dir {given}: it {why} here",
               file=sys.stderr)
+    if remote_missing:
+        print(f"hybrid-ray cleanup: skipped --remote-path {args.remote_path}: it "
+              f"{remote_missing} here", file=sys.stderr)
+        args.remote_path = None
     # The default spill dir only when no path is named at all: `cleanup --remote-path URL
     # --no-cluster` swept this machine's default spill dir too, which the user had not
     # named (and the shuffles of another job or cluster there with it).

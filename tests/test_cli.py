@@ -266,6 +266,33 @@ def test_cleanup_refuses_arguments_that_would_examine_nothing_or_the_wrong_place
 
 
 
+def test_cleanup_refuses_a_local_remote_path_that_is_no_directory(tmp_path, capsys):
+    """Was: ``cleanup --remote-path file:///typo --no-cluster`` (or a file's path) listed
+    nothing and reported "0 orphaned shuffle directories removed", exit 0, as a typo'd
+    --spill-dir once did. Alone it is refused; beside a spill dir that exists it is
+    skipped with a warning and the spill dir swept."""
+    from hybrid_ray.cli import main
+
+    missing = str(tmp_path / "no-such-remote")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for given, why in ((f"file://{missing}", "does not exist"), (missing, "does not exist"),
+                       (f"file://{a_file}", "is not a directory")):
+        capsys.readouterr()
+        assert main(["cleanup", "--remote-path", given, "--no-cluster"]) == 2, given
+        assert f"--remote-path {given} {why}; check the path (nothing was removed)" \
+            in capsys.readouterr().err
+    spill = str(tmp_path / "spill")
+    orphan = f"shf-{uuid.uuid4().hex[:12]}"
+    _write_disk(spill, orphan)
+    capsys.readouterr()
+    assert main(["cleanup", "--remote-path", f"file://{missing}", "--spill-dir", spill,
+                 "--older-than", "0s", "--no-cluster"]) == 0
+    assert f"skipped --remote-path file://{missing}: it does not exist here" \
+        in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(spill, "hybrid_ray", orphan))
+
+
 def test_cleanup_of_a_remote_path_leaves_the_default_spill_dir_alone(tmp_path, capsys,
                                                                     monkeypatch):
     """``cleanup --remote-path URL --no-cluster`` swept the default spill dir as well,
