@@ -27,7 +27,7 @@ from hybrid_ray.actors import (
 )
 from hybrid_ray.clients import ReadClient
 from hybrid_ray.config import ShuffleConfig, TierName
-from hybrid_ray.errors import SegmentLostWithNodeError, SegmentNotFoundError
+from hybrid_ray.errors import ConfigError, SegmentLostWithNodeError, SegmentNotFoundError
 from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.map_task import with_extension_types
 from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
@@ -291,6 +291,22 @@ def reduce_partition(shuffle_id: str, subpartition: int, schema: pa.Schema,
     schema = with_extension_types(schema)
     tables = read_subpartition(shuffle_id, subpartition, config, master, times=times)
     table = pa.concat_tables(tables) if tables else schema.empty_table()
-    table = partitioner.finalize(table, subpartition)
+    table = checked_finalize(partitioner, table, subpartition)
     return table, (table.num_rows, table.nbytes, table.schema), times
+
+
+def checked_finalize(partitioner: Partitioner, table: pa.Table, subpartition: int
+                     ) -> pa.Table:
+    """``partitioner.finalize(table, subpartition)``, or a ``ConfigError`` naming the
+    partitioner if it returned anything but a ``pyarrow.Table`` (as ``assign``'s labels
+    are checked by the maps): a custom ``finalize`` without its ``return`` failed the
+    shuffle with a bare "AttributeError: 'NoneType' object has no attribute 'num_rows'",
+    and one returning a DataFrame the same way."""
+    result = partitioner.finalize(table, subpartition)
+    if not isinstance(result, pa.Table):
+        raise ConfigError(
+            f"{type(partitioner).__name__}.finalize returned {type(result).__name__} for "
+            f"subpartition {subpartition}: it must return the partition as a pyarrow.Table "
+            "(the table it was given, e.g. sorted; the default returns it unchanged)")
+    return result
 

@@ -255,3 +255,34 @@ def test_a_read_ahead_whose_tier_manager_died_falls_back_to_the_recovering_fetch
     monkeypatch.setattr(reduce_task, "existing_tier_manager", lambda node, ns: None)
     assert reduce_task.start_fetch_from_node(meta, "ns")() == b"the segment"
     assert calls == [("recovered", meta, "ns")]
+
+
+@pytest.mark.parametrize("returned", [None, "a DataFrame", "a RecordBatch"])
+def test_a_custom_finalize_that_returns_no_table_is_named(monkeypatch, tmp_path, returned):
+    """Was: a custom ``Partitioner.finalize`` without its ``return`` (or returning a pandas
+    DataFrame) failed the shuffle with a bare "AttributeError: 'NoneType' object has no
+    attribute 'num_rows'"; its ``assign`` was already checked by the maps."""
+    from hybrid_ray import ConfigError, HashPartitioner
+    from hybrid_ray import reduce_task
+
+    table = pa.table({"k": [1, 2, 3]})
+    monkeypatch.setattr(reduce_task, "read_subpartition", lambda *args, **kwargs: [table])
+
+    class Forgetful(HashPartitioner):
+        def finalize(self, t, subpartition):
+            if returned == "a DataFrame":
+                return t.to_pandas()
+            if returned == "a RecordBatch":
+                return t.to_batches()[0]
+            return None
+
+    with pytest.raises(ConfigError, match=r"Forgetful.finalize returned \w+ for subpartition "
+                                          r"2: it must return the partition as a "
+                                          r"pyarrow.Table"):
+        reduce_task.reduce_partition("shf-1", 2, table.schema, Forgetful(["k"]),
+                                     base_config(tmp_path), master=None)
+    # The default (and any finalize returning a table) passes through unchanged.
+    out, stats, _ = reduce_task.reduce_partition("shf-1", 2, table.schema,
+                                                 HashPartitioner(["k"]),
+                                                 base_config(tmp_path), master=None)
+    assert out.equals(table) and stats[0] == 3
