@@ -190,6 +190,33 @@ def test_init_spark_gives_raydp_the_executor_memory_as_spark_spells_it(ray_local
     assert seen == ["1GB", "1024m", "1GB"]
 
 
+def test_init_spark_takes_numpy_integers_as_plain_ints(ray_local, monkeypatch):
+    """``num_executors=np.int64(2)`` was refused as "must be a positive integer, got
+    np.int64(2)" (and a NumPy executor_memory as not "bytes (int)"), while hybrid_ray's
+    own counts and spark_bridge's partition counts take NumPy integers. RayDP gets
+    plain ints."""
+    import numpy as np
+    import raydp
+
+    from hybrid_ray.errors import ConfigError
+    from spark_bridge.session import SparkSetupError, init_spark
+
+    seen = []
+
+    def fake_init_spark(app_name, num_executors, executor_cores, executor_memory, configs):
+        seen.append((num_executors, executor_cores, executor_memory))
+        raise Exception("no Spark in this test")
+    monkeypatch.setattr(raydp, "init_spark", fake_init_spark)
+    with pytest.raises(SparkSetupError, match="no Spark in this test"):
+        init_spark(num_executors=np.int64(1), executor_cores=np.int32(1),
+                   executor_memory=np.int64(512 * 2**20), hybrid_shuffle=False)
+    assert seen == [(1, 1, 512 * 2**20)]
+    assert all(type(v) is int for v in seen[0])
+    for name, value in (("num_executors", np.int64(0)), ("executor_cores", np.bool_(True))):
+        with pytest.raises(ConfigError, match=f"{name} must be a positive integer"):
+            init_spark(**{name: value}, executor_memory="512MB", hybrid_shuffle=False)
+
+
 def test_a_new_session_does_not_report_the_last_stopped_session_s_exchanges(
         ray_local, monkeypatch):
     """spark_shuffle_reports() gives the current session's reports, or the last stopped
