@@ -143,7 +143,10 @@ def _through_manager(df: Any, config: Any, what: str) -> None:
 def release(df: Any) -> int:
     """Delete the hybrid_ray data behind a DataFrame returned by ``repartition``'s direct
     parquet path (it cannot be computed again afterwards). Returns how many shuffles were
-    released (0 for results of the shuffle manager's path: Spark releases those)."""
+    released (0 for results of the shuffle manager's path: Spark releases those).
+    Anything but a DataFrame is refused: a shuffle id (``release("spk-...")``, meaning
+    ``release_all``'s kind) returned 0, as if nothing were held, and its data stayed."""
+    _check_dataframe(df)
     return sum(exchange.release(s) for s in getattr(df, "_hybrid_ray_shuffles", []))
 
 

@@ -754,3 +754,12 @@ def test_an_overwrite_of_the_direct_path_s_input_does_not_race_its_maps(spark, t
     assert sorted(spark.read.parquet(path).collect()) == want
     spark_bridge.release(out)
     assert_no_leftovers(cfg, ray)
+
+
+@pytest.mark.parametrize("given", ["spk-0123456789ab", None, 3])
+def test_release_refuses_anything_but_a_dataframe(given):
+    """Was: ``spark_bridge.release("spk-...")`` (a shuffle id, not the DataFrame that
+    ``repartition`` returned) returned 0, as if nothing were held, and the data stayed."""
+    with pytest.raises(TypeError, match="expected a pyspark.sql.DataFrame, got "
+                                        f"{type(given).__name__}"):
+        spark_bridge.release(given)
