@@ -548,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Upper bounds of the demo's arguments (see ``main``).
+MAX_DEMO_ROWS = 100_000_000
+MAX_DEMO_BLOCKS = 10_000
+MAX_DEMO_CPUS = 256
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("rows", "blocks", "partitions", "cpus"):
@@ -565,6 +571,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "seed", 0) < 0:
         print("hybrid-ray: --seed must be 0 or more", file=sys.stderr)
         return 2
+    if args.command == "demo":
+        # Upper bounds, checked before Ray starts: --rows 10000000000000 died in NumPy
+        # with a MemoryError traceback (a review's probe), and --blocks or --cpus beyond
+        # these only make the demo crawl (a block per row, a worker process per CPU).
+        for name, limit, why in (
+                ("rows", MAX_DEMO_ROWS, "the demo holds its data several times in memory; "
+                                        "for more, run the benchmark suite: python -m "
+                                        "benchmarks --size 4GiB"),
+                ("blocks", min(MAX_DEMO_BLOCKS, args.rows),
+                 f"a block holds at least one row, and at most {MAX_DEMO_BLOCKS} are made"),
+                ("cpus", MAX_DEMO_CPUS, "the demo's local Ray starts a worker per CPU")):
+            if getattr(args, name) > limit:
+                print(f"hybrid-ray: --{name} must be at most {limit} ({why}), got "
+                      f"{getattr(args, name)}", file=sys.stderr)
+                return 2
     try:
         return args.func(args)
     except CliError as exc:

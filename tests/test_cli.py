@@ -65,7 +65,11 @@ def test_bad_timeouts_and_demo_arguments_are_refused_before_anything_runs():
     proc, _ = _cli("status", "--address", address, "--timeout", "1e10", timeout=60)
     assert proc.returncode == 2 and "must be at most 1e+09 s" in proc.stderr, proc.stderr
     for args, message in ((("--seed", "-1"), "--seed must be 0 or more"),
-                          (("--partitions", "100001"), "--partitions must be at most 100000")):
+                          (("--partitions", "100001"), "--partitions must be at most 100000"),
+                          # A MemoryError traceback in NumPy (a review's probe):
+                          (("--rows", "10000000000000"), "--rows must be at most 100000000"),
+                          (("--rows", "10", "--blocks", "11"), "--blocks must be at most 10"),
+                          (("--cpus", "100000"), "--cpus must be at most 256")):
         proc, elapsed = _cli("demo", *args, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and elapsed < 30
