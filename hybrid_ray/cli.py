@@ -317,6 +317,10 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         out.append(f"node {node.node_id}")
         for t in node.tiers:
             cap = "unbounded" if t.capacity_bytes is None else f"{t.capacity_bytes / 1e6:.1f} MB"
+            if t.tier.value == "memory" and not t.shuffles and not t.used_bytes:
+                # The node's memory budget comes from the configs of the shuffles writing
+                # there: "used 0.0 MB of 0.0 MB" read as a node with no memory tier.
+                cap = "a budget set by the shuffles that write here (none now)"
             out.append(f"  {t.tier.value:<7} used {t.used_bytes / 1e6:10.1f} MB of {cap}")
         if getattr(node, "sweep_errors", 0):
             out.append(f"  orphan sweeps failed: {node.sweep_errors} "

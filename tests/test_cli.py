@@ -555,3 +555,25 @@ def test_status_tells_deletions_running_or_queued_from_failing_ones():
         "  shuffle shf-1: running now",
         "  3 segment(s) of shuffle shf-1: queued",
         "  shuffle shf-2: queued; 2 failed attempt(s), last: OSError: EBUSY"]
+
+
+def test_status_names_where_an_idle_node_s_memory_budget_comes_from():
+    """A node with no shuffle writing has a memory budget of 0 (the shuffles' configs set
+    it): status printed "memory used 0.0 MB of 0.0 MB", which read as a node without a
+    memory tier (a review's note). A disk tier's line is unchanged."""
+    from hybrid_ray import TierName
+    from hybrid_ray.cli import status_lines
+    from hybrid_ray.tier_manager import NodeUsage
+    from hybrid_ray.tiers import TierUsage
+
+    def lines(memory):
+        node = NodeUsage("n1", (memory, TierUsage(TierName.DISK, 0, None, 0)), (), {})
+        return status_lines({"shuffles": [], "nodes": [node], "unanswered_nodes": [],
+                             "pending_deletions": []})
+
+    assert lines(TierUsage(TierName.MEMORY, 0, 0, 0))[2:] == [
+        "  memory  used        0.0 MB of a budget set by the shuffles that write here "
+        "(none now)",
+        "  disk    used        0.0 MB of unbounded"]
+    assert lines(TierUsage(TierName.MEMORY, 2_000_000, 8_000_000, 1))[2] == \
+        "  memory  used        2.0 MB of 8.0 MB"
