@@ -57,7 +57,9 @@ from hybrid_ray.errors import (
     ShuffleReleasedError, ShuffleStalledError,
 )
 from hybrid_ray.master import ShuffleSummary
-from hybrid_ray.nodes import RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, lost_with_node
+from hybrid_ray.nodes import (
+    RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, lost_with_node, worker_process_lost,
+)
 from hybrid_ray.report import PhaseTimes, ShuffleReport, Stopwatch
 
 # How often a held shuffle's thread asks the master for maps to run again (their output
@@ -573,7 +575,7 @@ class MapRunner:
                     # is not reentrant); any other by this one, also while it waits here.
                     beat = None if held_shuffle(self._lifecycle.shuffle_id) is not None \
                         else self._lifecycle.heartbeat
-                    if lost_with_node(node, exc, beat):
+                    if worker_process_lost(exc) and lost_with_node(node, exc, beat):
                         self._drop_node(node)
                     elif self._resubmitted[map_index] < RESUBMITS_AFTER_WORKER_LOSS:
                         # Its writer process died more often than Ray retries a call,

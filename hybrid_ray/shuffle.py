@@ -42,6 +42,7 @@ from hybrid_ray.map_task import BlockPiece, unify_schemas
 from hybrid_ray.master import ShuffleSummary
 from hybrid_ray.nodes import (
     RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, cluster_cpus, lost_with_node,
+    worker_process_lost,
 )
 from hybrid_ray.partitioning import (
     HashPartitioner, MultiKeyRangePartitioner, Partitioner, RandomPartitioner, RangePartitioner,
@@ -665,7 +666,8 @@ def _run_reducers(shuffle: ShuffleLifecycle, maps: MapRunner, readers: _ReaderPo
                     _, reducer_times = ray.get([ref, times_refs[sub]])
                 except WORKER_LOST_ERRORS as exc:
                     node = readers.node_of(sub)
-                    if not lost_with_node(node, exc, shuffle.heartbeat):
+                    if not (worker_process_lost(exc)
+                            and lost_with_node(node, exc, shuffle.heartbeat)):
                         # Its reader process died more often than Ray retries a call,
                         # perhaps while it ran the reducer queued ahead of this one.
                         if resubmitted[sub] >= RESUBMITS_AFTER_WORKER_LOSS:

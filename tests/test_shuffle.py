@@ -740,3 +740,44 @@ def test_a_shuffle_queued_behind_another_on_its_readers_is_not_stalled(ray_local
     assert not any(t.is_alive() for t in threads)
     assert results == {"long": True, "quick": True}
     assert_no_leftovers(long_cfg, ray_local)
+
+
+class _TierManagerDiesOnce(Partitioner):
+    """Hash by ``key``; the first map to run raises what a map's call to its node's tier
+    manager raises when that tier manager dies mid-call (a marker file: once per test)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def assign(self, table, map_index, num_partitions):
+        import ray
+
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return np.asarray(table["key"]) % num_partitions
+        raise ray.exceptions.ActorDiedError()
+
+
+def test_a_map_whose_tier_manager_died_mid_call_runs_again_without_a_node_death_wait(
+        dataset, tmp_path, monkeypatch):
+    """A map whose call to its node's tier manager failed because that tier manager died
+    (killed mid-shuffle) fails with RayTaskError(ActorDiedError), which is also an
+    ActorDiedError: the driver took it for its writer process lost and waited up to
+    NODE_DEATH_WAIT_S (15 s) for the node table to call the node dead before running the
+    map again (a harness killing a tier manager mid-shuffle: 16-46 s for a 2 s shuffle).
+    The writer answered, so its node is alive: the map runs again at once, exact."""
+    from hybrid_ray import lifecycle
+
+    asked = []
+    monkeypatch.setattr(lifecycle, "lost_with_node",
+                        lambda node, exc, *args: asked.append(node) or False)
+    ds, table = dataset
+    out = hybrid_ray.run_shuffle(ds.to_arrow_refs(), 4,
+                                 _TierManagerDiesOnce(str(tmp_path / "died")), table.schema,
+                                 base_config(tmp_path))
+    import ray
+
+    result = pa.concat_tables(ray.get(r) for r in out.refs)
+    assert row_fingerprint([result]) == row_fingerprint([table])
+    assert os.path.exists(tmp_path / "died") and asked == []
