@@ -247,7 +247,13 @@ class TierManagerActor:
                          type(exc).__name__, str(exc)[:300])
             return
         for shuffle_id, config, metas in held:
-            self.tm.adopt_memory_segments(shuffle_id, config, metas)
+            try:
+                self.tm.adopt_memory_segments(shuffle_id, config, metas)
+            except Exception as exc:  # noqa: BLE001 - never fail the tier manager's start
+                _LOG.warning("hybrid_ray tier manager of node %s: the memory-tier segments "
+                             "of shuffle %s held on this node are not counted (%s: %s)",
+                             self.tm.node_id, shuffle_id, type(exc).__name__,
+                             str(exc)[:300])
 
     def sweep_orphans(self) -> list[str]:
         """Release the shuffles registered here that the namespace's master no longer
