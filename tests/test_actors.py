@@ -253,11 +253,17 @@ def test_master_long_poll_answers_a_batch_of_news_not_every_commit(ray_local, tm
 def _a_map_on_disk(tmp_path, prefix):
     """A shuffle of one map over two subpartitions, written to the disk tier only, in a
     namespace of its own: (namespace, node, master, shuffle id)."""
+    return _a_map(tmp_path, prefix, memory_fraction=0.0)
+
+
+def _a_map(tmp_path, prefix, **config):
+    """A shuffle of one map over two subpartitions, written with a ShuffleConfig of
+    ``config``, in a namespace of its own: (namespace, node, master, shuffle id)."""
     from hybrid_ray.map_task import write_map_partition
 
     namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
     cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
-                        namespace=namespace, memory_fraction=0.0)
+                        namespace=namespace, **config)
     node = ray.get_runtime_context().get_node_id()
     master = get_master(namespace)
     shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
@@ -326,17 +332,8 @@ def test_a_tier_manager_started_again_counts_the_memory_segments_still_held(ray_
     started in its place takes the segments the master holds on its node into its books
     (was: empty books, so it granted the node's memory budget again beside them), and
     gives their bytes back as the master frees them."""
-    from hybrid_ray.map_task import write_map_partition
-
-    namespace = f"tmadopt-{uuid.uuid4().hex[:6]}"
-    cfg = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], progress=False,
-                        namespace=namespace, memory_capacity_bytes=64 << 20)
-    node = ray.get_runtime_context().get_node_id()
-    master = get_master(namespace)
-    shuffle_id = f"shf-{uuid.uuid4().hex[:12]}"
-    ray.get(master.register.remote(shuffle_id, 1, 2, cfg))
-    table = pa.table({"k": list(range(2000)), "v": [b"x" * 50] * 2000})
-    write_map_partition(shuffle_id, 0, [table], 2, HashPartitioner(["k"]), cfg, master)
+    namespace, node, master, shuffle_id = _a_map(tmp_path, "tmadopt",
+                                                 memory_capacity_bytes=64 << 20)
     segments = ray.get(master.segments.remote(shuffle_id))
     assert {m.tier for m in segments} == {TierName.MEMORY}
     held = sum(m.nbytes for m in segments)
