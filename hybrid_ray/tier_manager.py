@@ -109,6 +109,13 @@ REMOTE_TIERS_KEPT = 4
 DISK_TIERS_KEPT = 8
 
 
+def _pack_key(meta: SegmentMeta) -> tuple[int, int, int, int]:
+    """The key of a packed memory-tier segment's pack in ``TierManager._open_packs``:
+    (map, attempt, lead subpartition, lead index)."""
+    return (meta.id.map_partition, meta.id.attempt, meta.pack.lead_subpartition,
+            meta.pack.lead_index)
+
+
 class TierManager:
     """Memory and disk tiers of one node, shared by every shuffle that writes on it.
 
@@ -549,22 +556,17 @@ class TierManager:
             if meta.pack is not None:
                 # Only the members held count down: each one freed through here lowers
                 # the count, and the last gives back what was taken for the members.
-                slot = meta.pack
-                key = (meta.id.map_partition, meta.id.attempt, slot.lead_subpartition,
-                       slot.lead_index)
-                self._open_packs.setdefault(shuffle_id, {}).setdefault(key, [0, 0])[0] += 1
-        if taken:
-            self.memory._adjust(shuffle_id, taken)  # noqa: SLF001 - the tier's own books
+                packs = self._open_packs.setdefault(shuffle_id, {})
+                packs.setdefault(_pack_key(meta), [0, 0])[0] += 1
+        self.memory.count(shuffle_id, taken)
         return taken
 
     def _pack_bytes_gone(self, shuffle_id: str, meta: SegmentMeta) -> int:
         """A packed memory-tier segment of ``shuffle_id`` is freed (once: see ``_freed``):
         the bytes of its whole pack once it was the last member, else 0."""
-        slot = meta.pack
-        key = (meta.id.map_partition, meta.id.attempt, slot.lead_subpartition,
-               slot.lead_index)
+        key = _pack_key(meta)
         packs = self._open_packs.setdefault(shuffle_id, {})
-        left_and_bytes = packs.setdefault(key, [slot.members, 0])
+        left_and_bytes = packs.setdefault(key, [meta.pack.members, 0])
         left_and_bytes[0] -= 1
         left_and_bytes[1] += meta.nbytes
         if left_and_bytes[0] > 0:

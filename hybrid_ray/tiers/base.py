@@ -155,6 +155,11 @@ class Tier(abc.ABC):
         """Return ``nbytes`` of a shuffle's space (segments deleted before release)."""
         self._adjust(shuffle_id, -nbytes)
 
+    def count(self, shuffle_id: str, nbytes: int) -> None:
+        """Count ``nbytes`` more of a shuffle's space without a grant: segments another
+        tier manager granted, taken over (``TierManager.adopt_memory_segments``)."""
+        self._adjust(shuffle_id, nbytes)
+
     def release_shuffle(self, shuffle_id: str) -> int:
         """Forget a shuffle's accounting and remove its data; returns the bytes freed."""
         freed = self._used.pop(shuffle_id, 0)
