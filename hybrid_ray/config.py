@@ -176,7 +176,7 @@ def _require_at_most(name: str, value: float, limit: float, why: str) -> None:
         raise ConfigError(f"{name} must be at most {limit:g}, got {value!r}: {why}")
 
 
-def _as_int(value: Any) -> int | None:
+def as_int(value: Any) -> int | None:
     """``value`` as a plain int if it is an integer (NumPy's too, via ``__index__``), else
     None. Callers store the plain int: a NumPy integer left in the config failed later, in
     the JSON given to the JVM shuffle manager. A bool is not a size or count."""
@@ -189,7 +189,7 @@ def _as_int(value: Any) -> int | None:
 
 
 def require_bytes(name: str, value: Any, minimum: int = 0) -> int:
-    number = _as_int(value)
+    number = as_int(value)
     if number is None or number < minimum:
         raise ConfigError(
             f"{name} must be an integer number of bytes >= {minimum} "
@@ -203,7 +203,7 @@ MAX_REMOTE_TRANSFERS = 64
 
 
 def require_count(name: str, value: Any, minimum: int = 1) -> int:
-    number = _as_int(value)
+    number = as_int(value)
     if number is None or number < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return number

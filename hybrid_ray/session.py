@@ -18,7 +18,7 @@ import time
 import ray
 
 from hybrid_ray.actors import START_TIMEOUT_S, ShuffleActors, reader_count, start_actors
-from hybrid_ray.config import Compression, ShuffleConfig, _as_int, require_seconds
+from hybrid_ray.config import Compression, ShuffleConfig, as_int, require_seconds
 from hybrid_ray.errors import ConfigError
 
 # The most memory init has each writer and reader allocate ahead (one map chunk's worth,
@@ -76,7 +76,7 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
     if warm_object_store_bytes is not None:
         # NumPy integers too (a size computed with NumPy), as every byte count of the
         # config: np.int64(2**30) was refused as not "a number of bytes".
-        number = _as_int(warm_object_store_bytes)
+        number = as_int(warm_object_store_bytes)
         if number is None or number < 0:
             raise ConfigError(f"hybrid_ray.init(warm_object_store_bytes=...) must be a number "
                               f"of bytes >= 0 (0: warm nothing) or None for the default, got "

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hybrid_ray.config import ShuffleConfig, _as_int
+from hybrid_ray.config import ShuffleConfig, as_int
 from hybrid_ray.errors import ConfigError, HybridRayError
 
 # Packages of java.base that Spark, Arrow and Ray's Java serializer reflect into.
@@ -127,7 +127,7 @@ def _check_executor_memory_fits(num_executors: int, executor_memory: int | str) 
 def _check_positive_int(name: str, value: Any) -> int:
     """``value`` as a plain int above 0 (a NumPy integer too, as hybrid_ray's counts take
     one: ``np.int64(2)`` was refused as "must be a positive integer"), else ConfigError."""
-    number = _as_int(value)
+    number = as_int(value)
     if number is None or number <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return number
@@ -240,8 +240,8 @@ def init_spark(app_name: str = "hybrid_ray", num_executors: int = 2, executor_co
         raise ConfigError(f"app_name must be a non-empty string, got {app_name!r}")
     num_executors = _check_positive_int("num_executors", num_executors)
     executor_cores = _check_positive_int("executor_cores", executor_cores)
-    if _as_int(executor_memory) is not None:  # bytes; a NumPy integer as a plain int
-        executor_memory = _as_int(executor_memory)
+    if as_int(executor_memory) is not None:  # bytes; a NumPy integer as a plain int
+        executor_memory = as_int(executor_memory)
     if isinstance(executor_memory, bool) or not (
             (isinstance(executor_memory, int) and executor_memory > 0)
             or (isinstance(executor_memory, str)
