@@ -30,7 +30,7 @@ from hybrid_ray.config import ShuffleConfig, TierName
 from hybrid_ray.errors import ConfigError, SegmentLostWithNodeError, SegmentNotFoundError
 from hybrid_ray.io_tiers import io_tiers_for
 from hybrid_ray.map_task import with_extension_types
-from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node
+from hybrid_ray.nodes import WORKER_LOST_ERRORS, lost_with_node, node_alive
 from hybrid_ray.partitioning import Partitioner
 from hybrid_ray.report import ReduceTimes, Stopwatch
 from hybrid_ray.master import MapUpdate
@@ -238,7 +238,14 @@ def fetch_from_node(meta: SegmentMeta, namespace: str) -> bytes:
     the node is alive but its tier manager died (the memory monitor, a crash), the files
     are still there: a tier manager started again serves them (it serves the files of
     shuffle directories marked as ours, ``TierManager.serve_segment_file``). Once: a
-    second death raises."""
+    second death raises.
+
+    After the first failure only a glance at Ray's node table decides (``node_alive``):
+    a node it still counts alive gets a tier manager started again at once. Waiting there
+    for the table to call the node dead (``lost_with_node``, up to ``NODE_DEATH_WAIT_S``)
+    cost every read through a tier manager that died on a live node 15 s, the common
+    case. A node that did die but is not marked yet costs no more than before: the tier
+    manager pinned to it cannot start, and the second failure waits for the table."""
     # Never start a tier manager before the node is known alive: one pinned to a dead node
     # would never run.
     tm = existing_tier_manager(meta.node_id, namespace)
@@ -248,7 +255,10 @@ def fetch_from_node(meta: SegmentMeta, namespace: str) -> bytes:
                 raise ray.exceptions.ActorDiedError()
             return _read_through(tm, meta)
         except WORKER_LOST_ERRORS as exc:
-            if lost_with_node(meta.node_id, exc):
+            node_dead = lost_with_node(meta.node_id, exc) if last_try \
+                else not node_alive(meta.node_id) \
+                or isinstance(exc, ray.exceptions.ActorUnschedulableError)
+            if node_dead:
                 raise SegmentLostWithNodeError(
                     f"{meta.id} is gone from the disk tier of node {meta.node_id}: the "
                     "node died") from None

@@ -257,6 +257,46 @@ def test_a_read_ahead_whose_tier_manager_died_falls_back_to_the_recovering_fetch
     assert calls == [("recovered", meta, "ns")]
 
 
+@pytest.mark.parametrize("node_alive", [True, False])
+def test_a_dead_tier_manager_on_a_live_node_is_replaced_without_waiting_for_the_node_table(
+        monkeypatch, node_alive):
+    """A read whose tier manager died asks one started again at once when Ray's node
+    table still counts the node alive: it waited up to ``NODE_DEATH_WAIT_S`` (15 s) for the
+    table to call a live node dead first. A node the table counts dead loses the segment
+    with it, also at once, and no tier manager is started there."""
+    import ray
+
+    from hybrid_ray import reduce_task
+    from hybrid_ray.errors import SegmentLostWithNodeError
+
+    events = []
+
+    def read_through(tm, meta):
+        events.append(("read", tm))
+        if tm == "dead":
+            raise ray.exceptions.ActorDiedError()
+        return b"the segment"
+
+    def waited_for_the_table(node_id, exc):
+        events.append(("waited for the node table", node_id))
+        return not node_alive
+
+    monkeypatch.setattr(reduce_task, "existing_tier_manager", lambda node, ns: "dead")
+    monkeypatch.setattr(reduce_task, "get_tier_manager",
+                        lambda node, ns: events.append(("started", node)) or "new")
+    monkeypatch.setattr(reduce_task, "_read_through", read_through)
+    monkeypatch.setattr(reduce_task, "lost_with_node", waited_for_the_table)
+    monkeypatch.setattr(reduce_task, "node_alive", lambda node: node_alive)
+    meta = dataclasses.make_dataclass("Meta", ["node_id", "id"])("node-a", "seg-1")
+    if node_alive:
+        assert reduce_task.fetch_from_node(meta, "ns") == b"the segment"
+        assert events == [("read", "dead"), ("started", "node-a"), ("read", "new")]
+    else:
+        with pytest.raises(SegmentLostWithNodeError, match="node node-a: the node died"):
+            reduce_task.fetch_from_node(meta, "ns")
+        assert events == [("read", "dead")]
+
+
 @pytest.mark.parametrize("returned", [None, "a DataFrame", "a RecordBatch"])
 def test_a_custom_finalize_that_returns_no_table_is_named(monkeypatch, tmp_path, returned):
     """Was: a custom ``Partitioner.finalize`` without its ``return`` (or returning a pandas
