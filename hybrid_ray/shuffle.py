@@ -32,7 +32,7 @@ import ray
 from hybrid_ray import metrics
 from hybrid_ray.actors import get_reader_slots, pack_call, reader_count, start_actors
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - re-exported
-from hybrid_ray.config import ShuffleConfig, ShuffleMode
+from hybrid_ray.config import ShuffleConfig, ShuffleMode, as_int
 from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleStalledError
 from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
     MapRunner, ShuffleLifecycle, describe_cause, report_from_summary, restart_stuck_worker,
@@ -772,20 +772,15 @@ def check_config(config: Any) -> ShuffleConfig:
     return config
 
 
-def _as_int(value: Any) -> Any:
-    """A NumPy integer (``np.int64(8)``, e.g. from a computed partition count) as the
-    Python int it is, anything else as given: NumPy integers are not ``int``, and were
-    refused as "must be a positive integer, got np.int64(8)"."""
-    return int(value) if isinstance(value, np.integer) else value
-
-
 def check_num_partitions(num_partitions: Any) -> int:
     """``num_partitions`` as a Python int, or ``ConfigError`` if it is not a partition
     count in ``[1, MAX_PARTITIONS]``."""
-    num_partitions = _as_int(num_partitions)
-    if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) \
-            or num_partitions <= 0:
+    # A NumPy integer (np.int64(8), a computed count) is the int it is (as_int); a bool
+    # is not a count.
+    number = as_int(num_partitions)
+    if number is None or number <= 0:
         raise ConfigError(f"num_partitions must be a positive integer, got {num_partitions!r}")
+    num_partitions = number
     if num_partitions > MAX_PARTITIONS:
         raise ConfigError(
             f"num_partitions={num_partitions} is more than hybrid_ray's limit of "
@@ -1103,11 +1098,12 @@ def random_shuffle(ds: ray.data.Dataset, seed: int | None = None,
     """Randomly permute the rows of ``ds``; the same ``seed`` (an integer in
     ``[0, 2**63)``) gives the same result. ``num_partitions`` defaults to the number of
     maps (input blocks, small ones grouped)."""
-    seed = _as_int(seed)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < MAX_SEED):
-        raise ConfigError(f"seed must be None or an integer with 0 <= seed < 2**63, got "
-                          f"{seed!r}")
+    if seed is not None:
+        number = as_int(seed)
+        if number is None or not 0 <= number < MAX_SEED:
+            raise ConfigError(f"seed must be None or an integer with 0 <= seed < 2**63, got "
+                              f"{seed!r}")
+        seed = number
     config = check_config(config)
     num_partitions = _check_optional_partitions(num_partitions)
     blocks = _dataset_blocks(ds)
