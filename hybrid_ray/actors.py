@@ -673,14 +673,22 @@ class ShuffleMasterActor:
                                                 lambda: open_remote_tier(config))
 
     def _run_deletions(self) -> None:
-        """Perform the registry's due deletions outside the lock; failures stay queued."""
+        """Perform the registry's due deletions outside the lock; failures stay queued.
+
+        Recording a deletion's outcome that raises (``deletion_done``, which queues a
+        failed deletion again first) is counted and kept for ``status`` like the
+        background loop's errors, and the other deletions taken go on: raised at once,
+        those after it stayed listed as running for good and never ran."""
         with self._deletion_lock:
             with self._lock:
                 due = self.registry.take_due_deletions()
             for deletion in due:
                 error = self.registry.perform_deletion(deletion)
-                with self._lock:
-                    self.registry.deletion_done(deletion, error)
+                try:
+                    with self._lock:
+                        self.registry.deletion_done(deletion, error)
+                except Exception as exc:  # noqa: BLE001 - counted; the deletion is queued
+                    self._loop_failed(exc)
 
     def _background_loop(self) -> None:
         """Expire orphans every ``EXPIRY_CHECK_INTERVAL_S``; run queued and failed
@@ -710,7 +718,12 @@ class ShuffleMasterActor:
         without the credentials of any shuffle it may quote."""
         with self._lock:
             self.loop_errors += 1
-            self.last_loop_error = self.registry.scrub_secrets(f"{type(exc).__name__}: {exc}")
+            # Its class until its text is scrubbed: an error whose text cannot be had (a
+            # str() that raises) must not end the loop from inside its own handler.
+            self.last_loop_error = type(exc).__name__
+            with contextlib.suppress(Exception):
+                self.last_loop_error = self.registry.scrub_secrets(
+                    f"{type(exc).__name__}: {exc}")
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:

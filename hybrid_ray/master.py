@@ -764,12 +764,19 @@ class ShuffleRegistry:
         """Perform the queued deletions that are due; a failed one stays queued and is
         retried with exponential backoff (``DELETE_RETRY_MIN_S`` .. ``DELETE_RETRY_MAX_S``)
         until the data is gone. Returns the deletions that failed this time."""
-        failed = []
+        failed, problem = [], None
         for deletion in self.take_due_deletions():
             error = self.perform_deletion(deletion)
-            self.deletion_done(deletion, error)
+            try:
+                self.deletion_done(deletion, error)
+            except Exception as exc:  # noqa: BLE001 - raised once the others are recorded
+                # (raised at once, the deletions after it stayed listed as running for good,
+                # never run; this one is queued again by deletion_done)
+                problem = problem if problem is not None else exc
             if error is not None:
                 failed.append(deletion)
+        if problem is not None:
+            raise problem
         return failed
 
     def take_due_deletions(self) -> list[PendingDeletion]:
@@ -801,7 +808,13 @@ class ShuffleRegistry:
 
     def deletion_done(self, deletion: PendingDeletion, error: Exception | None) -> None:
         """Record a deletion's outcome: on ``error`` it is queued again with backoff. A
-        release that succeeded queues its remote tree's late sweep."""
+        release that succeeded queues its remote tree's late sweep.
+
+        A failed deletion is queued again before anything here can raise (its error put
+        in words: a ``str()`` that raises, the ``Redactor``; the clock): raised after it
+        was taken off ``_running`` and before it was queued, it was dropped, and its data
+        stayed for good. Raising after, it is retried (due at once if the backoff was not
+        set) and the caller reports the error."""
         deletion.tried.set()
         self._running = [d for d in self._running if d is not deletion]
         if error is None:
@@ -813,14 +826,15 @@ class ShuffleRegistry:
                     not_before=self._clock() + self._late_sweep_s))
             return
         deletion.attempts += 1
+        self.deletion_failures += 1
+        deletion.last_error = type(error).__name__  # until its text is scrubbed, below
+        self.pending.append(deletion)
+        deletion.not_before = self._clock() + min(
+            DELETE_RETRY_MIN_S * 2 ** (deletion.attempts - 1), DELETE_RETRY_MAX_S)
         # Shown by status: a storage library's error may quote the credentials it was given.
         config = deletion.state.config
         deletion.last_error = Redactor(config.remote_path, config.storage_options).scrub(
             f"{type(error).__name__}: {error}")
-        deletion.not_before = self._clock() + min(
-            DELETE_RETRY_MIN_S * 2 ** (deletion.attempts - 1), DELETE_RETRY_MAX_S)
-        self.deletion_failures += 1
-        self.pending.append(deletion)
 
     def pending_deletions(self) -> list[dict[str, Any]]:
         """Deletions not done yet, with their last error (for status and tests): those

@@ -1110,3 +1110,50 @@ def test_the_shuffle_of_a_driver_that_was_killed_is_released_without_waiting_its
         time.sleep(1)
     assert ray.get(master.live_shuffles.remote(), timeout=30) == {}
     assert files_under(str(tmp_path / "spill")) == []
+
+
+def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_and_its_error_kept(
+        monkeypatch):
+    """The master's deletion runner: recording a failed deletion that raises (its error
+    put in words by the ``Redactor``) dropped the deletion, its data left for good, and
+    left the deletions taken with it listed as running for good. Now the deletion runs
+    again, the others run, and the error is counted and kept for ``status`` like the
+    background loop's. Run on the actor's class in this process (the actor's own threads),
+    where the ``Redactor`` can be made to fail."""
+    from hybrid_ray import actors
+    from hybrid_ray import master as master_module
+
+    class RedactorFailingOnce(master_module.Redactor):
+        failed = False
+
+        def __init__(self, *args, **kwargs):
+            if not RedactorFailingOnce.failed:
+                RedactorFailingOnce.failed = True
+                raise RuntimeError("injected: the error could not be scrubbed")
+            super().__init__(*args, **kwargs)
+
+    calls: list[str] = []
+
+    def release_io(state):
+        calls.append(state.shuffle_id)
+        if calls == ["a"]:
+            raise OSError("storage down")
+
+    monkeypatch.setattr(master_module, "Redactor", RedactorFailingOnce)
+    master = actors.ShuffleMasterActor.__ray_metadata__.modified_class(
+        f"hr-deletions-{uuid.uuid4().hex[:6]}", release_wait_s=0.0)
+    master.registry._release_data_io = release_io
+    for shuffle_id in ("a", "b"):
+        master.registry.register(shuffle_id, 1, 1, ShuffleConfig())
+    with master._lock:  # both taken by one round of the runner
+        master.registry.release("a")
+        master.registry.release("b")
+    master.run_deletions()
+    deadline = time.monotonic() + 30  # the retry is the background thread's (1 s backoff)
+    while master.run_deletions() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert master.run_deletions() == []
+    assert sorted(calls) == ["a", "a", "b"]
+    assert master.loop_errors == 1
+    assert master.last_loop_error == "RuntimeError: injected: the error could not be scrubbed"
+    assert master.registry.deletions_left("") == 0

@@ -808,3 +808,44 @@ def test_memory_segments_on_a_node_are_those_still_held(registry):
     assert [m.id.map_partition for m in registry.memory_segments_on("n2")[0][2]] == [1]
     registry.release("s")
     assert registry.memory_segments_on("n1") == []
+
+
+def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_not_dropped(monkeypatch):
+    """Recording a failed deletion put its error in words (``Redactor``, ``str()``) after
+    taking it off the running list and before queueing it again: raising there, the
+    deletion was dropped (its data stayed for good), and the deletions taken with it
+    stayed listed as running for good, never run (found by a review)."""
+    from hybrid_ray import master as master_module
+
+    calls, now = [], [0.0]
+
+    def release_io(state):
+        calls.append(state.shuffle_id)
+        if calls.count(state.shuffle_id) == 1 and state.shuffle_id == "a":
+            raise OSError("storage down")
+
+    class RedactorFailingOnce(master_module.Redactor):
+        failed = False
+
+        def __init__(self, *args, **kwargs):
+            if not RedactorFailingOnce.failed:
+                RedactorFailingOnce.failed = True
+                raise RuntimeError("injected: the error could not be scrubbed")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(master_module, "Redactor", RedactorFailingOnce)
+    reg = ShuffleRegistry(lambda s, m: None, release_io, clock=lambda: now[0],
+                          delete_inline=False)
+    for shuffle_id in ("a", "b"):
+        reg.register(shuffle_id, 1, 1, ShuffleConfig())
+        reg.release(shuffle_id)
+    with pytest.raises(RuntimeError, match="injected"):
+        reg.run_deletions()
+    # "b", taken with "a", still ran; "a" is queued again, not running, not gone.
+    assert calls == ["a", "b"]
+    assert [(d["shuffle_id"], d["running"], d["attempts"], d["last_error"])
+            for d in reg.pending_deletions()] == [("a", False, 1, "OSError")]
+    assert reg.deletions_left("") == 1 and reg.deletion_failures == 1
+    now[0] += 10
+    assert reg.run_deletions() == []
+    assert calls == ["a", "b", "a"] and reg.pending_deletions() == []
