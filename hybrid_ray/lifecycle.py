@@ -47,7 +47,8 @@ import ray
 
 from hybrid_ray import metrics
 from hybrid_ray.actors import (
-    MASTER_CALL_TIMEOUT_S, answer_of, driver_job_id, get_master, pack_call,
+    MASTER_CALL_TIMEOUT_S, answer_of, driver_job_id, existing_tier_manager, get_master,
+    pack_call,
 )
 from hybrid_ray.clients import WriteStats
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S
@@ -58,9 +59,11 @@ from hybrid_ray.errors import (
 )
 from hybrid_ray.master import ShuffleSummary
 from hybrid_ray.nodes import (
-    RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, lost_with_node, worker_process_lost,
+    RESUBMITS_AFTER_WORKER_LOSS, WORKER_LOST_ERRORS, lost_with_node, node_alive,
+    worker_process_lost,
 )
 from hybrid_ray.report import PhaseTimes, ShuffleReport, Stopwatch
+from hybrid_ray.tiers.remote import open_remote_tier
 
 # How often a held shuffle's thread asks the master for maps to run again (their output
 # died with its writer); readers wait for the new attempt meanwhile.
@@ -180,6 +183,24 @@ def report_from_summary(summary: ShuffleSummary, operation: str, config: Shuffle
         phases=None if phases is None else dataclasses.replace(
             phases, control_plane=phases.control_plane + stats.control_plane_s),
     )
+
+
+def report_without_books(shuffle_id: str, operation: str, config: ShuffleConfig,
+                         num_maps: int, num_partitions: int, rows: int, wall: float,
+                         phases: PhaseTimes | None, why: str) -> ShuffleReport:
+    """The report of a shuffle whose output is complete but whose master died with its
+    books as it ended (``ShuffleReport.books_lost``): only what the driver itself knows
+    (its maps and partitions, the rows its reducers returned, the times it measured),
+    with ``why`` as a note. The master's counts (bytes per tier and node, tier switches,
+    spill events, retried attempts, overlap) are not known: left empty and 0, and marked
+    so, never guessed. ``phases``' control-plane time lacks the writers' share (it came
+    with the maps' stats, in the books)."""
+    return ShuffleReport(
+        shuffle_id=shuffle_id, operation=operation, mode=config.mode.value,
+        spilling=config.spilling.value, num_maps=num_maps, num_partitions=num_partitions,
+        rows=rows, input_bytes=0, wall_time_s=wall, per_node_tier={}, tier_switches=0,
+        spill_events=0, superseded_attempts=0, hybrid_overlap=False, phases=phases,
+        notes=(why,), books_lost=True)
 
 
 class ShuffleLifecycle:
@@ -340,17 +361,76 @@ class ShuffleLifecycle:
         """The end of a shuffle that succeeded: the master's books of it, taken as its
         data is released, in one call (``summary`` then ``release`` cost the driver two
         round trips while the cores idled). The calls not waited for (frees, heartbeats)
-        are checked after it, so one that failed still raises here."""
+        are checked after it, so one that failed still raises here.
+
+        A master that died (killed, OOM, its node lost) raises ``ShuffleMasterLostError``:
+        the books went with it, the shuffle's data stays where it is (see
+        ``release_without_master``). The caller decides: a shuffle whose output is complete
+        (``run_shuffle``, every reducer's block returned) is not failed by it."""
         if not self._mark_released():
             raise ShuffleFailedError(f"shuffle {self.shuffle_id} was released already: "
                                      "its books went with it")
-        summary = self._call(self.master.summarize_and_release)
+        try:
+            summary = self._call(self.master.summarize_and_release)
+        except ray.exceptions.ActorDiedError as exc:
+            if isinstance(exc, ray.exceptions.RayTaskError):
+                raise  # the master's own call failed on a dead actor: the master is alive
+            raise ShuffleMasterLostError(
+                f"the shuffle master of namespace {self.config.namespace!r} died as shuffle "
+                f"{self.shuffle_id} was released (its node died or it was killed), and its "
+                "books of the shuffle with it") from exc
         # The master runs calls on several threads, in no fixed order: a heartbeat or the
         # last frees (``flush_frees``), sent just before, may run after this release and be
         # told the shuffle was released. That is this release, not a failure: a shuffle
         # that succeeded was reported failed.
         self._check_unchecked(wait=True, released_here=True)
         return summary
+
+    def release_without_master(self, nodes: Sequence[str]) -> list[str]:
+        """Remove the data of a shuffle whose master died before releasing it (see
+        ``summarize_and_release``): the tier managers of ``nodes`` (where its maps ran)
+        release it, as the master's release does, and the driver removes its remote tree.
+        Returns what could not be removed, each a line for the caller's report; waits at
+        most ``MASTER_CALL_TIMEOUT_S`` for the nodes and as long for the remote tier.
+
+        Only this shuffle's own directories go (by its id; the remote tree only below a
+        marker of ours). Left alone, the tier managers' orphan sweeps (``sweep_orphans``)
+        release it on the nodes a minute or two later, but nothing but ``hybrid-ray
+        cleanup`` removes its remote tree. A tier manager whose removal fails retries it
+        in its own sweep; whatever is left keeps its marker for ``hybrid-ray cleanup``."""
+        problems: list[str] = []
+        waits: dict[ray.ObjectRef, str] = {}
+        for node in sorted(set(nodes)):
+            tm = existing_tier_manager(node, self.config.namespace)
+            if tm is not None:  # none: nothing of the shuffle is accounted there
+                waits[tm.release_shuffle.remote(self.shuffle_id, self.config)] = node
+        if waits:
+            ready, late = ray.wait(list(waits), num_returns=len(waits),
+                                   timeout=MASTER_CALL_TIMEOUT_S)
+            problems += [f"node {waits[ref]}: no answer within {MASTER_CALL_TIMEOUT_S:.0f} s"
+                         for ref in late]
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    if node_alive(waits[ref]):  # else its data went with the node
+                        problems.append(f"node {waits[ref]}: {describe_cause(exc)}")
+                except Exception as exc:  # noqa: BLE001 - reported; its sweep retries it
+                    problems.append(f"node {waits[ref]}: {describe_cause(exc)}")
+        # After the nodes answered, as the master's release does (``_release_data``).
+        if self.config.remote_path:
+            tier = None
+            try:
+                tier = open_remote_tier(self.config)
+                tier.outcome(tier.io_pool().submit(tier.remove_shuffle_data, self.shuffle_id),
+                             f"removing shuffle {self.shuffle_id} from the remote tier",
+                             bound_s=MASTER_CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - reported; hybrid-ray cleanup removes it
+                problems.append(f"its remote tree: {describe_cause(exc)}")
+            finally:
+                if tier is not None:
+                    tier.close()
+        return problems
 
     def fail(self, exc: BaseException) -> BaseException:
         """The shuffle failed with ``exc``: release its data (never masking ``exc``) and
@@ -441,6 +521,11 @@ class ShuffleLifecycle:
                 ray.get(ref, timeout=MASTER_CALL_TIMEOUT_S)
             except ShuffleReleasedError:
                 if not released_here:
+                    raise
+            except ray.exceptions.RayActorError as exc:
+                # The master died after this driver's release answered (with the books):
+                # the release covered what a lost free or heartbeat would have done.
+                if not released_here or isinstance(exc, ray.exceptions.RayTaskError):
                     raise
 
     def _release_after_failure(self) -> bool:

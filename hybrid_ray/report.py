@@ -135,6 +135,11 @@ class ShuffleReport:
     # How the shuffle ran other than its config asked (e.g. a Spark shuffle without the
     # remote tier its session configured, because the master no longer knew the session).
     notes: tuple[str, ...] = ()
+    # The shuffle's output is complete, but its master died with its books as it ended
+    # (``lifecycle.report_without_books``): only what the driver measured is known, and
+    # the master's counts above (per_node_tier, tier switches, spill events, retried
+    # attempts, uncompressed segments, overlap) read empty or 0 for "not known".
+    books_lost: bool = False
 
     @property
     def throughput_mb_s(self) -> float:
@@ -175,6 +180,10 @@ class ShuffleReport:
             if self.input_bytes == 0 and self.rows > 0 else
             f"  rows {self.rows:,}  input {self.input_bytes / 1e6:,.1f} MB  "
             f"wall {self.wall_time_s:.2f} s  throughput {self.throughput_mb_s:,.1f} MB/s",
+            # Printed as 0, the counts of books that went with the master read as facts.
+            "  tier switches, spill events, retried map attempts, overlap, uncompressed "
+            "segments and bytes per tier: not known (the shuffle master's books were lost)"
+            if self.books_lost else
             f"  tier switches {self.tier_switches}  spill events {self.spill_events}  "
             f"retried map attempts {self.superseded_attempts} (lost and re-run "
             f"{self.lost_maps_rerun})  "
@@ -184,6 +193,8 @@ class ShuffleReport:
         lines.extend(f"  note: {note}" for note in self.notes)
         if self.phases is not None:
             lines.append("  " + self.phases.line())
+        if self.books_lost:
+            return "\n".join(lines)
         lines.append(f"  {'node':<16} {'tier':<8} {'segments':>9} {'MB':>10}")
         for node, tiers in sorted(self.per_node_tier.items()):
             for tier in TierName:

@@ -33,9 +33,12 @@ from hybrid_ray import metrics
 from hybrid_ray.actors import get_reader_slots, pack_call, reader_count, start_actors
 from hybrid_ray.config import DRIVER_HEARTBEAT_S as HEARTBEAT_S  # noqa: F401 - re-exported
 from hybrid_ray.config import ShuffleConfig, ShuffleMode, as_int
-from hybrid_ray.errors import ConfigError, ShuffleFailedError, ShuffleStalledError
+from hybrid_ray.errors import (
+    ConfigError, ShuffleFailedError, ShuffleMasterLostError, ShuffleStalledError,
+)
 from hybrid_ray.lifecycle import (  # noqa: F401 - describe_cause re-exported
-    MapRunner, ShuffleLifecycle, describe_cause, report_from_summary, restart_stuck_worker,
+    MapRunner, ShuffleLifecycle, describe_cause, report_from_summary, report_without_books,
+    restart_stuck_worker,
 )
 from hybrid_ray.map_task import map_block, write_map_partition  # noqa: F401 - re-exported
 from hybrid_ray.map_task import BlockPiece, unify_schemas
@@ -522,7 +525,9 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
 
     Raises ``ConfigError`` for bad arguments (before anything runs), and
     ``ShuffleFailedError`` (after removing all of the shuffle's data) if a map or reduce
-    task fails beyond its retries.
+    task fails beyond its retries. A master lost once every reducer returned its block
+    fails nothing: the output is complete; the report says its books were lost
+    (``ShuffleReport.books_lost``).
     """
     config = check_config(config)
     num_partitions = check_num_partitions(num_partitions)
@@ -578,7 +583,13 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         reduced = _run_reducers(shuffle, maps, readers, progress, len(inputs), schema,
                                 partitioner)
         _check_outputs_survived(reduced.table_refs, readers)
-        summary = shuffle.summarize_and_release()
+        try:
+            summary = shuffle.summarize_and_release()
+        except ShuffleMasterLostError as exc:
+            # Every reducer has returned its block (stored, owned by this driver): the
+            # output is complete and exact, only the books went with the master. Failed
+            # here, a whole shuffle's finished output was lost to the user.
+            summary, books_lost = None, exc
     except BaseException as exc:
         # No ray.cancel(force=True): force-killing workers here was seen to take the driver
         # down with it. Released, the shuffle is unknown to the master, so tasks still
@@ -591,6 +602,8 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
             raise
         raise error
     # Every reducer has returned: its block is stored, owned by this driver.
+    if summary is None:
+        why = _remove_without_master(shuffle, [w.node_id for w in actors.writers], books_lost)
     readers.close()
     progress.update(len(inputs), len(inputs), num_partitions, num_partitions, force=True)
     progress.close()
@@ -603,10 +616,35 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
         reduce=(reduced.end or ended) - (reduced.start or ended),
         waiting=reduced.times.waiting,
         control_plane=shuffle.control.seconds + reduced.times.control_plane)
-    report = report_from_summary(summary, operation, config, ended - started, phases)
+    if summary is not None:
+        report = report_from_summary(summary, operation, config, ended - started, phases)
+    else:  # rows: the reducers' own counts (in their small stats, not the blocks)
+        rows = sum(stats[0] for stats in ray.get(list(reduced.stats_refs)))
+        report = report_without_books(shuffle.shuffle_id, operation, config, len(inputs),
+                                      num_partitions, rows, ended - started, phases, why)
     metrics.record_shuffle(report)
     _set_last_report(report)
     return ShuffleResult(list(reduced.table_refs), report, list(reduced.stats_refs))
+
+
+def _remove_without_master(shuffle: ShuffleLifecycle, nodes: list[str],
+                           lost: ShuffleMasterLostError) -> str:
+    """Remove the data of a shuffle whose output is complete but whose master died at its
+    release (``ShuffleLifecycle.release_without_master``); the report's note saying so,
+    also logged: the user's output is fine, the master (and every other shuffle in flight
+    with it) is not."""
+    try:
+        problems = shuffle.release_without_master(nodes)
+    except Exception as exc:  # noqa: BLE001 - the output is complete: not lost to this
+        problems = [describe_cause(exc)]
+    why = (f"{lost}. The output is complete (every reducer returned its block), but this "
+           "report holds only what the driver measured: the rows its reducers returned and "
+           "its times (control-plane time without the writers' share). ")
+    why += ("The driver removed the shuffle's data itself." if not problems else
+            f"Removing the shuffle's data failed ({'; '.join(problems)}): the tier managers' "
+            "orphan sweeps and `hybrid-ray cleanup` remove what is left.")
+    _LOG.warning("hybrid_ray: %s", why)
+    return why
 
 
 @dataclasses.dataclass

@@ -737,6 +737,37 @@ def test_a_heartbeat_that_runs_after_the_shuffle_s_own_release_is_no_failure(con
     assert summary.maps_finished == 1 and not _known(shuffle)
 
 
+def test_a_master_that_died_after_answering_the_release_fails_nothing(config):
+    """A free or heartbeat not waited for that failed because the master died after it
+    answered this driver's release (with the books) failed the shuffle's end: its books
+    were in hand and its release done. A master dead before answering raises
+    ``ShuffleMasterLostError`` (the caller decides; see ``run_shuffle``)."""
+    from hybrid_ray.errors import ShuffleMasterLostError
+
+    @ray.remote(num_cpus=0)
+    class Master:
+        def heartbeat(self, shuffle_id):
+            pass
+
+        def summarize_and_release(self, shuffle_id):
+            raise AssertionError("never called: killed before")
+
+    dead = Master.remote()
+    ray.kill(dead)
+    shuffle = ShuffleLifecycle(config, 1, "test")
+    shuffle.register(1)
+    _finish_map_with_a_segment(shuffle, 0)
+    shuffle._unchecked.append(dead.heartbeat.remote(shuffle.shuffle_id))  # the master's
+    summary = shuffle.summarize_and_release()
+    assert summary.maps_finished == 1 and not _known(shuffle)
+
+    other = ShuffleLifecycle(config, 1, "test", master=dead)
+    with pytest.raises(ShuffleMasterLostError, match=f"died as shuffle {other.shuffle_id} "
+                                                     "was released"):
+        other.summarize_and_release()
+    assert other.released
+
+
 def test_a_re_run_that_cannot_start_fails_its_shuffle_and_the_others_keep_their_beat(
         monkeypatch):
     """Was: the re-run thread's failed start ended the one thread that heartbeats every

@@ -781,3 +781,71 @@ def test_a_map_whose_tier_manager_died_mid_call_runs_again_without_a_node_death_
     result = pa.concat_tables(ray.get(r) for r in out.refs)
     assert row_fingerprint([result]) == row_fingerprint([table])
     assert os.path.exists(tmp_path / "died") and asked == []
+
+
+class _KillsTheMaster(hybrid_ray.HashPartitioner):
+    """Kills its shuffle's master as map 0 starts: a master lost before the outputs are
+    complete."""
+
+    def __init__(self, keys, namespace):
+        super().__init__(keys)
+        self.namespace = namespace
+
+    def assign(self, table, map_index, num_partitions):
+        import ray
+
+        from hybrid_ray.actors import MASTER_NAME
+
+        if map_index == 0:
+            ray.kill(ray.get_actor(MASTER_NAME, namespace=self.namespace))
+        return super().assign(table, map_index, num_partitions)
+
+
+def test_a_master_killed_at_the_release_of_a_finished_shuffle_fails_nothing(
+        ray_local, tmp_path, monkeypatch):
+    """Every reducer had returned its block (stored, owned by the driver) when the master
+    died at the shuffle's release (killed, OOM): the call raised, and the complete, exact
+    output was lost to the user. Now the output is returned; the report says the books
+    went with the master and holds only what the driver measured; the shuffle's data on
+    the node and in the remote tier is removed all the same. A master lost before the
+    outputs are complete still fails the shuffle, named."""
+    import uuid
+
+    import ray
+
+    from hybrid_ray import lifecycle
+    from hybrid_ray.errors import ShuffleMasterLostError
+    from hybrid_ray.shuffle import run_shuffle
+
+    table = make_table(60_000, seed=3)
+    blocks = [ray.put(table.slice(i * 20_000, 20_000)) for i in range(3)]
+    cfg = base_config(tmp_path, namespace=f"hr-books-{uuid.uuid4().hex[:6]}",
+                      memory_capacity_bytes=256 * 1024, disk_capacity_bytes=1 * MiB,
+                      remote_path=f"file://{tmp_path}/remote")
+    real = lifecycle.ShuffleLifecycle.summarize_and_release
+    killed: list[str] = []
+
+    def master_dies_first(shuffle):
+        ray.kill(shuffle.master)
+        killed.append(shuffle.shuffle_id)
+        return real(shuffle)
+
+    monkeypatch.setattr(lifecycle.ShuffleLifecycle, "summarize_and_release",
+                        master_dies_first)
+    result = run_shuffle(blocks, 4, hybrid_ray.HashPartitioner(["key"]), table.schema, cfg,
+                         operation="books-lost")
+    assert row_fingerprint(ray.get(result.refs)) == row_fingerprint([table])
+    report = result.report
+    assert hybrid_ray.last_report() is report and report.shuffle_id == killed[0]
+    assert report.books_lost and report.rows == table.num_rows and report.num_maps == 3
+    assert report.num_partitions == 4 and report.per_node_tier == {}
+    assert report.phases is not None and report.wall_time_s > 0
+    assert any("books" in note and "shuffle master" in note for note in report.notes)
+    assert "not known" in report.table() and "tier switches 0" not in report.table()
+    assert_no_leftovers(cfg, ray)
+
+    monkeypatch.setattr(lifecycle.ShuffleLifecycle, "summarize_and_release", real)
+    # A new master, started once (on a loaded machine, longer than a call's bound).
+    ray.get(get_master(cfg.namespace).run_deletions.remote(), timeout=300)
+    with pytest.raises(ShuffleMasterLostError, match="is gone"):
+        run_shuffle(blocks, 4, _KillsTheMaster(["key"], cfg.namespace), table.schema, cfg)
