@@ -159,7 +159,10 @@ def test_a_held_shuffle_outlives_the_orphan_ttl(config):
     orphan.register(1)
     time.sleep(MIN_ORPHAN_TTL_S + 2)
     expired = ray.get(held.master.expire.remote())
-    assert orphan.shuffle_id in expired and held.shuffle_id not in expired
+    # The orphan is gone, by this call or by the master's own expiry, which runs every
+    # EXPIRY_CHECK_INTERVAL_S and on a loaded machine came first (the call then returned
+    # [] and the test failed with the expiry working).
+    assert held.shuffle_id not in expired
     assert _known(held) and not _known(orphan)
     held.release()
 
