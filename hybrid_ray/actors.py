@@ -308,6 +308,9 @@ class TierManagerActor:
     def register_shuffle(self, shuffle_id: str, config: ShuffleConfig) -> int:
         return self.tm.register_shuffle(shuffle_id, config)
 
+    def check_spill_dirs(self, config: ShuffleConfig) -> list[str]:
+        return self.tm.check_spill_dirs(config)
+
     def reserve(self, shuffle_id: str, sizes: Sequence[int],
                 settled: Sequence[tuple[Grant, int | None]] = (),
                 register: ShuffleConfig | None = None,

@@ -19,7 +19,8 @@ import ray
 
 from hybrid_ray.actors import START_TIMEOUT_S, ShuffleActors, reader_count, start_actors
 from hybrid_ray.config import Compression, ShuffleConfig, as_int, require_seconds
-from hybrid_ray.errors import ConfigError
+from hybrid_ray.errors import ConfigError, SpillDirError
+from hybrid_ray.lifecycle import describe_cause
 
 # The most memory init has each writer and reader allocate ahead (one map chunk's worth,
 # see ``actors.warm_up_worker``); the allocator keeps it for the first shuffle.
@@ -42,7 +43,10 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
     running are reused, so calling it again starts nothing; after nodes joined the
     cluster, it starts their actors. A config its shuffles would refuse (more
     ``max_concurrent_reducers`` than the cluster can run, an unreachable ``remote_path``)
-    is refused here as they would refuse it, before any actor starts.
+    is refused here as they would refuse it, before any actor starts. With ``wait``, so
+    are spill dirs that cannot be created or written on a node: each node's tier manager
+    creates (0700, where missing) and checks them, and ``SpillDirError`` names the dir,
+    the node and the fix (with ``wait=False``, the first shuffle does).
 
     ``wait``: return once every actor answered (its process started and, for writers and
     readers, ran a tiny map and read of the data path; see ``actors.warm_up_worker``);
@@ -96,12 +100,43 @@ def init(config: ShuffleConfig | None = None, *, wait: bool = True,
                           compression=Compression(config.compression).value,
                           remote_protocol=_protocol(config.remote_path),
                           heap_bytes=min(config.map_chunk_bytes, WARM_UP_HEAP_BYTES))
+    if wait:  # the tier managers answered: each checks its node's spill dirs
+        _check_spill_dirs(actors, config, float(timeout_s))
     if warm_object_store_bytes != 0:
         calls = [tm.handle.warm_object_store.remote(warm_object_store_bytes)
                  for tm in actors.tier_managers]
         if wait:  # each call only starts a background thread: it answers at once
             _check_warm_up_calls(actors, calls, min(timeout_s, WARM_UP_ANSWER_S))
     return actors
+
+
+def _check_spill_dirs(actors: ShuffleActors, config: ShuffleConfig, timeout_s: float) -> None:
+    """Have every node's tier manager create and check ``config``'s spill dirs there
+    (``TierManager.check_spill_dirs``), all at once, within ``timeout_s`` in all; raise
+    ``SpillDirError`` naming each node whose dirs cannot be used and the fix. Spill dirs
+    are each node's own, so only its tier manager can tell: one that could not be created
+    or written was taken by init, and the first shuffle failed on it instead."""
+    calls = [(slot, slot.handle.check_spill_dirs.remote(config))
+             for slot in actors.tier_managers]
+    deadline = time.monotonic() + timeout_s
+    problems = []
+    for slot, ref in calls:
+        try:
+            ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            problems.append(f"node {slot.node_id}: no answer in {timeout_s:g} s (a hung "
+                            "filesystem under a spill dir?)")
+        except Exception as exc:  # noqa: BLE001 - collected and raised together below
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            problems.append(str(cause) if isinstance(cause, SpillDirError)
+                            else f"node {slot.node_id}: {describe_cause(exc)}")
+    if problems:
+        raise SpillDirError(
+            f"hybrid_ray.init: spill_dirs {list(config.spill_dirs)} cannot be used on "
+            f"{len(problems)} of {len(calls)} node(s): " + "; ".join(problems) + ". Each "
+            "node creates its spill dirs itself (0700, where missing): give directories "
+            "every node can create and write, e.g. ShuffleConfig(spill_dirs=['/mnt/nvme0/"
+            "spill']). The actors started stay up for init with the corrected config")
 
 
 # How long init waits for the warm-up calls, all together: each only starts a background

@@ -28,8 +28,8 @@ from hybrid_ray.ids import (
 from hybrid_ray.segment import SegmentId, SegmentMeta
 from hybrid_ray.tiers import DiskTier, Grant, MemoryTier, RemoteTier, Tier, TierUsage
 from hybrid_ray.tiers.disk import (
-    DATA_DIR_NAME, marked_shuffle_dir_problem, read_segment_file, require_segment_file,
-    shuffle_dir_of, unlink_all,
+    DATA_DIR_NAME, check_spill_dir_writable, marked_shuffle_dir_problem, read_segment_file,
+    require_segment_file, shuffle_dir_of, unlink_all,
 )
 from hybrid_ray.tiers.remote import open_remote_tier, remote_tier_key
 
@@ -93,11 +93,24 @@ def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int 
     seg = config.segment_bytes
     if TierName.MEMORY in config.enabled_tiers:
         tiers[TierName.MEMORY] = MemoryTier(seg[TierName.MEMORY], memory_budget, owner)
-    tiers[TierName.DISK] = DiskTier(seg[TierName.DISK], config.spill_dirs_for(node_id),
-                                    config.min_reserve_fraction, config.disk_capacity_bytes)
+    tiers[TierName.DISK] = _open_disk_tier(node_id, seg[TierName.DISK],
+                                           config.spill_dirs_for(node_id),
+                                           config.min_reserve_fraction,
+                                           config.disk_capacity_bytes)
     if config.remote_path is not None:
         tiers[TierName.REMOTE] = open_remote_tier(config, check_reachable=check_remote)
     return tiers
+
+
+def _open_disk_tier(node_id: str, *args: Any, **kwargs: Any) -> DiskTier:
+    """``DiskTier(*args, **kwargs)``, its ``SpillDirError`` naming ``node_id`` (if given):
+    spill dirs are each node's own, and a shuffle's error named the dir, not the node."""
+    try:
+        return DiskTier(*args, **kwargs)
+    except SpillDirError as exc:
+        if not node_id:
+            raise
+        raise SpillDirError(f"node {node_id}: {exc}") from None
 
 
 # Remote tiers a tier manager keeps open beyond those its registered shuffles use.
@@ -216,17 +229,34 @@ class TierManager:
         self._rebalance_quotas()
         return self.memory.quota(shuffle_id) if uses_memory else 0
 
+    def check_spill_dirs(self, config: ShuffleConfig) -> list[str]:
+        """Create ``config``'s spill dirs on this node where missing (0700, as a shuffle's
+        first use would) and check that each is safe and takes a file; returns hybrid_ray's
+        data dir in each. Raises ``SpillDirError`` naming the dir, this node and the fix.
+
+        ``hybrid_ray.init`` asks every node's tier manager: spill dirs are each node's
+        own, so the driver cannot check them, and one that could not be created or written
+        (under /proc, below a regular file, read-only) was taken by init and failed the
+        first shuffle instead."""
+        require_config("TierManager.check_spill_dirs", config)
+        data_dirs = []
+        for spill_dir in config.spill_dirs_for(self.node_id):
+            try:
+                data_dirs.append(check_spill_dir_writable(spill_dir))
+            except SpillDirError as exc:
+                raise SpillDirError(f"node {self.node_id}: {exc}") from None
+        return data_dirs
+
     def _disk_key(self, config: ShuffleConfig) -> tuple:
         """The key of ``config``'s disk tier on this node, the tier opened if need be."""
         spill_dirs = config.spill_dirs_for(self.node_id)
         disk_key = (spill_dirs, config.min_reserve_fraction, config.disk_capacity_bytes)
         if disk_key not in self._disks:
-            self._disks[disk_key] = DiskTier(config.segment_bytes[TierName.DISK],
-                                             spill_dirs, config.min_reserve_fraction,
-                                             config.disk_capacity_bytes,
-                                             in_flight=self._disk_in_flight,
-                                             node_used=functools.partial(
-                                                 self._disk_used_in, disk_key))
+            self._disks[disk_key] = _open_disk_tier(
+                self.node_id, config.segment_bytes[TierName.DISK], spill_dirs,
+                config.min_reserve_fraction, config.disk_capacity_bytes,
+                in_flight=self._disk_in_flight,
+                node_used=functools.partial(self._disk_used_in, disk_key))
             self._disk_dirs[disk_key] = frozenset(os.path.realpath(d) for d in spill_dirs)
             self._prune_disks(keep=disk_key)
         return disk_key

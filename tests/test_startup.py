@@ -210,6 +210,33 @@ def test_init_refuses_a_config_its_shuffles_would_refuse_and_starts_nothing(
     assert _actor_processes(namespace) == {}
 
 
+def test_init_refuses_spill_dirs_a_node_cannot_create_naming_the_dir_node_and_fix(
+        ray_local, tmp_path):
+    """init took spill dirs that cannot be created (under /proc, below a regular file) and
+    the first shuffle failed on them. Each node's tier manager checks them (they are the
+    node's own, the driver cannot); dirs that can be created are, 0700, as on first use."""
+    from hybrid_ray.errors import SpillDirError
+
+    (tmp_path / "a-file").write_text("not a directory")
+    node = ray_local.get_runtime_context().get_node_id()
+    namespace = f"startup-spill-{uuid.uuid4().hex[:8]}"
+    try:
+        for spill_dir in (tmp_path / "a-file" / "spill", "/proc/hybrid_ray_spill"):
+            config = ShuffleConfig(namespace=namespace, progress=False,
+                                   spill_dirs=[str(spill_dir)])
+            with pytest.raises(SpillDirError) as info:
+                hybrid_ray.init(config, warm_object_store_bytes=0)
+            message = str(info.value)
+            assert f"cannot be used on 1 of 1 node(s): node {node}: spill dir {spill_dir} " \
+                "cannot be used" in message
+            assert "give directories every node can create and write" in message
+        fresh = tmp_path / "not-yet" / "spill"
+        hybrid_ray.init(config.replace(spill_dirs=[str(fresh)]), warm_object_store_bytes=0)
+        assert os.stat(fresh).st_mode & 0o777 == 0o700
+    finally:
+        _kill(namespace)
+
+
 def test_init_takes_a_numpy_integer_for_the_object_store_warm_up(ray_local):
     """A byte count computed with NumPy was refused as not "a number of bytes" (every byte
     count of the config takes one); the tier managers get it as a Python int."""

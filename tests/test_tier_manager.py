@@ -962,3 +962,39 @@ def test_a_release_still_raises_where_an_unusable_spill_dir_holds_a_data_dir(tmp
             tm.release_shuffle("shf-1", config=ShuffleConfig(spill_dirs=[str(spill)]))
     finally:
         spill.chmod(0o700)
+
+
+def test_check_spill_dirs_names_the_dir_the_node_and_the_fix(tmp_path, monkeypatch):
+    """hybrid_ray.init has each node's tier manager check the config's spill dirs (they are
+    the node's own): one that cannot be created (under /proc, below a regular file) or
+    written was taken by init, and the first shuffle failed on it instead. One that does
+    not exist yet but can be created is created, 0700, as on a shuffle's first use."""
+    from hybrid_ray.errors import SpillDirError
+
+    tm = TierManager("node-a", object_store_bytes=0)
+    (tmp_path / "a-file").write_text("not a directory")
+    for spill_dir, problem in ((tmp_path / "a-file" / "spill", "Not a directory"),
+                               ("/proc/hybrid_ray_spill", "No such file or directory")):
+        with pytest.raises(SpillDirError) as info:
+            tm.check_spill_dirs(ShuffleConfig(spill_dirs=[str(tmp_path), str(spill_dir)]))
+        message = str(info.value)
+        assert message.startswith(f"node node-a: spill dir {spill_dir} cannot be used")
+        assert problem in message and "point spill_dirs at a writable directory" in message
+    new = tmp_path / "new" / "{node_id}"
+    assert tm.check_spill_dirs(ShuffleConfig(spill_dirs=[str(new)])) == \
+        [str(tmp_path / "new" / "node-a" / "hybrid_ray")]
+    assert os.stat(tmp_path / "new" / "node-a").st_mode & 0o777 == 0o700
+    assert tm._disks == {}  # a check opens no disk tier
+    # A data dir that exists but takes no file (a read-only disk; root writes anywhere, so
+    # the refusal is simulated here).
+    import hybrid_ray.tiers.disk as disk
+
+    def read_only(path, payload):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(disk, "write_private_file", read_only)
+    with pytest.raises(SpillDirError, match=rf"node node-a: spill dir {tmp_path} cannot be "
+                       rf"used: {tmp_path}/hybrid_ray cannot be written \(Permission denied"):
+        tm.check_spill_dirs(ShuffleConfig(spill_dirs=[str(tmp_path)]))
+    # A shuffle's own disk tier names the node too.
+    with pytest.raises(SpillDirError, match="node node-a: spill dir /proc/hybrid_ray_spill"):
+        tm.register_shuffle("shf-1", ShuffleConfig(spill_dirs=["/proc/hybrid_ray_spill"]))

@@ -140,6 +140,24 @@ def check_spill_dir(spill_dir: str) -> str:
     return data_dir
 
 
+def check_spill_dir_writable(spill_dir: str) -> str:
+    """``check_spill_dir``, then a file created and removed in the data dir: a dir that
+    exists and passes the checks can still refuse writes (a read-only filesystem, a full
+    quota). Returns the data dir; raises ``SpillDirError`` naming the path and the fix.
+    For ``hybrid_ray.init``'s check of each node (``TierManager.check_spill_dirs``): a
+    shuffle found out only at its first spilled segment, as a failed map."""
+    data_dir = check_spill_dir(spill_dir)
+    probe = os.path.join(data_dir, f".write-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        write_private_file(probe, b"")
+        unlink_quietly(probe)
+    except OSError as exc:
+        raise SpillDirError(f"spill dir {spill_dir} cannot be used: {data_dir} cannot be "
+                            f"written ({exc.strerror or exc}); point spill_dirs at a "
+                            "writable directory") from None
+    return data_dir
+
+
 def trusted_dir_problem(spill_dir: str, uid: int) -> tuple[str, str] | None:
     """(problem, fix) if the existing ``spill_dir`` is not safe for ``uid``'s data dir (see
     ``check_spill_dir``'s rules: a directory of ``uid`` or root that nobody else can swap
