@@ -910,6 +910,22 @@ def range_boundaries(samples: np.ndarray, num_partitions: int) -> np.ndarray:
     return samples[np.minimum(picks, len(samples) - 1)]
 
 
+def repeated_columns_problem(schema: pa.Schema) -> str:
+    """Why the rows of ``schema`` cannot be shuffled for its column names ("" if they
+    can): a name held by two or more columns. Ray's serializer looks Arrow columns up by
+    name, so such blocks ran maps and failed in a task with Arrow's bare "Field "a"
+    exists 2 times in schema"; and a key of that name was refused as "not in the
+    blocks' schema" while the message listed it."""
+    repeated = repeated_names(schema.names)
+    if not repeated:
+        return ""
+    names = ", ".join(repr(name) for name in repeated)
+    return (f"cannot shuffle data with more than one column named {names} (its columns "
+            f"are {schema.names}): columns are found by name. Rename them apart first, "
+            "e.g. table.rename_columns([...]) or, for a Dataset, "
+            "ds.map_batches(lambda t: t.rename_columns([...]), batch_format='pyarrow')")
+
+
 def untakeable_column_problem(schema: pa.Schema) -> str:
     """Why the rows of ``schema`` cannot be shuffled ("" if they can): a column of a type
     Arrow cannot ``take`` rows of (string_view, binary_view, run-end encoded; also inside

@@ -49,8 +49,8 @@ from hybrid_ray.nodes import (
 )
 from hybrid_ray.partitioning import (
     HashPartitioner, MultiKeyRangePartitioner, Partitioner, RandomPartitioner, RangePartitioner,
-    range_boundaries, repeated_names, sort_key_problem, sort_key_values, sortable_column,
-    untakeable_column_problem,
+    range_boundaries, repeated_columns_problem, repeated_names, sort_key_problem,
+    sort_key_values, sortable_column, untakeable_column_problem,
 )
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
     read_subpartition, reduce_partition,
@@ -554,9 +554,9 @@ def run_shuffle(blocks: Sequence[ray.ObjectRef], num_partitions: int, partitione
             "the blocks to shuffle have no columns: their rows cannot be shuffled (Arrow "
             "drops rows without columns when it takes or encodes them). Add a column, or "
             "count the rows instead of shuffling them")
-    untakeable = untakeable_column_problem(schema)
-    if untakeable:
-        raise ConfigError(untakeable)
+    problem = repeated_columns_problem(schema) or untakeable_column_problem(schema)
+    if problem:  # before the partitioner's check: it looked a repeated key up as missing
+        raise ConfigError(problem)
     partitioner.check_schema(schema)
     partitioner.check_partition_count(num_partitions)
     if not ray.is_initialized():
@@ -841,7 +841,8 @@ class _Blocks:
 def _dataset_blocks(ds: Any) -> _Blocks:
     """The blocks of ``ds`` (materialized once), without running a task: the schema, rows
     and sizes come from block metadata. Blocks with no rows are left out. Blocks whose
-    schemas differ are refused here, before anything is shuffled."""
+    schemas differ, or with two columns of one name, are refused here, before anything
+    is shuffled."""
     if not isinstance(ds, ray.data.Dataset):
         raise TypeError(f"expected a ray.data.Dataset, got {type(ds).__name__}; "
                         "wrap Arrow tables with ray.data.from_arrow(...)")
@@ -876,6 +877,10 @@ def _dataset_blocks(ds: Any) -> _Blocks:
                                 lambda k: f"block {schemas[k][0]} of the dataset")
     elif schema is None and refs:
         schema = ray.get(refs[0]).schema
+    # Checked here, before any key is looked up or sampled (see repeated_columns_problem).
+    repeated = repeated_columns_problem(schema) if schema is not None else ""
+    if repeated:
+        raise ConfigError(repeated)
     return _Blocks(refs, schema, nbytes, num_rows)
 
 

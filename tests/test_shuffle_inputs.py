@@ -254,6 +254,55 @@ def test_blocks_with_different_schemas_are_refused_before_the_shuffle(ray_local,
     assert_no_leftovers(cfg, ray_local)
 
 
+def _put_as_ipc(ray_mod, monkeypatch, table: pa.Table):
+    """A ref to ``table``, stored as Arrow IPC bytes: Ray's own Arrow serializer looks
+    columns up by name and refuses a table with a repeated one, but such a table reaches
+    the store another way (RAY_DISABLE_CUSTOM_ARROW_DATA_SERIALIZATION=1, a serializer of
+    the user's own). Only this put uses it."""
+    from ray import cloudpickle
+
+    def read(data: bytes) -> pa.Table:  # nested: pickled by value, for the workers
+        return pa.ipc.open_stream(data).read_all()
+
+    def reduce(t: pa.Table):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, t.schema) as writer:
+            writer.write_table(t)
+        return read, (sink.getvalue().to_pybytes(),)
+    ray_mod.put(None)  # Ray registers its serializers on a process's first put: before
+    with monkeypatch.context() as patch:
+        patch.setitem(cloudpickle.CloudPickler.dispatch, pa.Table, reduce)
+        return ray_mod.put(table)
+
+
+def test_data_with_repeated_column_names_is_refused_before_the_shuffle(ray_local, tmp_path,
+                                                                      monkeypatch):
+    """Blocks with two columns named "a" started the shuffle and failed it in a task,
+    inside Ray's serializer, with Arrow's bare 'Field "a" exists 2 times in schema'; a
+    key of that name was refused as "not in the blocks' schema" while the message listed
+    it. Refused up front now, naming the repeated name and the fix, which works."""
+    cfg = base_config(tmp_path)
+    table = pa.Table.from_arrays([pa.array([1, 2, 3]), pa.array([4, 5, 6]),
+                                  pa.array(["x", "y", "z"])], names=["a", "a", "b"])
+    ref = _put_as_ipc(ray_local, monkeypatch, table)
+    ds = ray_local.data.from_arrow_refs([ref])
+    for call in (lambda: hybrid_ray.repartition(ds, 2, keys=["b"], config=cfg),
+                 lambda: hybrid_ray.repartition(ds, 2, keys=["a"], config=cfg),
+                 lambda: hybrid_ray.sort(ds, "b", config=cfg),
+                 lambda: hybrid_ray.random_shuffle(ds, config=cfg),
+                 lambda: hybrid_ray.run_shuffle([ref], 2, hybrid_ray.HashPartitioner(["b"]),
+                                                table.schema, cfg)):
+        with pytest.raises(ConfigError, match=r"more than one column named 'a' \(its "
+                                              r"columns are \['a', 'a', 'b'\]\).* Rename "
+                                              r"them apart first, e.g. table.rename_columns"):
+            call()
+    renamed = table.rename_columns(["a", "a_2", "b"])
+    result = hybrid_ray.run_shuffle([ray_local.put(renamed)], 2,
+                                    hybrid_ray.HashPartitioner(["b"]), renamed.schema, cfg)
+    assert row_fingerprint(ray_local.get(result.refs)) == row_fingerprint([renamed])
+    assert_no_leftovers(cfg, ray_local)
+
+
 def test_the_fix_named_for_blocks_of_different_schemas_works(ray_local, tmp_path):
     """The refusal of blocks whose schemas differ names a fix: following it must make the
     dataset shuffle. It said ``pyarrow.unify_schemas([...])``, which refuses int32 vs int64
