@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hybrid_ray.config import ShuffleConfig, TierName, require_config
+from hybrid_ray.config import ShuffleConfig, TierName, require_bytes, require_config
 from hybrid_ray.errors import (
     ConfigError, ShuffleNotFoundError, ShuffleReleasedError, SpillDirError, UnsafePathError,
 )
@@ -87,8 +87,16 @@ class NodeUsage:
 
 def build_io_tiers(config: ShuffleConfig, owner: Any = None, memory_budget: int = 0,
                    check_remote: bool = True, node_id: str = "") -> dict[TierName, Tier]:
-    """Instantiate the tiers ``config`` enables, for I/O in this process on ``node_id``."""
+    """Instantiate the tiers ``config`` enables, for I/O in this process on ``node_id``.
+    ``memory_budget``: the bytes this process's memory tier may hold, an integer >= 0
+    (NumPy's too). hybrid_ray's own writers and readers leave it 0: the node's tier
+    manager grants their memory-tier space (``TierManager.reserve``)."""
     require_config("build_io_tiers", config)
+    # Checked as TierManager's object_store_bytes: a negative, bool or float budget was
+    # taken (True as a 1-byte budget), NaN let the memory tier take every segment without
+    # bound, a string failed the first reservation with a bare TypeError, and a NumPy
+    # integer stayed one in the tier (require_bytes gives the plain int).
+    memory_budget = require_bytes("build_io_tiers(memory_budget=...)", memory_budget)
     tiers: dict[TierName, Tier] = {}
     seg = config.segment_bytes
     if TierName.MEMORY in config.enabled_tiers:

@@ -998,3 +998,23 @@ def test_check_spill_dirs_names_the_dir_the_node_and_the_fix(tmp_path, monkeypat
     # A shuffle's own disk tier names the node too.
     with pytest.raises(SpillDirError, match="node node-a: spill dir /proc/hybrid_ray_spill"):
         tm.register_shuffle("shf-1", ShuffleConfig(spill_dirs=["/proc/hybrid_ray_spill"]))
+
+
+def test_build_io_tiers_refuses_a_memory_budget_that_is_not_a_byte_count(tmp_path):
+    """build_io_tiers (exported for your own producers) took any memory_budget: a negative,
+    bool or float budget (the memory tier then refused every segment), NaN (it then took
+    every segment without bound) and a string (a bare TypeError at the first
+    reservation). NumPy integers are byte counts, kept as plain ints, as in the config."""
+    import numpy as np
+
+    from hybrid_ray import build_io_tiers
+
+    config = ShuffleConfig(spill_dirs=[str(tmp_path / "spill")], memory_fraction=0.3)
+    for budget in (-5, True, 1.5, float("nan"), "1GiB", None):
+        with pytest.raises(ConfigError, match=r"build_io_tiers\(memory_budget=\.\.\.\) must "
+                                              r"be an integer number of bytes >= 0 \(use "
+                                              r"hybrid_ray.MiB/GiB\), got "):
+            build_io_tiers(config, memory_budget=budget)
+    for budget in (0, 4 * MiB, np.int64(4 * MiB), np.uint32(4096)):
+        memory = build_io_tiers(config, memory_budget=budget)[TierName.MEMORY]
+        assert memory.budget_bytes == budget and type(memory.budget_bytes) is int
