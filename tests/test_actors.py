@@ -1140,8 +1140,13 @@ def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_and_its_error_ke
             raise OSError("storage down")
 
     monkeypatch.setattr(master_module, "Redactor", RedactorFailingOnce)
-    master = actors.ShuffleMasterActor.__ray_metadata__.modified_class(
-        f"hr-deletions-{uuid.uuid4().hex[:6]}", release_wait_s=0.0)
+    master_class = actors.ShuffleMasterActor.__ray_metadata__.modified_class
+    # Without its background thread: left running in this pytest process, it went on
+    # calling Ray after this module's Ray was shut down (Ray then auto-started a local
+    # instance of its own), and later modules' workers failed to import their tests.
+    # run_deletions below runs the same deletion runner.
+    monkeypatch.setattr(master_class, "_background_loop", lambda self: None)
+    master = master_class(f"hr-deletions-{uuid.uuid4().hex[:6]}", release_wait_s=0.0)
     master.registry._release_data_io = release_io
     for shuffle_id in ("a", "b"):
         master.registry.register(shuffle_id, 1, 1, ShuffleConfig())
@@ -1149,7 +1154,7 @@ def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_and_its_error_ke
         master.registry.release("a")
         master.registry.release("b")
     master.run_deletions()
-    deadline = time.monotonic() + 30  # the retry is the background thread's (1 s backoff)
+    deadline = time.monotonic() + 30  # the retry comes due after a 1 s backoff
     while master.run_deletions() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert master.run_deletions() == []
