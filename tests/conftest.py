@@ -215,6 +215,22 @@ def wait_for_a_delivery(namespace: str, bound_s: float) -> bool:
         time.sleep(0.05)
 
 
+def redactor_failing_once(redactor_class: type) -> type:
+    """A ``redactor_class`` whose first construction raises (an error whose text cannot
+    be scrubbed), every later one as the original: for the deletion runner's tests."""
+
+    class RedactorFailingOnce(redactor_class):
+        failed = False
+
+        def __init__(self, *args, **kwargs):
+            if not RedactorFailingOnce.failed:
+                RedactorFailingOnce.failed = True
+                raise RuntimeError("injected: the error could not be scrubbed")
+            super().__init__(*args, **kwargs)
+
+    return RedactorFailingOnce
+
+
 def assert_no_leftovers(config, ray_mod) -> None:
     """Nothing of a released shuffle remains: no spill files, no file:// remote objects
     (tests check S3 buckets themselves), no bytes in this node's tier accounting."""

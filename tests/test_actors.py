@@ -13,7 +13,9 @@ import pyarrow as pa
 import pytest
 import ray
 
-from conftest import S3_KEY, S3_SECRET, TcpProxy, base_config, files_under
+from conftest import (
+    S3_KEY, S3_SECRET, TcpProxy, base_config, files_under, redactor_failing_once,
+)
 from hybrid_ray import (
     HashPartitioner, RemoteTierError, ShuffleConfig, ShuffleFailedError, TierName,
 )
@@ -1123,15 +1125,6 @@ def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_and_its_error_ke
     from hybrid_ray import actors
     from hybrid_ray import master as master_module
 
-    class RedactorFailingOnce(master_module.Redactor):
-        failed = False
-
-        def __init__(self, *args, **kwargs):
-            if not RedactorFailingOnce.failed:
-                RedactorFailingOnce.failed = True
-                raise RuntimeError("injected: the error could not be scrubbed")
-            super().__init__(*args, **kwargs)
-
     calls: list[str] = []
 
     def release_io(state):
@@ -1139,7 +1132,8 @@ def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_and_its_error_ke
         if calls == ["a"]:
             raise OSError("storage down")
 
-    monkeypatch.setattr(master_module, "Redactor", RedactorFailingOnce)
+    monkeypatch.setattr(master_module, "Redactor",
+                        redactor_failing_once(master_module.Redactor))
     master_class = actors.ShuffleMasterActor.__ray_metadata__.modified_class
     # Without its background thread: left running in this pytest process, it went on
     # calling Ray after this module's Ray was shut down (Ray then auto-started a local

@@ -11,6 +11,8 @@ from hybrid_ray import (
 from hybrid_ray.errors import ShuffleStateError
 from hybrid_ray.master import ShuffleRegistry
 
+from conftest import redactor_failing_once
+
 
 class Clock:
     def __init__(self):
@@ -824,16 +826,8 @@ def test_a_deletion_whose_outcome_cannot_be_recorded_is_retried_not_dropped(monk
         if calls.count(state.shuffle_id) == 1 and state.shuffle_id == "a":
             raise OSError("storage down")
 
-    class RedactorFailingOnce(master_module.Redactor):
-        failed = False
-
-        def __init__(self, *args, **kwargs):
-            if not RedactorFailingOnce.failed:
-                RedactorFailingOnce.failed = True
-                raise RuntimeError("injected: the error could not be scrubbed")
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(master_module, "Redactor", RedactorFailingOnce)
+    monkeypatch.setattr(master_module, "Redactor",
+                        redactor_failing_once(master_module.Redactor))
     reg = ShuffleRegistry(lambda s, m: None, release_io, clock=lambda: now[0],
                           delete_inline=False)
     for shuffle_id in ("a", "b"):
