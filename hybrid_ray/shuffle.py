@@ -52,6 +52,7 @@ from hybrid_ray.partitioning import (
     range_boundaries, repeated_columns_problem, repeated_names, sort_key_problem,
     sort_key_values, sortable_column, untakeable_column_problem,
 )
+from hybrid_ray.redaction import Redactor
 from hybrid_ray.reduce_task import (  # noqa: F401 - read_subpartition re-exported
     read_subpartition, reduce_partition,
 )
@@ -643,6 +644,10 @@ def _remove_without_master(shuffle: ShuffleLifecycle, nodes: list[str],
     why += ("The driver removed the shuffle's data itself." if not problems else
             f"Removing the shuffle's data failed ({'; '.join(problems)}): the tier managers' "
             "orphan sweeps and `hybrid-ray cleanup` remove what is left.")
+    # Logged and kept in the report: a storage library's error may quote the credentials
+    # it was given (as the master scrubs its deletions' errors).
+    config = shuffle.config
+    why = Redactor(config.remote_path, config.storage_options).scrub(why)
     _LOG.warning("hybrid_ray: %s", why)
     return why
 

@@ -801,6 +801,30 @@ class _KillsTheMaster(hybrid_ray.HashPartitioner):
         return super().assign(table, map_index, num_partitions)
 
 
+def test_the_note_of_a_shuffle_whose_master_died_at_release_names_no_secret(caplog):
+    """The driver's own removal of a shuffle whose master died at its release (its output
+    complete) puts what failed in the report's note and the log: a storage error quoting
+    the remote tier's credentials was printed as is."""
+    import logging
+    import types
+
+    from hybrid_ray.errors import ShuffleMasterLostError
+    from hybrid_ray.shuffle import _remove_without_master
+
+    secret = "sEcReT-0123456789"
+    cfg = hybrid_ray.ShuffleConfig(remote_path="s3://bucket/shuffles",
+                                   storage_options={"key": "AKIAEXAMPLE0123",
+                                                    "secret": secret})
+    shuffle = types.SimpleNamespace(
+        config=cfg,
+        release_without_master=lambda nodes: [f"its remote tree: denied with {secret}"])
+    with caplog.at_level(logging.WARNING, logger="hybrid_ray"):
+        why = _remove_without_master(shuffle, ["node-a"], ShuffleMasterLostError("gone"))
+    assert "Removing the shuffle's data failed (its remote tree: denied with ***)" in why
+    assert secret not in why and secret not in caplog.text
+    assert "denied with ***" in caplog.text
+
+
 def test_a_master_killed_at_the_release_of_a_finished_shuffle_fails_nothing(
         ray_local, tmp_path, monkeypatch):
     """Every reducer had returned its block (stored, owned by the driver) when the master
